@@ -1,0 +1,57 @@
+"""Pixels ↔ normalised latents through the Wan VAE (diffusers `AutoencoderKLWan`).
+
+- `preprocess_image`: uint8 [H, W, 3] → [1, 3, h, w] in [-1, 1]: resize to cover (bilinear, antialias),
+  centre-crop, round — as the reference pipeline does for a conditioning image.
+- `VaeCodec.encode_first_frame`: the i2v conditioning latent [1, C, 1, h/16, w/16]. The Wan encoder is
+  causal in time, so latent frame 0 of the reference's repeat-padded clip depends on pixel frame 0 only.
+- `VaeCodec.decode`: normalised latents [1, C, T, h, w] → uint8 frames [T', H, W, 3]
+  (T' = 1 + 4(T-1)); the reference's `output_type="np"` × 255, rounded.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+def preprocess_image(image: np.ndarray, height: int, width: int) -> torch.Tensor:
+    x = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1).unsqueeze(0).to(torch.float32)
+    src_h, src_w = x.shape[-2:]
+    scale = max(width / src_w, height / src_h)
+    rh, rw = math.ceil(scale * src_h), math.ceil(scale * src_w)
+    x = F.interpolate(x, size=(rh, rw), mode="bilinear", align_corners=False, antialias=True)
+    top, left = round((rh - height) / 2), round((rw - width) / 2)
+    x = x[:, :, top : top + height, left : left + width]
+    return x.round().clamp(0, 255) / 127.5 - 1.0
+
+
+class VaeCodec:
+    def __init__(self, vae):
+        self.vae = vae
+        self.dtype = vae.dtype
+        self.mean = torch.tensor(vae.config.latents_mean, dtype=vae.dtype).view(1, -1, 1, 1, 1)
+        self.inv_std = (1.0 / torch.tensor(vae.config.latents_std, dtype=vae.dtype)).view(1, -1, 1, 1, 1)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.vae.parameters()).device
+
+    @torch.inference_mode()
+    def encode_first_frame(self, image: np.ndarray, height: int, width: int) -> torch.Tensor:
+        """uint8 [H, W, 3] → normalised latent [1, C, 1, height/16, width/16] fp32."""
+        pixels = preprocess_image(image, height, width).to(self.device)  # [1, 3, h, w]
+        mu = self.vae.encode(pixels.unsqueeze(2).to(self.dtype)).latent_dist.mode()
+        mean, inv_std = self.mean.to(mu.device), self.inv_std.to(mu.device)
+        return ((mu - mean) * inv_std).float()
+
+    @torch.inference_mode()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """normalised latents [1, C, T, h, w] → uint8 [T', H, W, 3] (CPU)."""
+        z = latents.to(device=self.device, dtype=self.dtype)
+        raw = z / self.inv_std.to(z.device) + self.mean.to(z.device)
+        video = self.vae.decode(raw).sample.float()  # [1, 3, T', H, W] in [-1, 1]
+        frames = (video[0].permute(1, 2, 3, 0) * 0.5 + 0.5).clamp(0, 1)
+        return (frames * 255).round().to(torch.uint8).cpu()

@@ -1,0 +1,78 @@
+"""Deployment configuration (`configs/*.yaml`): which checkpoint, where, how big the pool and queue are,
+request defaults per task and limits. One file picks a deployment; it renders `model_repository`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from .requests import Defaults, Limits, TaskDefaults
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Deployment:
+    checkpoint: str = ""  # empty: the tiny checkpoint made on first use (see `resolve_checkpoint`)
+    device: str = "auto"  # auto: cuda if available else cpu
+    dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
+    pool_pages: int = 256
+    page_size: int = 16
+    max_queue: int = 16
+    instances: dict[str, int] = field(default_factory=lambda: {"prefill": 1, "denoise": 1, "vae_decode": 1})
+    defaults: Defaults = field(default_factory=Defaults)
+    limits: Limits = field(default_factory=Limits)
+
+    @property
+    def torch_device(self) -> str:
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device.startswith("cuda") else torch.float32
+        return DTYPES[self.dtype]
+
+    @classmethod
+    def load(cls, path: str | Path | None, **overrides: Any) -> Deployment:
+        raw: dict[str, Any] = yaml.safe_load(Path(path).read_text()) if path else {}
+        raw = {**(raw or {}), **{k: v for k, v in overrides.items() if v is not None}}
+        unknown = set(raw) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"{path}: unknown keys {sorted(unknown)}")
+        d = raw.pop("defaults", {}) or {}
+        tasks = {t: TaskDefaults(**d.pop(t)) for t in ("t2i", "t2v", "i2v") if t in d}
+        if raw.get("dtype", "auto") not in (*DTYPES, "auto"):
+            raise ValueError(f"{path}: dtype must be one of {', '.join(DTYPES)}, auto")
+        limits = Limits(**(raw.pop("limits", None) or {}))
+        return cls(**raw, defaults=Defaults(**d, **tasks), limits=limits)
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """An explicit path as is; empty: the tiny checkpoint, written on first use (atomically)."""
+    if path:
+        return Path(path)
+    import os
+    import shutil
+    import tempfile
+
+    from .tools.make_tiny import make_tiny
+
+    target = Path(os.environ.get("COSMOS3_TINY_CHECKPOINT", Path.home() / ".cache" / "cosmos3" / "tiny-nano"))
+    if not (target / "model_index.json").is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tiny-"))
+        make_tiny(tmp / "ckpt", variant="nano", seed=0)
+        try:
+            (tmp / "ckpt").rename(target)
+        except OSError:  # another process won the race; theirs is identical
+            pass
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

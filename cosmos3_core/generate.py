@@ -1,0 +1,146 @@
+"""Offline CLI: the three serving stages chained in one process.
+
+  python -m cosmos3_core.generate --checkpoint DIR --prompt P [--negative-prompt N] [--image IMG]
+      [--height H --width W --num-frames F --fps R --steps S --guidance G --shift X --seed K]
+      [--no-system-prompt] [--no-templates] --out FILE(.mp4|.png|.npy|.pt)
+
+`.pt` holds the final latents [1, C, T, h, w] fp32 (the reference pipeline's `output_type="latent"`);
+`.npy` the uint8 frames [T, H, W, 3]. Bad arguments print one line and exit with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .checkpoint import Checkpoint
+from .config import CheckpointError
+from .deployment import Deployment, resolve_checkpoint
+from .engine import DenoiseEngine
+from .media import FRAME_SUFFIXES, write_frames
+from .requests import RequestError
+from .stages import DecodeStage, PrefillStage
+
+OUT_SUFFIXES = (*FRAME_SUFFIXES, ".pt")
+
+
+class Generator:
+    """Prefill → engine → decode in one process; what the CLI, tests and the in-process benchmark run."""
+
+    def __init__(self, deployment: Deployment, checkpoint: Checkpoint | None = None):
+        self.deployment = d = deployment
+        self.ckpt = checkpoint or Checkpoint.open(resolve_checkpoint(d.checkpoint))
+        device, dtype = d.torch_device, d.torch_dtype
+        self.prefill = PrefillStage(self.ckpt, device, dtype, d.defaults, d.limits)
+        self.engine = DenoiseEngine(self.ckpt, device, dtype, d.pool_pages, d.page_size, d.max_queue)
+        self.decode = DecodeStage(self.ckpt, device, dtype)
+
+    def latents(self, prompt: str, params: dict, image: np.ndarray | None = None, progress: bool = False) -> torch.Tensor:
+        p = self.prefill.validate(prompt, params, image)
+        sink = _CollectSink(p.steps, progress)
+        self.engine.submit(self.prefill.run(p, image), sink)
+        self.engine.run_until_idle()
+        if sink.failure is not None:
+            raise RuntimeError(sink.failure)
+        return sink.latents
+
+    def frames(self, prompt: str, params: dict, image: np.ndarray | None = None, progress: bool = False) -> np.ndarray:
+        return self.decode.run(self.latents(prompt, params, image, progress))
+
+
+class _CollectSink:
+    def __init__(self, steps: int, progress: bool):
+        self.latents: torch.Tensor | None = None
+        self.failure: str | None = None
+        self.bar = None
+        if progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=steps, desc="denoise", unit="step", file=sys.stderr)
+
+    def progress(self, step: int, steps: int) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def done(self, latents: torch.Tensor, timings: dict[str, float]) -> None:
+        self.latents = latents
+        if self.bar is not None:
+            self.bar.close()
+
+    def error(self, message: str) -> None:
+        self.failure = message
+
+    def cancelled(self) -> bool:
+        return False
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m cosmos3_core.generate", description=__doc__.split("\n")[0])
+    ap.add_argument("--checkpoint", default="", help="checkpoint dir (diffusers layout); default: the tiny one")
+    ap.add_argument("--config", default=None, help="deployment YAML (defaults, limits, device, dtype)")
+    ap.add_argument("--prompt", required=True)
+    ap.add_argument("--negative-prompt", dest="negative_prompt")
+    ap.add_argument("--image", help="conditioning image for i2v (png/jpg)")
+    ap.add_argument("--height", type=int)
+    ap.add_argument("--width", type=int)
+    ap.add_argument("--num-frames", dest="num_frames", type=int)
+    ap.add_argument("--fps", type=float)
+    ap.add_argument("--steps", type=int)
+    ap.add_argument("--guidance", dest="guidance_scale", type=float)
+    ap.add_argument("--shift", type=float)
+    ap.add_argument("--seed", type=int)
+    ap.add_argument("--no-system-prompt", dest="use_system_prompt", action="store_const", const=False)
+    ap.add_argument("--no-templates", dest="add_templates", action="store_const", const=False)
+    ap.add_argument("--device")
+    ap.add_argument("--dtype")
+    ap.add_argument("--out", required=True, help="output file: " + ", ".join(OUT_SUFFIXES))
+    return ap
+
+
+PARAM_ARGS = ("negative_prompt", "height", "width", "num_frames", "fps", "steps", "guidance_scale", "shift", "seed",
+              "use_system_prompt", "add_templates")  # fmt: skip
+
+
+def load_image(path: str) -> np.ndarray:
+    import imageio.v2 as imageio
+
+    try:
+        img = np.asarray(imageio.imread(path))
+    except Exception as e:  # noqa: BLE001 - any decoder failure is the same user error
+        raise RequestError("image", f"cannot read {path!r} ({e})") from e
+    if img.ndim == 2:
+        img = np.stack([img] * 3, axis=-1)
+    return np.ascontiguousarray(img[..., :3]).astype(np.uint8)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    out = Path(args.out)
+    try:
+        if out.suffix not in OUT_SUFFIXES:
+            raise RequestError("out", f"suffix must be one of {', '.join(OUT_SUFFIXES)}, got {out.suffix or 'none'!r}")
+        deployment = Deployment.load(args.config, checkpoint=args.checkpoint or None, device=args.device, dtype=args.dtype)
+        ckpt = Checkpoint.open(resolve_checkpoint(deployment.checkpoint))
+        image = load_image(args.image) if args.image else None
+        params = {k: getattr(args, k) for k in PARAM_ARGS if getattr(args, k) is not None}
+        gen = Generator(deployment, ckpt)
+        p = gen.prefill.validate(args.prompt, params, image)  # fail fast, before any work
+        latents = gen.latents(args.prompt, params, image, progress=True)
+    except (RequestError, CheckpointError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if out.suffix == ".pt":
+        out.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(latents.cpu(), out)
+    else:
+        write_frames(out, gen.decode.run(latents), p.fps)
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""The request schema: parse and validate once, used by the offline CLI, the Triton models and the client.
+
+Every failure is a `RequestError(field, message)` whose text names the field and the allowed range; it is
+raised before any page or tensor is allocated.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+class RequestError(ValueError):
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_prompt_bytes: int = 8192
+    max_prompt_tokens: int = 1024
+    max_height: int = 1280
+    max_width: int = 1280
+    max_frames: int = 189
+    max_steps: int = 100
+    max_guidance: float = 30.0
+    max_image_pixels: int = 4096 * 4096
+    max_pixel_frames: int = 1280 * 720 * 189  # frames × height × width budget per request
+
+
+@dataclass(frozen=True)
+class TaskDefaults:
+    steps: int
+    guidance_scale: float
+    shift: float | None  # None: the checkpoint scheduler's flow_shift
+
+
+@dataclass(frozen=True)
+class Defaults:
+    height: int = 480
+    width: int = 832
+    num_frames: int = 121
+    fps: float = 24.0
+    t2i: TaskDefaults = field(default_factory=lambda: TaskDefaults(50, 4.0, 3.0))
+    t2v: TaskDefaults = field(default_factory=lambda: TaskDefaults(35, 6.0, 10.0))
+    i2v: TaskDefaults = field(default_factory=lambda: TaskDefaults(35, 6.0, 10.0))
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    prompt: str
+    negative_prompt: str
+    height: int
+    width: int
+    num_frames: int
+    fps: float
+    steps: int
+    guidance_scale: float
+    shift: float | None
+    seed: int
+    use_system_prompt: bool | None
+    add_templates: bool
+    has_image: bool
+
+    @property
+    def task(self) -> str:
+        return "t2i" if self.num_frames == 1 else ("i2v" if self.has_image else "t2v")
+
+    @property
+    def cfg_branches(self) -> int:
+        return 1 if self.guidance_scale == 1.0 else 2
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> GenerationParams:
+        return cls(**json.loads(text))
+
+
+PARAMETER_KEYS = (
+    "negative_prompt", "height", "width", "num_frames", "fps", "steps", "guidance_scale", "shift", "seed",
+    "use_system_prompt", "add_templates",
+)  # fmt: skip
+
+
+def _int(params: dict[str, Any], key: str, default: int, lo: int, hi: int) -> int:
+    value = params.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        raise RequestError(key, f"must be an integer in [{lo}, {hi}], got {value!r}")
+    value = int(value)
+    if not lo <= value <= hi:
+        raise RequestError(key, f"must be in [{lo}, {hi}], got {value}")
+    return value
+
+
+def _float(params: dict[str, Any], key: str, default: float | None, lo: float, hi: float) -> float | None:
+    value = params.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise RequestError(key, f"must be a finite number in [{lo}, {hi}], got {value!r}")
+    if not lo <= value <= hi:
+        raise RequestError(key, f"must be in [{lo}, {hi}], got {value}")
+    return float(value)
+
+
+def _bool(params: dict[str, Any], key: str, default: bool | None) -> bool | None:
+    value = params.get(key, default)
+    if value is not None and not isinstance(value, bool):
+        raise RequestError(key, f"must be true or false, got {value!r}")
+    return value
+
+
+def decode_text(raw: bytes | str, field_name: str, limits: Limits) -> str:
+    if isinstance(raw, str):
+        raw = raw.encode()
+    if len(raw) > limits.max_prompt_bytes:
+        raise RequestError(field_name, f"is {len(raw)} bytes, limit {limits.max_prompt_bytes}")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RequestError(field_name, f"is not valid UTF-8 ({e.reason} at byte {e.start})") from e
+
+
+def parse_parameters_json(raw: bytes | str | None) -> dict[str, Any]:
+    if raw is None or raw in (b"", ""):
+        return {}
+    try:
+        params = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RequestError("parameters", f"is not valid JSON ({e})") from e
+    if not isinstance(params, dict):
+        raise RequestError("parameters", f"must be a JSON object, got {type(params).__name__}")
+    return params
+
+
+def validate(
+    prompt: bytes | str,
+    params: dict[str, Any],
+    image: np.ndarray | None,
+    defaults: Defaults,
+    limits: Limits,
+    alignment: int,
+    temporal_factor: int,
+) -> GenerationParams:
+    """Check a request against the limits; fill defaults. `alignment`: H, W multiple; frames ≡ 1 mod temporal."""
+    unknown = sorted(set(params) - set(PARAMETER_KEYS))
+    if unknown:
+        raise RequestError(unknown[0], f"unknown parameter; known: {', '.join(PARAMETER_KEYS)}")
+    text = decode_text(prompt, "prompt", limits)
+    if not text.strip():
+        raise RequestError("prompt", "must not be empty")
+    negative = params.get("negative_prompt", "")
+    if not isinstance(negative, str):
+        raise RequestError("negative_prompt", f"must be a string, got {type(negative).__name__}")
+    decode_text(negative, "negative_prompt", limits)
+
+    height = _int(params, "height", defaults.height, alignment, limits.max_height)
+    width = _int(params, "width", defaults.width, alignment, limits.max_width)
+    for key, value in (("height", height), ("width", width)):
+        if value % alignment:
+            raise RequestError(key, f"must be a multiple of {alignment}, got {value}")
+    num_frames = _int(params, "num_frames", defaults.num_frames, 1, limits.max_frames)
+    if (num_frames - 1) % temporal_factor:
+        raise RequestError("num_frames", f"must be 1 mod {temporal_factor} (1, {1 + temporal_factor}, ...), got {num_frames}")
+    if num_frames * height * width > limits.max_pixel_frames:
+        raise RequestError(
+            "num_frames", f"num_frames×height×width = {num_frames * height * width} exceeds the budget {limits.max_pixel_frames}"
+        )
+    task = "t2i" if num_frames == 1 else ("i2v" if image is not None else "t2v")
+    if image is not None:
+        if num_frames == 1:
+            raise RequestError("image", "an image conditions video only (i2v); num_frames must be > 1")
+        check_image(image, limits)
+    td: TaskDefaults = getattr(defaults, task)
+    seed = params.get("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise RequestError("seed", f"must be an integer in [0, 2^63), got {seed!r}")
+    return GenerationParams(
+        prompt=text,
+        negative_prompt=negative,
+        height=height,
+        width=width,
+        num_frames=num_frames,
+        fps=_float(params, "fps", defaults.fps, 1.0, 120.0),  # type: ignore[arg-type]
+        steps=_int(params, "steps", td.steps, 1, limits.max_steps),
+        guidance_scale=_float(params, "guidance_scale", td.guidance_scale, 0.0, limits.max_guidance),  # type: ignore[arg-type]
+        shift=_float(params, "shift", td.shift, 0.01, 100.0),
+        seed=seed,
+        use_system_prompt=_bool(params, "use_system_prompt", None),
+        add_templates=bool(_bool(params, "add_templates", True)),
+        has_image=image is not None,
+    )
+
+
+def check_image(image: np.ndarray, limits: Limits) -> None:
+    if image.dtype != np.uint8:
+        raise RequestError("image", f"must be UINT8, got {image.dtype}")
+    if image.ndim != 3 or image.shape[2] != 3:
+        raise RequestError("image", f"must be [H, W, 3] RGB, got shape {list(image.shape)}")
+    h, w = image.shape[:2]
+    if h < 1 or w < 1 or h * w > limits.max_image_pixels:
+        raise RequestError("image", f"has {h}x{w} pixels, allowed 1..{limits.max_image_pixels}")

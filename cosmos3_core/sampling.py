@@ -1,0 +1,41 @@
+"""Initial noise, per-request schedulers and classifier-free guidance.
+
+Noise is drawn on the CPU from `torch.Generator().manual_seed(seed)` in fp32 (so a seed gives the same
+latents on any device, and the same as the reference pipeline given a CPU generator), then moved.
+Each request owns its scheduler (UniPC keeps multistep history on the instance).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from diffusers import UniPCMultistepScheduler
+
+
+def initial_noise(shape: tuple[int, ...], seed: int, device: torch.device | str) -> torch.Tensor:
+    gen = torch.Generator("cpu").manual_seed(seed)
+    return torch.randn(shape, generator=gen, dtype=torch.float32).to(device)
+
+
+def make_scheduler(
+    base_config: dict[str, Any], steps: int, shift: float | None, native_flow_schedule: bool, device: torch.device | str
+) -> UniPCMultistepScheduler:
+    overrides = {} if shift is None else {"flow_shift": float(shift)}
+    sched = UniPCMultistepScheduler.from_config(base_config, **overrides)
+    if native_flow_schedule:
+        # sigmas linspaced from 1 - 1/T to 0, as the Edge checkpoints are sampled
+        sigmas = np.linspace(1.0 - 1.0 / sched.config.num_train_timesteps, 0.0, steps + 1)[:-1]
+        sched.set_timesteps(steps, device=device, sigmas=sigmas)
+    else:
+        sched.set_timesteps(steps, device=device)
+    return sched
+
+
+def guided_velocity(branches: list[torch.Tensor], guidance: float) -> torch.Tensor:
+    """branches: [cond] or [cond, uncond] velocities (fp32) → the guided velocity."""
+    if len(branches) == 1:
+        return branches[0]
+    cond, uncond = branches
+    return uncond + guidance * (cond - uncond)

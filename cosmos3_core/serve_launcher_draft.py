@@ -1,0 +1,423 @@
+"""Draft: launch a real ``tritonserver`` (Triton 2.51 from the ``nvidia-pytriton`` wheel, or the NGC
+container's ``/opt/tritonserver``) for a Python-backend model repository.
+
+Pure stdlib; only ``importlib`` of ``pytriton`` to locate the wheel's files.
+
+Recipe (verified on CPU, Python 3.11.7 pyenv venv, numpy 1.26.4, torch 2.13, diffusers 0.42.1):
+
+    backend_dir = prepare_backend_dir(Path(workdir) / "backends")
+    proc = launch_server(model_repository, grpc_port=..., http_port=..., metrics_port=...,
+                         backend_dir=backend_dir, log_path=Path(workdir) / "tritonserver.log")
+    wait_until_ready(http_port, proc=proc)
+    ...
+    stop_server(proc)
+
+Traps this module handles:
+* the Python stub must be the one for the *running* interpreter's major.minor and must live in
+  ``<backend_dir>/python/`` next to ``libtriton_python.so`` and ``triton_python_backend_utils.py``;
+* the stub only sees packages of the ``python3`` first on ``PATH`` (not ``PYTHONPATH``): the venv's
+  ``bin`` goes first;
+* ``LD_LIBRARY_PATH`` must start with this interpreter's ``LIBDIR`` (else the stub links the
+  system's ``libpython3.X.so.1.0`` against another build's stdlib: ``_ssl`` import errors), then the
+  wheel's ``nvidia_pytriton.libs``;
+* numpy 2 in the stub's environment silently zeroes CPU outputs of this backend: ``preflight()``
+  refuses it;
+* two servers on one host must not share the Python backend's shm region prefix.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Iterable, Mapping, Optional, Sequence
+
+OPT_TRITONSERVER = Path("/opt/tritonserver/bin/tritonserver")
+OPT_BACKENDS = Path("/opt/tritonserver/backends")
+
+# Python backend shared memory (per stub instance, in /dev/shm). Triton's defaults are 1 MiB + 1 MiB
+# growth steps, which makes every video-sized tensor grow the region many times. A tmpfs file is
+# sparse, so a large default only costs memory when written; in Docker raise --shm-size accordingly.
+DEFAULT_SHM_BYTES = 64 * 1024 * 1024
+DEFAULT_SHM_GROWTH_BYTES = 64 * 1024 * 1024
+# A stub that loads torch + diffusers needs more than the default 30 s to come up on a slow disk.
+DEFAULT_STUB_TIMEOUT_S = 120
+
+_PYTHON_BACKEND_FILES = ("libtriton_python.so", "triton_python_backend_utils.py")
+_STUB_NAME = "triton_python_backend_stub"
+
+
+# --------------------------------------------------------------------------------------------------
+# Locating the server
+# --------------------------------------------------------------------------------------------------
+def _pytriton_dir() -> Optional[Path]:
+    """Directory of the installed ``pytriton`` package, without importing it (it imports numpy…)."""
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations))).resolve()
+
+
+def _wheel_dist_dir() -> Path:
+    root = _pytriton_dir()
+    if root is None:
+        raise FileNotFoundError(
+            "no /opt/tritonserver and the 'pytriton' package (pip install nvidia-pytriton) is not importable"
+        )
+    return root / "tritonserver"
+
+
+def _wheel_libs_dir() -> Path:
+    root = _pytriton_dir()
+    assert root is not None
+    libs = root.parent / "nvidia_pytriton.libs"  # wheel install
+    if not libs.is_dir():
+        libs = root / "tritonserver" / "external_libs"  # editable install of pytriton
+    return libs
+
+
+def find_tritonserver() -> Path:
+    """``$TRITONSERVER_BIN`` if set, else ``/opt/tritonserver/bin/tritonserver`` if present, else the
+    binary bundled in the ``nvidia-pytriton`` wheel."""
+    override = os.environ.get("TRITONSERVER_BIN")
+    if override:
+        path = Path(override)
+        if not path.is_file():
+            raise FileNotFoundError(f"TRITONSERVER_BIN={override} does not exist")
+        return path
+    if OPT_TRITONSERVER.is_file():
+        return OPT_TRITONSERVER
+    path = _wheel_dist_dir() / "bin" / "tritonserver"
+    if not path.is_file():
+        raise FileNotFoundError(f"tritonserver not found at {path}")
+    return path
+
+
+def is_wheel_server(tritonserver: Optional[Path] = None) -> bool:
+    tritonserver = tritonserver or find_tritonserver()
+    return Path(tritonserver).resolve() != OPT_TRITONSERVER.resolve()
+
+
+def stub_version() -> str:
+    return f"{sys.version_info.major}.{sys.version_info.minor}"
+
+
+def prepare_backend_dir(dest: Path, *, tritonserver: Optional[Path] = None, symlink: bool = False) -> Path:
+    """Return a ``--backend-directory`` for ``tritonserver``.
+
+    For ``/opt/tritonserver`` that is ``/opt/tritonserver/backends`` (its stub is built for the
+    container's own Python). For the wheel, build ``dest/python/`` holding ``libtriton_python.so``,
+    ``triton_python_backend_utils.py`` and the stub for this interpreter's major.minor. Files are
+    copied (~2.8 MB; survives the venv moving) unless ``symlink=True``. Idempotent.
+    """
+    tritonserver = tritonserver or find_tritonserver()
+    if not is_wheel_server(tritonserver):
+        return OPT_BACKENDS
+    dist = _wheel_dist_dir()
+    src_backend = dist / "backends" / "python"
+    src_stub = dist / "python_backend_stubs" / stub_version() / _STUB_NAME
+    if not src_stub.is_file():
+        available = sorted(p.name for p in (dist / "python_backend_stubs").iterdir())
+        raise FileNotFoundError(f"no Python backend stub for Python {stub_version()} (wheel has {available})")
+    dest = Path(dest).absolute()
+    py_dir = dest / "python"
+    py_dir.mkdir(parents=True, exist_ok=True)
+    pairs = [(src_backend / name, py_dir / name) for name in _PYTHON_BACKEND_FILES]
+    pairs.append((src_stub, py_dir / _STUB_NAME))
+    for src, dst in pairs:
+        if symlink:
+            if dst.is_symlink() and dst.resolve() == src.resolve():
+                continue
+            if dst.exists() or dst.is_symlink():
+                dst.unlink()
+            dst.symlink_to(src)
+        else:
+            if dst.is_symlink():
+                dst.unlink()
+            if dst.is_file() and dst.stat().st_size == src.stat().st_size and dst.stat().st_mtime >= src.stat().st_mtime:
+                continue
+            shutil.copy2(src, dst)
+    os.chmod(py_dir / _STUB_NAME, 0o755)
+    return dest
+
+
+def cache_dir(tritonserver: Optional[Path] = None) -> Optional[Path]:
+    """The wheel's ``caches`` dir (response-cache plugins); ``None`` for /opt (its default works)."""
+    tritonserver = tritonserver or find_tritonserver()
+    if not is_wheel_server(tritonserver):
+        return None
+    path = _wheel_dist_dir() / "caches"
+    return path if path.is_dir() else None
+
+
+# --------------------------------------------------------------------------------------------------
+# Environment
+# --------------------------------------------------------------------------------------------------
+def _python_libdir() -> str:
+    return sysconfig.get_config_var("LIBDIR") or str(Path(sys.base_prefix) / "lib")
+
+
+def _prepend(value: str, existing: Optional[str]) -> str:
+    parts = [value] + [p for p in (existing or "").split(os.pathsep) if p and p != value]
+    return os.pathsep.join(parts)
+
+
+def server_env(base: Optional[Mapping[str, str]] = None, *, tritonserver: Optional[Path] = None) -> dict[str, str]:
+    """Environment for ``tritonserver`` and the Python stubs it spawns.
+
+    * ``PATH``: ``dirname(sys.executable)`` first (the venv's ``bin``; the stub takes its packages
+      from the ``python3`` it finds there, ``PYTHONPATH`` is ignored by it);
+    * ``LD_LIBRARY_PATH``: this interpreter's ``LIBDIR`` first, then (wheel case) the wheel's
+      ``nvidia_pytriton.libs``, then whatever was there.
+    """
+    env = dict(os.environ if base is None else base)
+    tritonserver = tritonserver or find_tritonserver()
+    env["PATH"] = _prepend(str(Path(sys.executable).parent), env.get("PATH") or os.defpath)
+    ld = env.get("LD_LIBRARY_PATH")
+    if is_wheel_server(tritonserver):
+        ld = _prepend(str(_wheel_libs_dir()), ld)
+    ld = _prepend(_python_libdir(), ld)
+    env["LD_LIBRARY_PATH"] = ld
+    env.pop("PYTHONPATH", None)  # not seen by the stub anyway; keep the server env unambiguous
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def preflight(env: Optional[Mapping[str, str]] = None) -> list[str]:
+    """Check the stub's environment before starting (cheap; runs ``python3`` from ``env['PATH']``).
+
+    Raises ``RuntimeError`` on fatal problems, returns a list of warnings otherwise.
+    """
+    env = dict(env or server_env())
+    warnings: list[str] = []
+    libdir = Path(_python_libdir())
+    soname = sysconfig.get_config_var("INSTSONAME") or f"libpython{stub_version()}.so.1.0"
+    if not sysconfig.get_config_var("Py_ENABLE_SHARED") or not (libdir / soname).exists():
+        warnings.append(
+            f"{sys.executable} has no shared {soname} in {libdir}: the stub will link the system's libpython "
+            "(rebuild Python with --enable-shared, e.g. PYTHON_CONFIGURE_OPTS=--enable-shared pyenv install)"
+        )
+    python3 = shutil.which("python3", path=env["PATH"])
+    if python3 is None:
+        raise RuntimeError("no python3 on the server PATH: the Python stub will not find any packages")
+    probe = (
+        "import json,sys;import numpy;"
+        "print(json.dumps({'v':'%d.%d'%sys.version_info[:2],'numpy':numpy.__version__}))"
+    )
+    out = subprocess.run([python3, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    if out.returncode != 0:
+        raise RuntimeError(f"{python3} cannot import numpy: {out.stderr.strip()[-500:]}")
+    info = json.loads(out.stdout.strip().splitlines()[-1])
+    if info["v"] != stub_version():
+        raise RuntimeError(f"python3 on PATH is {info['v']} but the stub is built for {stub_version()}")
+    if int(info["numpy"].split(".")[0]) >= 2:
+        raise RuntimeError(
+            f"numpy {info['numpy']} in the stub's environment: Triton 2.51's Python backend zeroes CPU outputs "
+            "with numpy 2; install numpy<2 there"
+        )
+    return warnings
+
+
+# --------------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------------
+def server_command(
+    model_repository: Path,
+    grpc_port: int,
+    http_port: int,
+    metrics_port: int,
+    backend_dir: Path,
+    address: str = "127.0.0.1",
+    extra: Optional[Sequence[str]] = None,
+    *,
+    tritonserver: Optional[Path] = None,
+    shm_default_bytes: int = DEFAULT_SHM_BYTES,
+    shm_growth_bytes: int = DEFAULT_SHM_GROWTH_BYTES,
+    shm_region_prefix: Optional[str] = None,
+    stub_timeout_s: int = DEFAULT_STUB_TIMEOUT_S,
+    exit_timeout_s: int = 30,
+    log_verbose: int = 0,
+    model_control_mode: str = "none",
+    load_models: Iterable[str] = (),
+    first_response_histogram: bool = True,
+) -> list[str]:
+    """Argument vector for ``tritonserver``. ``extra`` is appended last (later flags win)."""
+    tritonserver = Path(tritonserver or find_tritonserver())
+    if shm_region_prefix is None:
+        # The backend names its regions <prefix><n>; two servers with the same prefix on one host collide.
+        shm_region_prefix = f"cosmos3_pb_{os.getpid()}_{grpc_port}_"
+    cmd = [
+        str(tritonserver),
+        f"--model-repository={Path(model_repository).absolute()}",
+        f"--backend-directory={Path(backend_dir).absolute()}",
+        f"--backend-config=python,shm-default-byte-size={int(shm_default_bytes)}",
+        f"--backend-config=python,shm-growth-byte-size={int(shm_growth_bytes)}",
+        f"--backend-config=python,shm-region-prefix-name={shm_region_prefix}",
+        f"--backend-config=python,stub-timeout-seconds={int(stub_timeout_s)}",
+        "--allow-grpc=true",
+        f"--grpc-address={address}",
+        f"--grpc-port={int(grpc_port)}",
+        "--allow-http=true",
+        f"--http-address={address}",
+        f"--http-port={int(http_port)}",
+        "--allow-metrics=true",
+        f"--metrics-address={address}",
+        f"--metrics-port={int(metrics_port)}",
+        f"--log-verbose={int(log_verbose)}",
+        f"--exit-timeout-secs={int(exit_timeout_s)}",
+        "--strict-readiness=true",
+        "--exit-on-error=true",
+        f"--model-control-mode={model_control_mode}",
+    ]
+    if first_response_histogram:
+        cmd.append("--metrics-config=histogram_latencies=true")
+    for name in load_models:
+        cmd.append(f"--load-model={name}")
+    cache = cache_dir(tritonserver)
+    if cache is not None:
+        cmd.append(f"--cache-directory={cache}")
+    if extra:
+        cmd.extend(str(x) for x in extra)
+    return cmd
+
+
+# --------------------------------------------------------------------------------------------------
+# Process control
+# --------------------------------------------------------------------------------------------------
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free right now (racy by nature; fine for tests and single launches)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def launch_server(
+    model_repository: Path,
+    grpc_port: int,
+    http_port: int,
+    metrics_port: int,
+    backend_dir: Optional[Path] = None,
+    *,
+    address: str = "127.0.0.1",
+    extra: Optional[Sequence[str]] = None,
+    log_path: Optional[Path] = None,
+    env: Optional[Mapping[str, str]] = None,
+    check: bool = True,
+    **command_kwargs,
+) -> subprocess.Popen:
+    """Start ``tritonserver`` in its own process group (so the stubs die with it). stdout+stderr go to
+    ``log_path`` (or are inherited). Does not wait for readiness: call ``wait_until_ready``."""
+    tritonserver = Path(command_kwargs.pop("tritonserver", None) or find_tritonserver())
+    if backend_dir is None:
+        backend_dir = prepare_backend_dir(Path(model_repository).absolute().parent / ".triton_backends",
+                                          tritonserver=tritonserver)
+    env = dict(env or server_env(tritonserver=tritonserver))
+    if check:
+        for w in preflight(env):
+            print(f"[serve_launcher] warning: {w}", file=sys.stderr)
+    cmd = server_command(model_repository, grpc_port, http_port, metrics_port, backend_dir, address, extra,
+                         tritonserver=tritonserver, **command_kwargs)
+    stdout = None
+    if log_path is not None:
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+        stdout = open(log_path, "ab", buffering=0)
+    try:
+        proc = subprocess.Popen(cmd, env=env, stdout=stdout, stderr=subprocess.STDOUT if stdout else None,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    finally:
+        if stdout is not None:
+            stdout.close()
+    proc.command = cmd  # type: ignore[attr-defined]
+    proc.log_path = log_path  # type: ignore[attr-defined]
+    return proc
+
+
+def _http_ok(url: str, timeout: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status == 200
+    except (urllib.error.URLError, ConnectionError, OSError):
+        return False
+
+
+def wait_until_ready(
+    http_port: int,
+    *,
+    host: str = "127.0.0.1",
+    timeout_s: float = 300.0,
+    proc: Optional[subprocess.Popen] = None,
+    models: Iterable[str] = (),
+    poll_s: float = 0.25,
+) -> float:
+    """Poll ``/v2/health/ready`` (and ``/v2/models/<m>/ready`` for ``models``); return seconds waited.
+    Raises ``RuntimeError`` if ``proc`` exits first (with the log tail), ``TimeoutError`` on timeout."""
+    t0 = time.monotonic()
+    base = f"http://{host}:{http_port}"
+    urls = [f"{base}/v2/health/ready"] + [f"{base}/v2/models/{m}/ready" for m in models]
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"tritonserver exited with {proc.returncode} before ready{_log_tail(proc)}")
+        if all(_http_ok(u) for u in urls):
+            return time.monotonic() - t0
+        if time.monotonic() - t0 > timeout_s:
+            raise TimeoutError(f"tritonserver not ready after {timeout_s:.0f}s{_log_tail(proc)}")
+        time.sleep(poll_s)
+
+
+def _log_tail(proc: Optional[subprocess.Popen], n: int = 4000) -> str:
+    path = getattr(proc, "log_path", None)
+    if not path:
+        return ""
+    try:
+        return "\n--- log tail ---\n" + Path(path).read_text(errors="replace")[-n:]
+    except OSError:
+        return ""
+
+
+def stop_server(proc: subprocess.Popen, timeout_s: float = 45.0) -> int:
+    """SIGINT (Triton's graceful shutdown: waits up to --exit-timeout-secs for in-flight requests),
+    then SIGKILL of the process group (server + stubs) if it hangs. Returns the exit code."""
+    if proc.poll() is None:
+        try:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=10)
+    else:
+        # stubs normally exit with the server; reap stragglers of this group only
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return proc.returncode
+
+
+__all__ = [
+    "find_tritonserver",
+    "is_wheel_server",
+    "prepare_backend_dir",
+    "cache_dir",
+    "server_env",
+    "preflight",
+    "server_command",
+    "free_port",
+    "launch_server",
+    "wait_until_ready",
+    "stop_server",
+]

@@ -1,0 +1,86 @@
+"""The two one-shot stages Triton hosts around the denoise engine, and what crosses between them.
+
+PrefillStage: validated request → token ids (templates, chat template) → UND tower once per CFG branch →
+`PrefillResult` (per-branch text K/V `[layers, tokens, kv_heads, head_dim]`, the i2v conditioning latent).
+DecodeStage: normalised latents → uint8 frames. The offline CLI chains the same objects in one process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .checkpoint import Checkpoint
+from .conditioning import VaeCodec
+from .layers import UND
+from .prompts import PromptEncoder
+from .requests import Defaults, GenerationParams, Limits, RequestError, validate
+from .rotary import rotary_tables, text_position_ids
+from .towers import prefill_text_kv
+
+
+@dataclass
+class PrefillResult:
+    params: GenerationParams
+    text_k: list[torch.Tensor]  # per branch (cond[, uncond]) [layers, tokens, kv_heads, head_dim]
+    text_v: list[torch.Tensor]
+    cond_latent: torch.Tensor | None  # [1, C, 1, h, w] fp32 (i2v) or None
+
+    def to_wire(self) -> dict[str, torch.Tensor | np.ndarray]:
+        """Tensors for Triton: text_kv [2, layers, sum(tokens), kv_heads, d], text_lens [branches], cond_latent."""
+        kv = torch.stack([torch.cat(self.text_k, dim=1), torch.cat(self.text_v, dim=1)])
+        lens = np.array([k.shape[1] for k in self.text_k], dtype=np.int64)
+        cond = self.cond_latent if self.cond_latent is not None else torch.zeros(0)
+        return {"text_kv": kv, "text_lens": lens, "cond_latent": cond.float()}
+
+    @classmethod
+    def from_wire(cls, params: GenerationParams, text_kv: torch.Tensor, text_lens: np.ndarray, cond_latent: torch.Tensor) -> PrefillResult:
+        splits = [int(n) for n in text_lens]
+        return cls(
+            params=params,
+            text_k=list(text_kv[0].split(splits, dim=1)),
+            text_v=list(text_kv[1].split(splits, dim=1)),
+            cond_latent=cond_latent if cond_latent.numel() else None,
+        )
+
+
+class PrefillStage:
+    def __init__(self, ckpt: Checkpoint, device: str, dtype: torch.dtype, defaults: Defaults, limits: Limits):
+        self.cfg = ckpt.config
+        self.device, self.dtype = device, dtype
+        self.defaults, self.limits = defaults, limits
+        self.model = ckpt.load_transformer({UND}, device, dtype)
+        self.prompts = PromptEncoder(ckpt.load_tokenizer(), ckpt.default_use_system_prompt)
+        self.codec = VaeCodec(ckpt.load_vae(device, dtype))
+
+    def validate(self, prompt: bytes | str, params: dict, image: np.ndarray | None) -> GenerationParams:
+        return validate(prompt, params, image, self.defaults, self.limits, self.cfg.pixel_alignment, self.cfg.vae_scale_temporal)
+
+    @torch.inference_mode()
+    def run(self, p: GenerationParams, image: np.ndarray | None) -> PrefillResult:
+        cond_ids, uncond_ids = self.prompts.encode(
+            p.prompt, p.negative_prompt, p.num_frames, p.height, p.width, p.fps, p.use_system_prompt, p.add_templates
+        )
+        branches = [cond_ids, uncond_ids][: p.cfg_branches]
+        for name, ids in zip(("prompt", "negative_prompt"), branches):
+            if len(ids) > self.limits.max_prompt_tokens:
+                raise RequestError(name, f"is {len(ids)} tokens with templates, limit {self.limits.max_prompt_tokens}")
+        text_k, text_v = [], []
+        for ids in branches:
+            cos, sin = rotary_tables(self.cfg, text_position_ids(len(ids)), self.dtype, self.device)
+            k, v = prefill_text_kv(self.model, torch.tensor(ids, device=self.device), cos, sin)
+            text_k.append(k)
+            text_v.append(v)
+        cond = self.codec.encode_first_frame(image, p.height, p.width) if image is not None else None
+        return PrefillResult(p, text_k, text_v, cond)
+
+
+class DecodeStage:
+    def __init__(self, ckpt: Checkpoint, device: str, dtype: torch.dtype):
+        self.codec = VaeCodec(ckpt.load_vae(device, dtype))
+
+    def run(self, latents: torch.Tensor) -> np.ndarray:
+        """normalised latents [1, C, T, h, w] → uint8 [T', H, W, 3]."""
+        return self.codec.decode(latents).numpy()

@@ -1,0 +1,1 @@
+"""Developer tools for cosmos3_core (tiny checkpoint generation, etc.)."""

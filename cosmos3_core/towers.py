@@ -1,0 +1,116 @@
+"""The two towers' computations, split for serving.
+
+- `prefill_text_kv`: the UND tower over a text prefix, once per request and CFG branch → per-layer
+  GEN-facing K (`k_norm_und_for_gen(norm_k(K))`, rotated) and V, `[layers, tokens, kv_heads, head_dim]`.
+  Exact: UND tokens attend causally to text only, so this K/V never depends on the denoise step.
+- `gen_forward`: the GEN tower over a packed step (many requests' rows, both CFG branches), attending to
+  [text K/V from the pool | the segment's own tokens] → `[rows, patch_latent_dim]` predictions.
+- `fused_reference`: the whole stack every step, as the reference model runs it. Tests only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import gen_attention, sdpa
+from .kv_pool import KVPool
+from .layers import Cosmos3Transformer, Layer
+from .rotary import apply_rotary
+
+
+def _und_qkv(
+    layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """UND projections → q, k (for the causal text path), k_for_gen, v; each [T, heads, d]."""
+    a = layer.self_attn
+    h = layer.input_layernorm(x)
+    d = cos.shape[-1]
+    q = a.to_q(h).unflatten(-1, (-1, d))  # [T, heads, d]
+    k = a.to_k(h).unflatten(-1, (-1, d))  # [T, kv_heads, d]
+    v = a.to_v(h).unflatten(-1, (-1, d))
+    if hasattr(a, "norm_q"):
+        q, k = a.norm_q(q), a.norm_k(k)
+    k_for_gen = a.k_norm_und_for_gen(k) if hasattr(a, "k_norm_und_for_gen") else k
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), apply_rotary(k_for_gen, cos, sin), v
+
+
+def _gen_qkv(
+    layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    a = layer.self_attn
+    d = cos.shape[-1]
+    h = layer.input_layernorm_moe_gen(x)
+    q = a.norm_added_q(a.add_q_proj(h).unflatten(-1, (-1, d)))  # [N, heads, d]
+    k = a.norm_added_k(a.add_k_proj(h).unflatten(-1, (-1, d)))  # [N, kv_heads, d]
+    v = a.add_v_proj(h).unflatten(-1, (-1, d))
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+
+def _und_residual(layer: Layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    x = x + layer.self_attn.to_out(attn)
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+def _gen_residual(layer: Layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    x = x + layer.self_attn.to_add_out(attn)
+    return x + layer.mlp_moe_gen(layer.post_attention_layernorm_moe_gen(x))
+
+
+def embed_latent_tokens(
+    model: Cosmos3Transformer, tokens: torch.Tensor, timesteps: torch.Tensor, noisy_mask: torch.Tensor
+) -> torch.Tensor:
+    """tokens [N, patch_latent_dim], timesteps [N] fp32, noisy_mask [N] bool → [N, hidden].
+
+    The timestep embedding is added to noisy tokens only; clean (conditioning) tokens get none."""
+    x = model.proj_in(tokens)
+    temb = model.time_embedder(timesteps * model.cfg.timestep_scale).to(x.dtype)
+    return x + torch.where(noisy_mask[:, None], temb, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+@torch.inference_mode()
+def prefill_text_kv(
+    model: Cosmos3Transformer, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids [T], cos/sin [T, d] → (k, v) [layers, T, kv_heads, d] in the model dtype."""
+    x = model.embed_tokens(input_ids)
+    ks, vs = [], []
+    last = len(model.layers) - 1
+    for i, layer in enumerate(model.layers):
+        q, k, k_for_gen, v = _und_qkv(layer, x, cos, sin)
+        ks.append(k_for_gen)
+        vs.append(v)
+        if i < last:  # the last layer's UND output feeds only the LM head, which generation never reads
+            x = _und_residual(layer, x, sdpa(q, k, v, causal=True))
+    return torch.stack(ks), torch.stack(vs)
+
+
+def gen_forward(model: Cosmos3Transformer, pool: KVPool, packed) -> torch.Tensor:  # packed: step.PackedStep
+    """One GEN pass over a packed step → predictions [rows, patch_latent_dim] (every row, clean ones too)."""
+    x = embed_latent_tokens(model, packed.tokens, packed.timesteps, packed.noisy_mask)
+    for i, layer in enumerate(model.layers):
+        q, k, v = _gen_qkv(layer, x, packed.cos, packed.sin)
+        x = _gen_residual(layer, x, gen_attention(q, k, v, pool, i, packed.segments))
+    return model.proj_out(model.norm_moe_gen(x))
+
+
+@torch.inference_mode()
+def fused_reference(
+    model: Cosmos3Transformer,
+    input_ids: torch.Tensor,
+    text_rotary: tuple[torch.Tensor, torch.Tensor],
+    tokens: torch.Tensor,
+    timesteps: torch.Tensor,
+    noisy_mask: torch.Tensor,
+    gen_rotary: tuple[torch.Tensor, torch.Tensor],
+) -> torch.Tensor:
+    """Both towers every layer for one branch, as the reference forward does → [N, patch_latent_dim]."""
+    und = model.embed_tokens(input_ids)
+    gen = embed_latent_tokens(model, tokens, timesteps, noisy_mask)
+    for layer in model.layers:
+        q_u, k_u, k_for_gen, v_u = _und_qkv(layer, und, *text_rotary)
+        q_g, k_g, v_g = _gen_qkv(layer, gen, *gen_rotary)
+        und_attn = sdpa(q_u, k_u, v_u, causal=True)
+        gen_attn = sdpa(q_g, torch.cat([k_for_gen, k_g]), torch.cat([v_u, v_g]), causal=False)
+        und, gen = _und_residual(layer, und, und_attn), _gen_residual(layer, gen, gen_attn)
+    return model.proj_out(model.norm_moe_gen(gen))
+
