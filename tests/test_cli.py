@@ -1,0 +1,55 @@
+"""Offline CLI: bad arguments print one clear line and exit 2; outputs in each format."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from cosmos3_core.generate import main
+
+SMALL = ["--height", "32", "--width", "32", "--num-frames", "5", "--steps", "2"]
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--height", "40"], "height: must be a multiple of 32"),
+        (["--num-frames", "6"], "num_frames: must be 1 mod 4"),
+        (["--steps", "0"], "steps: must be in [1,"),
+        (["--guidance", "nan"], "guidance_scale: must be a finite number"),
+        (["--image", "/nonexistent.png"], "image: cannot read"),
+        (["--out", "x.gif"], "out: suffix must be one of"),
+    ],
+)
+def test_bad_arguments_exit_2(nano_ckpt, tmp_path, capsys, extra, message):
+    args = ["--checkpoint", str(nano_ckpt), "--prompt", "p", "--out", str(tmp_path / "o.npy"), *SMALL, *extra]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_missing_checkpoint_exit_2_subprocess(tmp_path):
+    r = subprocess.run(
+        [sys.executable, "-m", "cosmos3_core.generate", "--checkpoint", str(tmp_path / "none"), "--prompt", "p",
+         "--out", str(tmp_path / "o.mp4")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1].startswith("error: ") and "checkpoint directory not found" in r.stderr
+
+
+@pytest.mark.parametrize("suffix", [".mp4", ".png", ".npy"])
+def test_outputs(nano_ckpt, tmp_path, suffix):
+    out = tmp_path / f"o{suffix}"
+    assert main(["--checkpoint", str(nano_ckpt), "--prompt", "p", "--out", str(out), *SMALL]) == 0
+    assert out.stat().st_size > 0
+    if suffix == ".mp4":
+        import imageio.v3 as iio
+
+        frames = iio.imread(out)
+        assert frames.shape == (5, 32, 32, 3)
+    if suffix == ".npy":
+        assert np.load(out).shape == (5, 32, 32, 3)
