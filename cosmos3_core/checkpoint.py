@@ -69,7 +69,9 @@ class Checkpoint:
         with safe_open(tdir / WEIGHTS, framework="pt") as f:
             return {k: tdir / WEIGHTS for k in f.keys()}
 
-    def load_transformer(self, parts: set[str] | frozenset[str], device: str | torch.device, dtype: torch.dtype) -> Cosmos3Transformer:
+    def load_transformer(
+        self, parts: set[str] | frozenset[str], device: str | torch.device, dtype: torch.dtype
+    ) -> Cosmos3Transformer:
         with torch.device("meta"):
             model = Cosmos3Transformer(self.config, frozenset(parts))
         expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
@@ -91,7 +93,9 @@ class Checkpoint:
                         raise CheckpointError(f"{path}: missing key {key!r}")
                     shape = tuple(f.get_slice(key).get_shape())
                     if shape != expected[key]:
-                        raise CheckpointError(f"{path}: key {key!r} has shape {list(shape)}, expected {list(expected[key])}")
+                        raise CheckpointError(
+                            f"{path}: key {key!r} has shape {list(shape)}, expected {list(expected[key])}"
+                        )
                     want = torch.float32 if key.startswith(FP32_PREFIXES) else dtype
                     state[key] = f.get_tensor(key).to(device=device, dtype=want)
         model.load_state_dict(state, strict=True, assign=True)

@@ -97,7 +97,9 @@ class ModelConfig:
             )
         z_dim = int(get(v, "z_dim", vae_config))
         if z_dim != latent_channel:
-            raise CheckpointError(f"{vae_config}: key 'z_dim' is {z_dim}, transformer latent_channel is {latent_channel}")
+            raise CheckpointError(
+                f"{vae_config}: key 'z_dim' is {z_dim}, transformer latent_channel is {latent_channel}"
+            )
         return cls(
             hidden_size=int(get(t, "hidden_size", transformer_config)),
             num_hidden_layers=int(get(t, "num_hidden_layers", transformer_config)),
@@ -119,7 +121,9 @@ class ModelConfig:
             timestep_scale=float(get(t, "timestep_scale", transformer_config, 0.001)),
             base_fps=float(get(t, "base_fps", transformer_config, 24)),
             enable_fps_modulation=bool(get(t, "enable_fps_modulation", transformer_config, True)),
-            temporal_modality_margin=int(get(t, "unified_3d_mrope_temporal_modality_margin", transformer_config, 15000)),
+            temporal_modality_margin=int(
+                get(t, "unified_3d_mrope_temporal_modality_margin", transformer_config, 15000)
+            ),
             reset_spatial_ids=bool(get(t, "unified_3d_mrope_reset_spatial_ids", transformer_config, True)),
             vae_scale_spatial=int(get(v, "scale_factor_spatial", vae_config, 16)),
             vae_scale_temporal=int(get(v, "scale_factor_temporal", vae_config, 4)),

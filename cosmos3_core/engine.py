@@ -78,7 +78,13 @@ class DenoiseEngine:
         self.device, self.dtype = device, dtype
         self.model = ckpt.load_transformer({GEN}, device, dtype)
         self.pool = KVPool(
-            pool_pages, page_size, self.cfg.num_hidden_layers, self.cfg.num_key_value_heads, self.cfg.head_dim, dtype, device
+            pool_pages,
+            page_size,
+            self.cfg.num_hidden_layers,
+            self.cfg.num_key_value_heads,
+            self.cfg.head_dim,
+            dtype,
+            device,
         )
         self.max_queue = max_queue
         self.stats = EngineStats()
@@ -209,7 +215,9 @@ class DenoiseEngine:
             try:
                 v = guided_velocity(branch_v, job.params.guidance_scale)
                 t = job.scheduler.timesteps[job.step]
-                job.latents = job.scheduler.step(v.unsqueeze(0), t, job.latents.unsqueeze(0), return_dict=False)[0].squeeze(0)
+                job.latents = job.scheduler.step(v.unsqueeze(0), t, job.latents.unsqueeze(0), return_dict=False)[
+                    0
+                ].squeeze(0)
                 job.step += 1
             except Exception as e:  # noqa: BLE001
                 self._live.remove(job)

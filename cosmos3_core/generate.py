@@ -39,7 +39,9 @@ class Generator:
         self.engine = DenoiseEngine(self.ckpt, device, dtype, d.pool_pages, d.page_size, d.max_queue)
         self.decode = DecodeStage(self.ckpt, device, dtype)
 
-    def latents(self, prompt: str, params: dict, image: np.ndarray | None = None, progress: bool = False) -> torch.Tensor:
+    def latents(
+        self, prompt: str, params: dict, image: np.ndarray | None = None, progress: bool = False
+    ) -> torch.Tensor:
         p = self.prefill.validate(prompt, params, image)
         sink = _CollectSink(p.steps, progress)
         self.engine.submit(self.prefill.run(p, image), sink)
@@ -123,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if out.suffix not in OUT_SUFFIXES:
             raise RequestError("out", f"suffix must be one of {', '.join(OUT_SUFFIXES)}, got {out.suffix or 'none'!r}")
-        deployment = Deployment.load(args.config, checkpoint=args.checkpoint or None, device=args.device, dtype=args.dtype)
+        deployment = Deployment.load(
+            args.config, checkpoint=args.checkpoint or None, device=args.device, dtype=args.dtype
+        )
         ckpt = Checkpoint.open(resolve_checkpoint(deployment.checkpoint))
         image = load_image(args.image) if args.image else None
         params = {k: getattr(args, k) for k in PARAM_ARGS if getattr(args, k) is not None}

@@ -63,7 +63,13 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, parts: frozenset[str]):
         super().__init__()
-        h, d, nh, nkv, bias = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.attention_bias
+        h, d, nh, nkv, bias = (
+            cfg.hidden_size,
+            cfg.head_dim,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.attention_bias,
+        )
 
         def norm() -> RMSNorm:
             return RMSNorm(d, cfg.rms_norm_eps, cfg.nemotron_norm)

@@ -168,10 +168,13 @@ def validate(
             raise RequestError(key, f"must be a multiple of {alignment}, got {value}")
     num_frames = _int(params, "num_frames", defaults.num_frames, 1, limits.max_frames)
     if (num_frames - 1) % temporal_factor:
-        raise RequestError("num_frames", f"must be 1 mod {temporal_factor} (1, {1 + temporal_factor}, ...), got {num_frames}")
+        raise RequestError(
+            "num_frames", f"must be 1 mod {temporal_factor} (1, {1 + temporal_factor}, ...), got {num_frames}"
+        )
     if num_frames * height * width > limits.max_pixel_frames:
         raise RequestError(
-            "num_frames", f"num_frames×height×width = {num_frames * height * width} exceeds the budget {limits.max_pixel_frames}"
+            "num_frames",
+            f"num_frames×height×width = {num_frames * height * width} exceeds the budget {limits.max_pixel_frames}",
         )
     task = "t2i" if num_frames == 1 else ("i2v" if image is not None else "t2v")
     if image is not None:

@@ -39,8 +39,8 @@ import sysconfig
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Iterable, Mapping, Optional, Sequence
 
 OPT_TRITONSERVER = Path("/opt/tritonserver/bin/tritonserver")
 OPT_BACKENDS = Path("/opt/tritonserver/backends")
@@ -60,7 +60,7 @@ _STUB_NAME = "triton_python_backend_stub"
 # --------------------------------------------------------------------------------------------------
 # Locating the server
 # --------------------------------------------------------------------------------------------------
-def _pytriton_dir() -> Optional[Path]:
+def _pytriton_dir() -> Path | None:
     """Directory of the installed ``pytriton`` package, without importing it (it imports numpy…)."""
     spec = importlib.util.find_spec("pytriton")
     if spec is None or not spec.submodule_search_locations:
@@ -103,7 +103,7 @@ def find_tritonserver() -> Path:
     return path
 
 
-def is_wheel_server(tritonserver: Optional[Path] = None) -> bool:
+def is_wheel_server(tritonserver: Path | None = None) -> bool:
     tritonserver = tritonserver or find_tritonserver()
     return Path(tritonserver).resolve() != OPT_TRITONSERVER.resolve()
 
@@ -112,7 +112,7 @@ def stub_version() -> str:
     return f"{sys.version_info.major}.{sys.version_info.minor}"
 
 
-def prepare_backend_dir(dest: Path, *, tritonserver: Optional[Path] = None, symlink: bool = False) -> Path:
+def prepare_backend_dir(dest: Path, *, tritonserver: Path | None = None, symlink: bool = False) -> Path:
     """Return a ``--backend-directory`` for ``tritonserver``.
 
     For ``/opt/tritonserver`` that is ``/opt/tritonserver/backends`` (its stub is built for the
@@ -144,14 +144,18 @@ def prepare_backend_dir(dest: Path, *, tritonserver: Optional[Path] = None, syml
         else:
             if dst.is_symlink():
                 dst.unlink()
-            if dst.is_file() and dst.stat().st_size == src.stat().st_size and dst.stat().st_mtime >= src.stat().st_mtime:
+            if (
+                dst.is_file()
+                and dst.stat().st_size == src.stat().st_size
+                and dst.stat().st_mtime >= src.stat().st_mtime
+            ):
                 continue
             shutil.copy2(src, dst)
     os.chmod(py_dir / _STUB_NAME, 0o755)
     return dest
 
 
-def cache_dir(tritonserver: Optional[Path] = None) -> Optional[Path]:
+def cache_dir(tritonserver: Path | None = None) -> Path | None:
     """The wheel's ``caches`` dir (response-cache plugins); ``None`` for /opt (its default works)."""
     tritonserver = tritonserver or find_tritonserver()
     if not is_wheel_server(tritonserver):
@@ -167,12 +171,12 @@ def _python_libdir() -> str:
     return sysconfig.get_config_var("LIBDIR") or str(Path(sys.base_prefix) / "lib")
 
 
-def _prepend(value: str, existing: Optional[str]) -> str:
+def _prepend(value: str, existing: str | None) -> str:
     parts = [value] + [p for p in (existing or "").split(os.pathsep) if p and p != value]
     return os.pathsep.join(parts)
 
 
-def server_env(base: Optional[Mapping[str, str]] = None, *, tritonserver: Optional[Path] = None) -> dict[str, str]:
+def server_env(base: Mapping[str, str] | None = None, *, tritonserver: Path | None = None) -> dict[str, str]:
     """Environment for ``tritonserver`` and the Python stubs it spawns.
 
     * ``PATH``: ``dirname(sys.executable)`` first (the venv's ``bin``; the stub takes its packages
@@ -193,7 +197,7 @@ def server_env(base: Optional[Mapping[str, str]] = None, *, tritonserver: Option
     return env
 
 
-def preflight(env: Optional[Mapping[str, str]] = None) -> list[str]:
+def preflight(env: Mapping[str, str] | None = None) -> list[str]:
     """Check the stub's environment before starting (cheap; runs ``python3`` from ``env['PATH']``).
 
     Raises ``RuntimeError`` on fatal problems, returns a list of warnings otherwise.
@@ -211,8 +215,7 @@ def preflight(env: Optional[Mapping[str, str]] = None) -> list[str]:
     if python3 is None:
         raise RuntimeError("no python3 on the server PATH: the Python stub will not find any packages")
     probe = (
-        "import json,sys;import numpy;"
-        "print(json.dumps({'v':'%d.%d'%sys.version_info[:2],'numpy':numpy.__version__}))"
+        "import json,sys;import numpy;print(json.dumps({'v':'%d.%d'%sys.version_info[:2],'numpy':numpy.__version__}))"
     )
     out = subprocess.run([python3, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
     if out.returncode != 0:
@@ -238,12 +241,12 @@ def server_command(
     metrics_port: int,
     backend_dir: Path,
     address: str = "127.0.0.1",
-    extra: Optional[Sequence[str]] = None,
+    extra: Sequence[str] | None = None,
     *,
-    tritonserver: Optional[Path] = None,
+    tritonserver: Path | None = None,
     shm_default_bytes: int = DEFAULT_SHM_BYTES,
     shm_growth_bytes: int = DEFAULT_SHM_GROWTH_BYTES,
-    shm_region_prefix: Optional[str] = None,
+    shm_region_prefix: str | None = None,
     stub_timeout_s: int = DEFAULT_STUB_TIMEOUT_S,
     exit_timeout_s: int = 30,
     log_verbose: int = 0,
@@ -306,12 +309,12 @@ def launch_server(
     grpc_port: int,
     http_port: int,
     metrics_port: int,
-    backend_dir: Optional[Path] = None,
+    backend_dir: Path | None = None,
     *,
     address: str = "127.0.0.1",
-    extra: Optional[Sequence[str]] = None,
-    log_path: Optional[Path] = None,
-    env: Optional[Mapping[str, str]] = None,
+    extra: Sequence[str] | None = None,
+    log_path: Path | None = None,
+    env: Mapping[str, str] | None = None,
     check: bool = True,
     **command_kwargs,
 ) -> subprocess.Popen:
@@ -319,21 +322,37 @@ def launch_server(
     ``log_path`` (or are inherited). Does not wait for readiness: call ``wait_until_ready``."""
     tritonserver = Path(command_kwargs.pop("tritonserver", None) or find_tritonserver())
     if backend_dir is None:
-        backend_dir = prepare_backend_dir(Path(model_repository).absolute().parent / ".triton_backends",
-                                          tritonserver=tritonserver)
+        backend_dir = prepare_backend_dir(
+            Path(model_repository).absolute().parent / ".triton_backends", tritonserver=tritonserver
+        )
     env = dict(env or server_env(tritonserver=tritonserver))
     if check:
         for w in preflight(env):
             print(f"[serve_launcher] warning: {w}", file=sys.stderr)
-    cmd = server_command(model_repository, grpc_port, http_port, metrics_port, backend_dir, address, extra,
-                         tritonserver=tritonserver, **command_kwargs)
+    cmd = server_command(
+        model_repository,
+        grpc_port,
+        http_port,
+        metrics_port,
+        backend_dir,
+        address,
+        extra,
+        tritonserver=tritonserver,
+        **command_kwargs,
+    )
     stdout = None
     if log_path is not None:
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         stdout = open(log_path, "ab", buffering=0)
     try:
-        proc = subprocess.Popen(cmd, env=env, stdout=stdout, stderr=subprocess.STDOUT if stdout else None,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=stdout,
+            stderr=subprocess.STDOUT if stdout else None,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     finally:
         if stdout is not None:
             stdout.close()
@@ -355,7 +374,7 @@ def wait_until_ready(
     *,
     host: str = "127.0.0.1",
     timeout_s: float = 300.0,
-    proc: Optional[subprocess.Popen] = None,
+    proc: subprocess.Popen | None = None,
     models: Iterable[str] = (),
     poll_s: float = 0.25,
 ) -> float:
@@ -374,7 +393,7 @@ def wait_until_ready(
         time.sleep(poll_s)
 
 
-def _log_tail(proc: Optional[subprocess.Popen], n: int = 4000) -> str:
+def _log_tail(proc: subprocess.Popen | None, n: int = 4000) -> str:
     path = getattr(proc, "log_path", None)
     if not path:
         return ""

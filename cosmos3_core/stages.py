@@ -36,7 +36,9 @@ class PrefillResult:
         return {"text_kv": kv, "text_lens": lens, "cond_latent": cond.float()}
 
     @classmethod
-    def from_wire(cls, params: GenerationParams, text_kv: torch.Tensor, text_lens: np.ndarray, cond_latent: torch.Tensor) -> PrefillResult:
+    def from_wire(
+        cls, params: GenerationParams, text_kv: torch.Tensor, text_lens: np.ndarray, cond_latent: torch.Tensor
+    ) -> PrefillResult:
         splits = [int(n) for n in text_lens]
         return cls(
             params=params,
@@ -56,7 +58,9 @@ class PrefillStage:
         self.codec = VaeCodec(ckpt.load_vae(device, dtype))
 
     def validate(self, prompt: bytes | str, params: dict, image: np.ndarray | None) -> GenerationParams:
-        return validate(prompt, params, image, self.defaults, self.limits, self.cfg.pixel_alignment, self.cfg.vae_scale_temporal)
+        return validate(
+            prompt, params, image, self.defaults, self.limits, self.cfg.pixel_alignment, self.cfg.vae_scale_temporal
+        )
 
     @torch.inference_mode()
     def run(self, p: GenerationParams, image: np.ndarray | None) -> PrefillResult:

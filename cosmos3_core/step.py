@@ -114,7 +114,9 @@ def pack_rows(rows: list[Row]) -> PackedStep:
             sin.append(br.sin)
             segments.append(Segment(start, n, br.text_kv))
             start += n
-    return PackedStep(torch.cat(tokens), torch.cat(timesteps), torch.cat(masks), torch.cat(cos), torch.cat(sin), segments)
+    return PackedStep(
+        torch.cat(tokens), torch.cat(timesteps), torch.cat(masks), torch.cat(cos), torch.cat(sin), segments
+    )
 
 
 @torch.inference_mode()

@@ -113,4 +113,3 @@ def fused_reference(
         gen_attn = sdpa(q_g, torch.cat([k_for_gen, k_g]), torch.cat([v_u, v_g]), causal=False)
         und, gen = _und_residual(layer, und, und_attn), _gen_residual(layer, gen, gen_attn)
     return model.proj_out(model.norm_moe_gen(gen))
-

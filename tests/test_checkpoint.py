@@ -38,7 +38,10 @@ def test_missing_key(ckpt_copy):
     del state["layers.1.self_attn.add_k_proj.weight"]
     save_file(state, ckpt_copy / WEIGHTS)
     ckpt = Checkpoint.open(ckpt_copy)
-    with pytest.raises(CheckpointError, match=r"diffusion_pytorch_model\.safetensors: missing key 'layers\.1\.self_attn\.add_k_proj\.weight'"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"diffusion_pytorch_model\.safetensors: missing key 'layers\.1\.self_attn\.add_k_proj\.weight'",
+    ):
         ckpt.load_transformer({GEN}, "cpu", torch.float32)
     ckpt.load_transformer({UND}, "cpu", torch.float32)  # the UND stage does not need it
 
@@ -47,7 +50,9 @@ def test_wrong_shape(ckpt_copy):
     state = load_file(ckpt_copy / WEIGHTS)
     state["layers.0.mlp.up_proj.weight"] = torch.zeros(3, 3)
     save_file(state, ckpt_copy / WEIGHTS)
-    with pytest.raises(CheckpointError, match=r"key 'layers\.0\.mlp\.up_proj\.weight' has shape \[3, 3\], expected \[128, 64\]"):
+    with pytest.raises(
+        CheckpointError, match=r"key 'layers\.0\.mlp\.up_proj\.weight' has shape \[3, 3\], expected \[128, 64\]"
+    ):
         Checkpoint.open(ckpt_copy).load_transformer({UND}, "cpu", torch.float32)
 
 

@@ -23,7 +23,9 @@ def test_rows_are_built_only_by_denoise_step_row():
         if path.name == "step.py":
             for fn in tree.body:
                 if isinstance(fn, ast.FunctionDef) and fn.name != "denoise_step_row":
-                    calls = [n for n in ast.walk(fn) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "Row"]
+                    calls = [
+                        n for n in ast.walk(fn) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "Row"
+                    ]
                     assert not calls, f"step.{fn.name} builds a Row"
 
 
