@@ -237,6 +237,12 @@ class DenoiseEngine:
             self._finish(job, error=message)
         self._live = []
 
+    def fail_live(self, message: str) -> None:
+        """A tick failed as a whole (e.g. out of memory in the packed forward): end its requests, keep serving."""
+        live, self._live = self._live, []
+        for job in live:
+            self._finish(job, error=message)
+
     def run_until_idle(self) -> None:
         while self.has_work():
             self.tick()

@@ -32,7 +32,7 @@ class PrefillResult:
         """Tensors for Triton: text_kv [2, layers, sum(tokens), kv_heads, d], text_lens [branches], cond_latent."""
         kv = torch.stack([torch.cat(self.text_k, dim=1), torch.cat(self.text_v, dim=1)])
         lens = np.array([k.shape[1] for k in self.text_k], dtype=np.int64)
-        cond = self.cond_latent if self.cond_latent is not None else torch.zeros(0)
+        cond = self.cond_latent if self.cond_latent is not None else torch.zeros(0, 0, 0, 0, 0)
         return {"text_kv": kv, "text_lens": lens, "cond_latent": cond.float()}
 
     @classmethod

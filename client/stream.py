@@ -1,0 +1,101 @@
+"""Stream one request through the `cosmos3` ensemble and collect its responses.
+
+Every response may carry frames (`video`, possibly empty) and an `event`; the final response can carry
+the last chunk, so outputs are read from every response, the final one included.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+@dataclass
+class StreamResult:
+    frames: list[np.ndarray] = field(default_factory=list)  # one uint8 [T, H, W, 3] per chunk
+    events: list[dict[str, Any]] = field(default_factory=list)
+    chunk_times: list[float] = field(default_factory=list)  # seconds since send, per non-empty chunk
+    e2e_s: float = 0.0
+
+    @property
+    def video(self) -> np.ndarray:
+        return np.concatenate(self.frames) if self.frames else np.zeros((0, 0, 0, 3), np.uint8)
+
+    @property
+    def ttfc_s(self) -> float | None:
+        return self.chunk_times[0] if self.chunk_times else None
+
+
+def build_inputs(prompt: str, params: dict[str, Any], image: np.ndarray | None):
+    import tritonclient.grpc as grpcclient
+
+    def text(name: str, value: str):
+        t = grpcclient.InferInput(name, [1], "BYTES")
+        t.set_data_from_numpy(np.array([value.encode()], dtype=np.object_))
+        return t
+
+    inputs = [text("prompt", prompt), text("parameters", json.dumps(params))]
+    if image is not None:
+        t = grpcclient.InferInput("image", list(image.shape), "UINT8")
+        t.set_data_from_numpy(np.ascontiguousarray(image))
+        inputs.append(t)
+    return inputs
+
+
+def generate(
+    url: str,
+    prompt: str,
+    params: dict[str, Any],
+    image: np.ndarray | None = None,
+    on_event: Callable[[dict[str, Any]], None] | None = None,
+    model: str = "cosmos3",
+    timeout_s: float = 3600.0,
+    cancel_after: Callable[[dict[str, Any]], bool] | None = None,
+) -> StreamResult:
+    """Send one request and wait for its final response. Raises ServerError with the server's message.
+
+    `cancel_after(event)` → True cancels the stream at that event (the result then holds what came before)."""
+    import tritonclient.grpc as grpcclient
+
+    responses: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: responses.put((result, error, time.perf_counter())))
+    out = StreamResult()
+    t0 = time.perf_counter()
+    try:
+        client.async_stream_infer(model, build_inputs(prompt, params, image), enable_empty_final_response=True)
+        while True:
+            result, error, t = responses.get(timeout=timeout_s)
+            if error is not None:
+                raise ServerError(str(error))
+            video = result.as_numpy("video")
+            event_raw = result.as_numpy("event")
+            if video is not None and video.size:
+                out.frames.append(video)
+                out.chunk_times.append(t - t0)
+            if event_raw is not None and event_raw.size:
+                event = json.loads(event_raw.reshape(-1)[0])
+                out.events.append(event)
+                if on_event is not None:
+                    on_event(event)
+                if cancel_after is not None and cancel_after(event):
+                    client.stop_stream(cancel_requests=True)
+                    out.e2e_s = time.perf_counter() - t0
+                    return out
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                break
+        out.e2e_s = time.perf_counter() - t0
+        return out
+    finally:
+        client.stop_stream()
+        client.close()

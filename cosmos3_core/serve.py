@@ -1,0 +1,95 @@
+"""Render `model_repository/` for a deployment and run tritonserver on it.
+
+  python -m cosmos3_core.serve [--config configs/tiny.yaml] [--checkpoint DIR] [--grpc-port 8001]
+      [--http-port 8000] [--metrics-port 8002] [--address 127.0.0.1] [--workdir build/serve] [--render-only]
+
+Rendering writes `<workdir>/deployment.yaml` (the effective deployment, checkpoint resolved — the tiny one is
+made here, once, before any stub starts) and `<workdir>/model_repository/` (each `config.pbtxt` filled in
+from the deployment, each `model.py` copied). The server binds loopback unless `--address` says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shutil
+import signal
+import sys
+from pathlib import Path
+from string import Template
+
+import yaml
+
+from .deployment import Deployment, resolve_checkpoint
+from .launcher import free_port, launch_server, stop_server, wait_until_ready
+
+REPO_TEMPLATE = Path(__file__).resolve().parent.parent / "model_repository"
+MODELS = ("cosmos3", "cosmos3_prefill", "cosmos3_denoise", "cosmos3_vae_decode")
+
+
+def render(deployment: Deployment, workdir: Path) -> Path:
+    workdir = workdir.absolute()
+    workdir.mkdir(parents=True, exist_ok=True)
+    deployment = dataclasses.replace(deployment, checkpoint=str(resolve_checkpoint(deployment.checkpoint).absolute()))
+    dep_path = workdir / "deployment.yaml"
+    dep_path.write_text(yaml.safe_dump(dataclasses.asdict(deployment), sort_keys=False))
+    gpu = deployment.torch_device.startswith("cuda")
+    values = {
+        "deployment": str(dep_path),
+        "kv_type": {"float32": "TYPE_FP32", "bfloat16": "TYPE_BF16", "float16": "TYPE_FP16"}[
+            str(deployment.torch_dtype).split(".")[1]
+        ],
+        "instance_kind": "KIND_GPU" if gpu else "KIND_CPU",
+        "force_cpu_inputs": "no" if gpu else "yes",
+        **{f"{k}_instances": str(v) for k, v in deployment.instances.items()},
+    }
+    repo = workdir / "model_repository"
+    if repo.exists():
+        shutil.rmtree(repo)
+    for model in MODELS:
+        src, dst = REPO_TEMPLATE / model, repo / model
+        (dst / "1").mkdir(parents=True)
+        (dst / "config.pbtxt").write_text(Template((src / "config.pbtxt").read_text()).substitute(values))
+        if (src / "1" / "model.py").is_file():
+            shutil.copy2(src / "1" / "model.py", dst / "1" / "model.py")
+    return repo
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m cosmos3_core.serve", description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default="configs/tiny.yaml")
+    ap.add_argument("--checkpoint", default=None, help="override the config's checkpoint")
+    ap.add_argument("--grpc-port", type=int, default=8001)
+    ap.add_argument("--http-port", type=int, default=8000)
+    ap.add_argument("--metrics-port", type=int, default=8002)
+    ap.add_argument("--address", default="127.0.0.1", help="bind address (default loopback only)")
+    ap.add_argument("--workdir", default="build/serve")
+    ap.add_argument("--render-only", action="store_true")
+    ap.add_argument("extra", nargs="*", help="extra tritonserver flags after --")
+    args = ap.parse_args(argv)
+
+    deployment = Deployment.load(args.config, checkpoint=args.checkpoint)
+    workdir = Path(args.workdir)
+    repo = render(deployment, workdir)
+    print(f"rendered {repo}", file=sys.stderr)
+    if args.render_only:
+        return 0
+    ports = [p or free_port() for p in (args.grpc_port, args.http_port, args.metrics_port)]
+    proc = launch_server(repo, *ports, address=args.address, extra=args.extra, log_path=None)
+    signal.signal(signal.SIGTERM, lambda *_: stop_server(proc))
+    try:
+        waited = wait_until_ready(ports[1], host=args.address if args.address != "0.0.0.0" else "127.0.0.1", proc=proc)
+        print(
+            f"ready in {waited:.1f}s: grpc {args.address}:{ports[0]}  http :{ports[1]}  metrics :{ports[2]}",
+            file=sys.stderr,
+        )
+        return proc.wait()
+    except KeyboardInterrupt:
+        return stop_server(proc)
+    finally:
+        if proc.poll() is None:
+            stop_server(proc)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""Triton glue shared by the three `model.py` adaptors: deployment from the model config, tensors in and out,
+the engine thread, the one response thread, and the engine's metrics.
+
+Only imported inside a Triton Python stub (`triton_python_backend_utils` exists there).
+
+Wire contract between the models (all per request, max_batch_size 0):
+  prefill → denoise:  text_kv [2, layers, sum(branch tokens), kv_heads, head_dim] (model dtype),
+                      text_lens INT64 [branches], cond_latent FP32 [1, C, 1, h, w] or [0,0,0,0,0],
+                      request BYTES [1] JSON {"params": GenerationParams, "t0": epoch s, "prefill_s": s}
+  denoise → decode:   latents FP32 [1, C, T, h, w] (empty [0,0,0,0,0] for a progress event), event BYTES [1]
+  decode → client:    video UINT8 [T, H, W, 3] (empty [0,0,0,3] unless the event carries frames), event BYTES [1]
+Events: {"type": "progress", "step", "steps"} | {"type": "done", "timings": {...}, "frames", "seed"}.
+Errors travel as Triton errors whose text is "<field>: <what is allowed>".
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+import traceback
+from typing import Any
+
+import numpy as np
+import torch
+import triton_python_backend_utils as pb_utils
+from torch.utils.dlpack import to_dlpack
+
+from .deployment import Deployment
+from .engine import DenoiseEngine
+from .requests import GenerationParams
+
+EMPTY_LATENTS = np.zeros((0, 0, 0, 0, 0), dtype=np.float32)
+
+
+def deployment_from_args(args: dict[str, Any]) -> tuple[Deployment, str]:
+    """The deployment this instance serves and its device (`cuda:<instance device id>` on GPU)."""
+    model_config = json.loads(args["model_config"])
+    path = model_config["parameters"]["deployment"]["string_value"]
+    d = Deployment.load(path)
+    device = d.torch_device
+    if device.startswith("cuda"):
+        device = f"cuda:{args.get('model_instance_device_id', 0) or 0}"
+        torch.cuda.set_device(device)
+    return d, device
+
+
+def input_array(request, name: str) -> np.ndarray | None:
+    t = pb_utils.get_input_tensor_by_name(request, name)
+    return None if t is None else t.as_numpy()
+
+
+def input_torch(request, name: str) -> torch.Tensor:
+    t = pb_utils.get_input_tensor_by_name(request, name)
+    return torch.utils.dlpack.from_dlpack(t.to_dlpack())
+
+
+def output(name: str, value: torch.Tensor | np.ndarray) -> Any:
+    """CUDA tensors cross by DLPack (bf16 included); CPU ones as numpy (DLPack rejects empty tensors' strides)."""
+    if isinstance(value, torch.Tensor):
+        if value.is_cuda:
+            return pb_utils.Tensor.from_dlpack(name, to_dlpack(value.contiguous()))
+        value = value.numpy()
+    return pb_utils.Tensor(name, np.ascontiguousarray(value))
+
+
+def text_output(name: str, text: str) -> Any:
+    return pb_utils.Tensor(name, np.array([text.encode()], dtype=np.object_))
+
+
+def error_response(message: str):
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message))
+
+
+def log_exception(where: str, e: BaseException) -> str:
+    pb_utils.Logger.log_error(f"{where}: {e}\n{traceback.format_exc()}")
+    return f"internal error in {where}: {type(e).__name__}: {e}"
+
+
+class TritonSink:
+    """Engine events of one request → responses queued for the response thread."""
+
+    def __init__(self, request, outbox: queue.Queue, meta: dict[str, Any]):
+        self.request = request
+        self.sender = request.get_response_sender()
+        self.outbox = outbox
+        self.meta = meta
+
+    def _put(self, latents: torch.Tensor | np.ndarray, event: dict[str, Any], final: bool) -> None:
+        resp = pb_utils.InferenceResponse(
+            output_tensors=[output("latents", latents), text_output("event", json.dumps(event))]
+        )
+        flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
+        self.outbox.put((self.sender, resp, flags))
+
+    def progress(self, step: int, steps: int) -> None:
+        self._put(EMPTY_LATENTS, {"type": "progress", "step": step, "steps": steps}, final=False)
+
+    def done(self, latents: torch.Tensor, timings: dict[str, float]) -> None:
+        p = self.meta["params"]
+        event = {
+            "type": "done",
+            "seed": p["seed"],
+            "timings": {"prefill_s": self.meta["prefill_s"], **timings},
+            "t0": self.meta["t0"],
+        }
+        self._put(latents.float().cpu(), event, final=True)  # the last chunk rides in the final response
+
+    def error(self, message: str) -> None:
+        self.outbox.put((self.sender, error_response(message), pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL))
+
+    def cancelled(self) -> bool:
+        return self.request.is_cancelled()
+
+
+class ResponseThread:
+    """The one thread that sends responses (house rule: one send path)."""
+
+    def __init__(self):
+        self.outbox: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._run, name="cosmos3-responses", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (item := self.outbox.get()) is not None:
+            sender, resp, flags = item
+            try:
+                sender.send(resp, flags=flags)
+            except Exception as e:  # noqa: BLE001 - a client that went away must not stop the others
+                pb_utils.Logger.log_warn(f"cosmos3: send failed: {e}")
+
+    def close(self, timeout: float) -> None:
+        self.outbox.put(None)
+        self.thread.join(timeout)
+
+
+class EngineMetrics:
+    """Gauges and counters on Triton's metrics port, set by the engine thread between ticks."""
+
+    def __init__(self, labels: dict[str, str]):
+        self._families: list[Any] = []  # a MetricFamily must outlive its Metrics
+
+        def family(name: str, desc: str, kind: Any) -> Any:
+            self._families.append(pb_utils.MetricFamily(name=name, description=desc, kind=kind))
+            return self._families[-1].Metric(labels=labels)
+
+        G, C = pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.COUNTER
+        self.pages_used = family("cosmos3_kv_pages_used", "Text K/V pages held by requests", G)
+        self.pages_free = family("cosmos3_kv_pages_free", "Text K/V pages free", G)
+        self.queue_depth = family("cosmos3_queue_depth", "Requests waiting for admission", G)
+        self.live = family("cosmos3_live_requests", "Requests being denoised", G)
+        self.ticks = family("cosmos3_engine_ticks_total", "Packed denoise forwards run", C)
+        self.request_steps = family("cosmos3_request_steps_total", "Request-steps advanced (> ticks when shared)", C)
+        self.max_shared = family("cosmos3_max_requests_per_tick", "Most requests packed into one forward", G)
+        self.rows = family("cosmos3_rows_last_tick", "Token rows (both CFG branches) in the last forward", G)
+        outcomes = pb_utils.MetricFamily(
+            name="cosmos3_requests_total", description="Requests ended, by outcome", kind=C
+        )
+        self._families.append(outcomes)
+        self.outcomes = {
+            k: outcomes.Metric(labels={**labels, "outcome": k})
+            for k in ("completed", "cancelled", "failed", "rejected")
+        }
+        self._last = {"completed": 0, "cancelled": 0, "failed": 0}
+
+    def rejected(self) -> None:
+        self.outcomes["rejected"].increment(1)
+
+    def update(self, engine: DenoiseEngine, stepped: int) -> None:
+        self.pages_used.set(engine.pool.pages_used)
+        self.pages_free.set(engine.pool.pages_free)
+        self.queue_depth.set(engine.num_waiting)
+        self.live.set(engine.num_live)
+        if stepped:
+            self.ticks.increment(1)
+            self.request_steps.increment(stepped)
+            self.rows.set(engine.stats.rows_last_tick)
+            self.max_shared.set(engine.stats.max_requests_in_tick)
+        for k in self._last:
+            now = getattr(engine.stats, k)
+            if now != self._last[k]:
+                self.outcomes[k].increment(now - self._last[k])
+                self._last[k] = now
+
+
+class EngineThread:
+    """Runs `engine.tick()` until stopped; a failing tick fails the requests in it, never the thread."""
+
+    def __init__(self, engine: DenoiseEngine, metrics: EngineMetrics):
+        self.engine, self.metrics = engine, metrics
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="cosmos3-engine", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            self.engine.wait_for_work(0.05)
+            try:
+                stepped = self.engine.tick()
+            except Exception as e:  # noqa: BLE001
+                self.engine.fail_live(log_exception("denoise tick", e))
+                stepped = 0
+            self.metrics.update(self.engine, stepped)
+
+    def close(self, timeout: float) -> None:
+        self.stop.set()
+        self.engine.wake()
+        self.thread.join(timeout)
+        self.engine.abort_all("server shutting down")
+        self.metrics.update(self.engine, 0)
+
+
+def request_meta(text: str) -> tuple[GenerationParams, dict[str, Any]]:
+    meta = json.loads(text)
+    return GenerationParams(**meta["params"]), meta
+
+
+def now() -> float:
+    return time.time()

@@ -1,0 +1,63 @@
+"""cosmos3_denoise (decoupled): hand each request to the denoise engine and return at once.
+
+The engine thread packs every live request into one GEN forward per tick; the response thread sends
+progress events and, in the final response, the finished latents. Thin adaptor over
+`cosmos3_core.engine.DenoiseEngine`; threads and metrics live in `cosmos3_core/serving.py`.
+"""
+
+import numpy as np
+
+from cosmos3_core.checkpoint import Checkpoint
+from cosmos3_core.deployment import resolve_checkpoint
+from cosmos3_core.engine import DenoiseEngine, QueueFull
+from cosmos3_core.requests import RequestError
+from cosmos3_core.serving import (
+    EngineMetrics,
+    EngineThread,
+    ResponseThread,
+    TritonSink,
+    deployment_from_args,
+    input_array,
+    input_torch,
+    log_exception,
+    request_meta,
+)
+from cosmos3_core.stages import PrefillResult
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        d, device = deployment_from_args(args)
+        ckpt = Checkpoint.open(resolve_checkpoint(d.checkpoint))
+        self.engine = DenoiseEngine(ckpt, device, d.torch_dtype, d.pool_pages, d.page_size, d.max_queue)
+        self.metrics = EngineMetrics({"model": args["model_name"], "instance": args["model_instance_name"]})
+        self.responses = ResponseThread()
+        self.engine_thread = EngineThread(self.engine, self.metrics)
+
+    def execute(self, requests):
+        for request in requests:
+            sink = None
+            try:
+                params, meta = request_meta(input_array(request, "request").reshape(-1)[0].decode())
+                sink = TritonSink(request, self.responses.outbox, meta)
+                result = PrefillResult.from_wire(
+                    params,
+                    input_torch(request, "text_kv"),
+                    input_array(request, "text_lens").astype(np.int64),
+                    input_torch(request, "cond_latent"),
+                )
+                self.engine.submit(result, sink)
+            except (RequestError, QueueFull) as e:
+                self.metrics.rejected()
+                self._reject(request, sink, str(e))
+            except Exception as e:  # noqa: BLE001
+                self.metrics.rejected()
+                self._reject(request, sink, log_exception("cosmos3_denoise", e))
+        return None
+
+    def _reject(self, request, sink, message):
+        (sink or TritonSink(request, self.responses.outbox, {})).error(message)
+
+    def finalize(self):
+        self.engine_thread.close(timeout=30)
+        self.responses.close(timeout=30)

@@ -1,0 +1,47 @@
+"""cosmos3_prefill: validate the request, tokenize, run the understanding tower once, VAE-encode an i2v image.
+
+Thin adaptor over `cosmos3_core.stages.PrefillStage`; the wire contract is in `cosmos3_core/serving.py`.
+"""
+
+import json
+import time
+
+import triton_python_backend_utils as pb_utils
+
+from cosmos3_core.checkpoint import Checkpoint
+from cosmos3_core.deployment import resolve_checkpoint
+from cosmos3_core.requests import RequestError, parse_parameters_json
+from cosmos3_core.serving import deployment_from_args, error_response, input_array, log_exception, output, text_output
+from cosmos3_core.stages import PrefillStage
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        d, device = deployment_from_args(args)
+        self.stage = PrefillStage(
+            Checkpoint.open(resolve_checkpoint(d.checkpoint)), device, d.torch_dtype, d.defaults, d.limits
+        )
+
+    def execute(self, requests):
+        return [self._one(r) for r in requests]
+
+    def _one(self, request):
+        t0 = time.time()
+        try:
+            prompt = input_array(request, "prompt")
+            if prompt is None or prompt.size != 1:
+                raise RequestError("prompt", "expected exactly one string")
+            raw_params = input_array(request, "parameters")
+            if raw_params is not None and raw_params.size != 1:
+                raise RequestError("parameters", "expected exactly one JSON string")
+            params = parse_parameters_json(None if raw_params is None else raw_params.reshape(-1)[0])
+            image = input_array(request, "image")
+            p = self.stage.validate(prompt.reshape(-1)[0], params, image)
+            wire = self.stage.run(p, image).to_wire()
+        except RequestError as e:
+            return error_response(str(e))
+        except Exception as e:  # noqa: BLE001 - one bad request never takes the instance down
+            return error_response(log_exception("cosmos3_prefill", e))
+        meta = {"params": json.loads(p.to_json()), "t0": t0, "prefill_s": time.time() - t0}
+        outs = [output(name, value) for name, value in wire.items()] + [text_output("request", json.dumps(meta))]
+        return pb_utils.InferenceResponse(output_tensors=outs)

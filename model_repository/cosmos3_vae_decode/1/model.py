@@ -1,0 +1,52 @@
+"""cosmos3_vae_decode: latents → uint8 frames; progress events pass through with an empty video.
+
+Thin adaptor over `cosmos3_core.stages.DecodeStage`.
+"""
+
+import json
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from cosmos3_core.checkpoint import Checkpoint
+from cosmos3_core.deployment import resolve_checkpoint
+from cosmos3_core.serving import (
+    deployment_from_args,
+    error_response,
+    input_array,
+    input_torch,
+    log_exception,
+    output,
+    text_output,
+)
+from cosmos3_core.stages import DecodeStage
+
+EMPTY_VIDEO = np.zeros((0, 0, 0, 3), dtype=np.uint8)
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        d, device = deployment_from_args(args)
+        self.stage = DecodeStage(Checkpoint.open(resolve_checkpoint(d.checkpoint)), device, d.torch_dtype)
+
+    def execute(self, requests):
+        return [self._one(r) for r in requests]
+
+    def _one(self, request):
+        try:
+            event = json.loads(input_array(request, "event").reshape(-1)[0])
+            latents = input_torch(request, "latents")
+            video = EMPTY_VIDEO
+            if latents.numel():
+                t = time.time()
+                video = self.stage.run(latents)
+                event["frames"] = int(video.shape[0])
+                event.setdefault("timings", {})["decode_s"] = time.time() - t
+                if "t0" in event:
+                    event["timings"]["server_e2e_s"] = time.time() - event.pop("t0")
+        except Exception as e:  # noqa: BLE001
+            return error_response(log_exception("cosmos3_vae_decode", e))
+        return pb_utils.InferenceResponse(
+            output_tensors=[output("video", video), text_output("event_out", json.dumps(event))]
+        )
