@@ -24,6 +24,7 @@ class Deployment:
     pool_pages: int = 256
     page_size: int = 16
     max_queue: int = 16
+    cancel_dir: str = ""  # where the decode step marks cancelled requests for the engine (set by serve.render)
     instances: dict[str, int] = field(default_factory=lambda: {"prefill": 1, "denoise": 1, "vae_decode": 1})
     defaults: Defaults = field(default_factory=Defaults)
     limits: Limits = field(default_factory=Limits)

@@ -30,7 +30,11 @@ MODELS = ("cosmos3", "cosmos3_prefill", "cosmos3_denoise", "cosmos3_vae_decode")
 def render(deployment: Deployment, workdir: Path) -> Path:
     workdir = workdir.absolute()
     workdir.mkdir(parents=True, exist_ok=True)
-    deployment = dataclasses.replace(deployment, checkpoint=str(resolve_checkpoint(deployment.checkpoint).absolute()))
+    deployment = dataclasses.replace(
+        deployment,
+        checkpoint=str(resolve_checkpoint(deployment.checkpoint).absolute()),
+        cancel_dir=deployment.cancel_dir or str(workdir / "cancelled"),
+    )
     dep_path = workdir / "deployment.yaml"
     dep_path.write_text(yaml.safe_dump(dataclasses.asdict(deployment), sort_keys=False))
     gpu = deployment.torch_device.startswith("cuda")

@@ -27,6 +27,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import to_dlpack
 
+from .cancel import CancelMarks
 from .deployment import Deployment
 from .engine import DenoiseEngine
 from .requests import GenerationParams
@@ -81,11 +82,13 @@ def log_exception(where: str, e: BaseException) -> str:
 class TritonSink:
     """Engine events of one request → responses queued for the response thread."""
 
-    def __init__(self, request, outbox: queue.Queue, meta: dict[str, Any]):
+    def __init__(self, request, outbox: queue.Queue, meta: dict[str, Any], marks: CancelMarks):
         self.request = request
         self.sender = request.get_response_sender()
         self.outbox = outbox
         self.meta = meta
+        self.marks = marks
+        self.id = meta.get("id", "")
 
     def _put(self, latents: torch.Tensor | np.ndarray, event: dict[str, Any], final: bool) -> None:
         resp = pb_utils.InferenceResponse(
@@ -95,7 +98,7 @@ class TritonSink:
         self.outbox.put((self.sender, resp, flags))
 
     def progress(self, step: int, steps: int) -> None:
-        self._put(EMPTY_LATENTS, {"type": "progress", "step": step, "steps": steps}, final=False)
+        self._put(EMPTY_LATENTS, {"type": "progress", "id": self.id, "step": step, "steps": steps}, final=False)
 
     def done(self, latents: torch.Tensor, timings: dict[str, float]) -> None:
         p = self.meta["params"]
@@ -106,12 +109,18 @@ class TritonSink:
             "t0": self.meta["t0"],
         }
         self._put(latents.float().cpu(), event, final=True)  # the last chunk rides in the final response
+        self._forget()
 
     def error(self, message: str) -> None:
         self.outbox.put((self.sender, error_response(message), pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL))
+        self._forget()
 
     def cancelled(self) -> bool:
-        return self.request.is_cancelled()
+        return self.request.is_cancelled() or (bool(self.id) and self.marks.is_marked(self.id))
+
+    def _forget(self) -> None:
+        if self.id:
+            self.marks.clear(self.id)
 
 
 class ResponseThread:

@@ -7,6 +7,7 @@ progress events and, in the final response, the finished latents. Thin adaptor o
 
 import numpy as np
 
+from cosmos3_core.cancel import CancelMarks
 from cosmos3_core.checkpoint import Checkpoint
 from cosmos3_core.deployment import resolve_checkpoint
 from cosmos3_core.engine import DenoiseEngine, QueueFull
@@ -31,6 +32,7 @@ class TritonPythonModel:
         ckpt = Checkpoint.open(resolve_checkpoint(d.checkpoint))
         self.engine = DenoiseEngine(ckpt, device, d.torch_dtype, d.pool_pages, d.page_size, d.max_queue)
         self.metrics = EngineMetrics({"model": args["model_name"], "instance": args["model_instance_name"]})
+        self.marks = CancelMarks(d.cancel_dir)
         self.responses = ResponseThread()
         self.engine_thread = EngineThread(self.engine, self.metrics)
 
@@ -39,7 +41,7 @@ class TritonPythonModel:
             sink = None
             try:
                 params, meta = request_meta(input_array(request, "request").reshape(-1)[0].decode())
-                sink = TritonSink(request, self.responses.outbox, meta)
+                sink = TritonSink(request, self.responses.outbox, meta, self.marks)
                 result = PrefillResult.from_wire(
                     params,
                     input_torch(request, "text_kv"),
@@ -56,7 +58,7 @@ class TritonPythonModel:
         return None
 
     def _reject(self, request, sink, message):
-        (sink or TritonSink(request, self.responses.outbox, {})).error(message)
+        (sink or TritonSink(request, self.responses.outbox, {}, self.marks)).error(message)
 
     def finalize(self):
         self.engine_thread.close(timeout=30)

@@ -5,6 +5,7 @@ Thin adaptor over `cosmos3_core.stages.PrefillStage`; the wire contract is in `c
 
 import json
 import time
+import uuid
 
 import triton_python_backend_utils as pb_utils
 
@@ -42,6 +43,6 @@ class TritonPythonModel:
             return error_response(str(e))
         except Exception as e:  # noqa: BLE001 - one bad request never takes the instance down
             return error_response(log_exception("cosmos3_prefill", e))
-        meta = {"params": json.loads(p.to_json()), "t0": t0, "prefill_s": time.time() - t0}
+        meta = {"id": uuid.uuid4().hex, "params": json.loads(p.to_json()), "t0": t0, "prefill_s": time.time() - t0}
         outs = [output(name, value) for name, value in wire.items()] + [text_output("request", json.dumps(meta))]
         return pb_utils.InferenceResponse(output_tensors=outs)

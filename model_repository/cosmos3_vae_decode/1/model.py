@@ -9,6 +9,7 @@ import time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from cosmos3_core.cancel import CancelMarks
 from cosmos3_core.checkpoint import Checkpoint
 from cosmos3_core.deployment import resolve_checkpoint
 from cosmos3_core.serving import (
@@ -29,6 +30,7 @@ class TritonPythonModel:
     def initialize(self, args):
         d, device = deployment_from_args(args)
         self.stage = DecodeStage(Checkpoint.open(resolve_checkpoint(d.checkpoint)), device, d.torch_dtype)
+        self.marks = CancelMarks(d.cancel_dir)
 
     def execute(self, requests):
         return [self._one(r) for r in requests]
@@ -36,6 +38,10 @@ class TritonPythonModel:
     def _one(self, request):
         try:
             event = json.loads(input_array(request, "event").reshape(-1)[0])
+            if request.is_cancelled():  # the client cancelled: tell the engine (see cosmos3_core/cancel.py)
+                if event.get("id"):
+                    self.marks.mark(event["id"])
+                return error_response("cancelled")
             latents = input_torch(request, "latents")
             video = EMPTY_VIDEO
             if latents.numel():

@@ -1,0 +1,31 @@
+"""Cross-process cancellation marks for requests served through the ensemble.
+
+Triton's ensemble scheduler does not cancel a composing step that is already running: the decoupled
+denoise request never sees `is_cancelled()`. It does cancel the steps it schedules afterwards, so the
+decode step that follows the next progress event sees the cancellation; it marks the request here
+(an empty file named by the request's id) and the engine polls the mark between ticks.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class CancelMarks:
+    def __init__(self, directory: str | Path):
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, request_id: str) -> Path:
+        if not request_id.isalnum():
+            raise ValueError(f"request id must be alphanumeric, got {request_id!r}")
+        return self.dir / request_id
+
+    def mark(self, request_id: str) -> None:
+        self._path(request_id).touch()
+
+    def is_marked(self, request_id: str) -> bool:
+        return self._path(request_id).exists()
+
+    def clear(self, request_id: str) -> None:
+        self._path(request_id).unlink(missing_ok=True)
