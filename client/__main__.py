@@ -11,7 +11,7 @@ import sys
 
 from cosmos3_core.media import FRAME_SUFFIXES, write_frames
 
-from .stream import ServerError, generate
+from .stream import ServerError, generate, wait_ready
 
 PARAMS = {"negative_prompt": str, "height": int, "width": int, "num_frames": int, "fps": float, "steps": int,
           "guidance_scale": float, "shift": float, "seed": int}  # fmt: skip
@@ -22,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="one request, the whole video at the end")
     g.add_argument("--url", default="127.0.0.1:8001")
+    g.add_argument("--wait-ready", type=float, default=0.0, help="wait up to this many seconds for the server")
     g.add_argument("--prompt", required=True)
     g.add_argument("--image")
     for name, typ in PARAMS.items():
@@ -60,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
             bar.refresh()
 
     try:
+        if args.wait_ready:
+            wait_ready(args.url, args.wait_ready)
         result = generate(args.url, args.prompt, params, image, on_event=on_event)
     except ServerError as e:
         bar.close()

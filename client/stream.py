@@ -36,17 +36,36 @@ class StreamResult:
         return self.chunk_times[0] if self.chunk_times else None
 
 
-def build_inputs(prompt: str, params: dict[str, Any], image: np.ndarray | None):
+def wait_ready(url: str, timeout_s: float, model: str = "cosmos3") -> None:
+    """Block until the server says `model` is ready (e.g. right after `make serve` started)."""
     import tritonclient.grpc as grpcclient
 
-    def text(name: str, value: str):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with grpcclient.InferenceServerClient(url) as c:
+                if c.is_server_ready() and c.is_model_ready(model):
+                    return
+        except Exception:  # noqa: BLE001 - not up yet
+            pass
+        if time.monotonic() > deadline:
+            raise ServerError(f"server at {url} not ready after {timeout_s:.0f}s")
+        time.sleep(0.5)
+
+
+def build_inputs(prompt: str | bytes, params: dict[str, Any] | str, image: np.ndarray | None):
+    """`params` as a dict (sent as JSON) or as raw JSON text; `image` uint8 [H, W, 3]."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import np_to_triton_dtype
+
+    def text(name: str, value: str | bytes):
         t = grpcclient.InferInput(name, [1], "BYTES")
-        t.set_data_from_numpy(np.array([value.encode()], dtype=np.object_))
+        t.set_data_from_numpy(np.array([value.encode() if isinstance(value, str) else value], dtype=np.object_))
         return t
 
-    inputs = [text("prompt", prompt), text("parameters", json.dumps(params))]
+    inputs = [text("prompt", prompt), text("parameters", params if isinstance(params, str) else json.dumps(params))]
     if image is not None:
-        t = grpcclient.InferInput("image", list(image.shape), "UINT8")
+        t = grpcclient.InferInput("image", list(image.shape), np_to_triton_dtype(image.dtype))
         t.set_data_from_numpy(np.ascontiguousarray(image))
         inputs.append(t)
     return inputs
@@ -54,8 +73,8 @@ def build_inputs(prompt: str, params: dict[str, Any], image: np.ndarray | None):
 
 def generate(
     url: str,
-    prompt: str,
-    params: dict[str, Any],
+    prompt: str | bytes,
+    params: dict[str, Any] | str,
     image: np.ndarray | None = None,
     on_event: Callable[[dict[str, Any]], None] | None = None,
     model: str = "cosmos3",

@@ -66,3 +66,80 @@ def run_reference(pipe, prompt: str, params: dict, image=None, output_type: str 
 
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+SERVED_CONFIG = {
+    "device": "cpu",
+    "dtype": "float32",
+    "pool_pages": 64,
+    "page_size": 16,
+    "max_queue": 8,
+    "defaults": {
+        "height": 32,
+        "width": 64,
+        "num_frames": 9,
+        "fps": 16,
+        "t2i": {"steps": 4, "guidance_scale": 4.0, "shift": 3.0},
+        "t2v": {"steps": 4, "guidance_scale": 6.0, "shift": 10.0},
+        "i2v": {"steps": 4, "guidance_scale": 5.0, "shift": 8.0},
+    },
+    "limits": {"max_height": 256, "max_width": 256, "max_frames": 33, "max_steps": 60, "max_prompt_tokens": 600,
+               "max_prompt_bytes": 2048, "max_image_pixels": 65536, "max_pixel_frames": 2_000_000},
+}  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def served_deployment(nano_ckpt, tmp_path_factory):
+    import yaml
+
+    from cosmos3_core.deployment import Deployment
+
+    path = tmp_path_factory.mktemp("deploy") / "served.yaml"
+    path.write_text(yaml.safe_dump({**SERVED_CONFIG, "checkpoint": str(nano_ckpt)}))
+    return path, Deployment.load(path)
+
+
+class Server:
+    def __init__(self, grpc: int, http: int, metrics: int):
+        self.url = f"127.0.0.1:{grpc}"
+        self.http_port, self.metrics_port = http, metrics
+
+    def metrics(self) -> dict[str, float]:
+        """cosmos3_* samples summed over instances, keyed by name (and outcome label)."""
+        import re
+        import urllib.request
+
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            m = re.match(r"^(cosmos3_\w+)\{([^}]*)\} (\S+)$", line)
+            if m:
+                outcome = re.search(r'outcome="(\w+)"', m.group(2))
+                key = m.group(1) + (f":{outcome.group(1)}" if outcome else "")
+                out[key] = out.get(key, 0.0) + float(m.group(3))
+        return out
+
+
+@pytest.fixture(scope="session")
+def server(served_deployment, tmp_path_factory):
+    from cosmos3_core.launcher import free_port, launch_server, stop_server, wait_until_ready
+    from cosmos3_core.serve import render
+
+    _, deployment = served_deployment
+    workdir = tmp_path_factory.mktemp("serve")
+    repo = render(deployment, workdir)
+    ports = [free_port() for _ in range(3)]
+    proc = launch_server(repo, *ports, log_path=workdir / "tritonserver.log")
+    try:
+        wait_until_ready(ports[1], proc=proc, timeout_s=300)
+        yield Server(*ports)
+    finally:
+        stop_server(proc)
+
+
+@pytest.fixture(scope="session")
+def offline(served_deployment):
+    """The offline path (same code, same deployment) that served results must equal."""
+    from cosmos3_core.generate import Generator
+
+    return Generator(served_deployment[1])

@@ -1,0 +1,50 @@
+# Cosmos3 on Triton. `make setup serve` runs the embedded default (tiny checkpoint, CPU, loopback).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+CONFIG ?= configs/tiny.yaml
+CHECKPOINT ?=
+GRPC_PORT ?= 8001
+HTTP_PORT ?= 8000
+METRICS_PORT ?= 8002
+ADDRESS ?= 127.0.0.1
+PROMPT ?= A robot arm stacks red and blue cubes on a wooden table, soft daylight.
+OUT ?= out/demo.mp4
+
+.PHONY: setup serve demo stop test lint bench docker clean
+
+setup: $(VENV)/.installed
+
+# torch is installed first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q torch==2.13.0
+	$(VENV)/bin/pip install -q -e '.[serve,dev]'
+	touch $@
+
+serve: setup
+	$(PY) -m cosmos3_core.serve --config $(CONFIG) $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) \
+		--grpc-port $(GRPC_PORT) --http-port $(HTTP_PORT) --metrics-port $(METRICS_PORT) --address $(ADDRESS)
+
+demo: setup
+	$(PY) -m client generate --url 127.0.0.1:$(GRPC_PORT) --wait-ready 600 --prompt "$(PROMPT)" --out $(OUT)
+
+stop:
+	-pkill -INT -f "cosmos3_core.serve" || true
+
+test: setup
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+bench: setup
+	$(PY) -m bench.run --config $(or $(BENCH_CONFIG),configs/edge.yaml)
+
+docker:
+	docker build -f docker/Dockerfile -t cosmos3-triton .
+
+clean:
+	rm -rf build out .pytest_cache
