@@ -22,7 +22,21 @@ Traps this module handles:
   wheel's ``nvidia_pytriton.libs``;
 * numpy 2 in the stub's environment silently zeroes CPU outputs of this backend: ``preflight()``
   refuses it;
-* two servers on one host must not share the Python backend's shm region prefix.
+* each server gets its own shm region prefix (2.51 appends a UUID per region anyway) so that
+  ``stop_server`` can unlink the regions a non-clean exit leaves in /dev/shm.
+
+Behaviour measured with a decoupled Python step inside an ensemble (Triton 2.51, gRPC streaming):
+* errors: send ``InferenceResponse(error=TritonError(msg))`` WITH ``flags=FINAL`` in one ``send``.
+  The client gets ``InferenceServerException`` whose message is ``"in ensemble '<ens>', <msg>"``
+  (text preserved, ``status()`` is None on streams). An error response sent without FINAL followed by
+  a separate FINAL also reaches the client, but leaves the ensemble request in flight forever
+  (graceful shutdown then waits the whole --exit-timeout-secs and exits 1).
+* a client stream cancel (``stop_stream(cancel_requests=True)``) is NOT seen by ``is_cancelled()``
+  of a composing model that is already executing; it is seen when the decoupled model is called
+  directly. Cancellation inside an ensemble only stops further steps.
+* if the step sends its last data with ``flags=FINAL`` the ensemble's last data response is the
+  final one (no empty final even with enable_empty_final_response=True): read outputs of every
+  response, including the final one.
 """
 
 from __future__ import annotations
@@ -45,9 +59,11 @@ from pathlib import Path
 OPT_TRITONSERVER = Path("/opt/tritonserver/bin/tritonserver")
 OPT_BACKENDS = Path("/opt/tritonserver/backends")
 
-# Python backend shared memory (per stub instance, in /dev/shm). Triton's defaults are 1 MiB + 1 MiB
-# growth steps, which makes every video-sized tensor grow the region many times. A tmpfs file is
-# sparse, so a large default only costs memory when written; in Docker raise --shm-size accordingly.
+# Python backend shared memory (one region per stub instance, in /dev/shm). Triton's defaults are
+# 1 MiB + 1 MiB growth steps, which makes every video-sized tensor grow the region many times.
+# Measured: the default size is COMMITTED at stub start (du /dev/shm = 64 MiB per instance), so the
+# cost is instances x shm_default_bytes of RAM; in Docker raise --shm-size accordingly. A 29.5 MB
+# uint8 video chunk streamed fine with 64 MiB + 64 MiB growth.
 DEFAULT_SHM_BYTES = 64 * 1024 * 1024
 DEFAULT_SHM_GROWTH_BYTES = 64 * 1024 * 1024
 # A stub that loads torch + diffusers needs more than the default 30 s to come up on a slow disk.
@@ -253,8 +269,14 @@ def server_command(
     model_control_mode: str = "none",
     load_models: Iterable[str] = (),
     first_response_histogram: bool = True,
+    cpu_only: bool = False,
 ) -> list[str]:
-    """Argument vector for ``tritonserver``. ``extra`` is appended last (later flags win)."""
+    """Argument vector for ``tritonserver``. ``extra`` is appended last (later flags win).
+
+    ``cpu_only`` silences the CPU-host noise (pinned-memory and NVML/DCGM warnings) by disabling the
+    pinned pool and GPU metrics; two harmless E-lines remain ("CudaDriverHelper has not been
+    initialized", "unable to create stream for <ensemble>: CUDA driver version is insufficient").
+    """
     tritonserver = Path(tritonserver or find_tritonserver())
     if shm_region_prefix is None:
         # The backend names its regions <prefix><n>; two servers with the same prefix on one host collide.
@@ -284,6 +306,8 @@ def server_command(
     ]
     if first_response_histogram:
         cmd.append("--metrics-config=histogram_latencies=true")
+    if cpu_only:
+        cmd += ["--pinned-memory-pool-byte-size=0", "--allow-gpu-metrics=false"]
     for name in load_models:
         cmd.append(f"--load-model={name}")
     cache = cache_dir(tritonserver)
@@ -358,6 +382,8 @@ def launch_server(
             stdout.close()
     proc.command = cmd  # type: ignore[attr-defined]
     proc.log_path = log_path  # type: ignore[attr-defined]
+    prefix = next((a.split("shm-region-prefix-name=", 1)[1] for a in cmd if "shm-region-prefix-name=" in a), None)
+    proc.shm_prefix = prefix  # type: ignore[attr-defined]
     return proc
 
 
@@ -405,7 +431,11 @@ def _log_tail(proc: subprocess.Popen | None, n: int = 4000) -> str:
 
 def stop_server(proc: subprocess.Popen, timeout_s: float = 45.0) -> int:
     """SIGINT (Triton's graceful shutdown: waits up to --exit-timeout-secs for in-flight requests),
-    then SIGKILL of the process group (server + stubs) if it hangs. Returns the exit code."""
+    then SIGKILL of the process group (server + stubs) if it hangs. Returns the exit code.
+
+    Triton removes the stubs' /dev/shm regions only on a clean exit; when the exit timeout expires
+    (e.g. an ensemble request that never completed) or on SIGKILL they stay behind, 64 MiB each, so
+    the regions named with this server's unique prefix are unlinked here."""
     if proc.poll() is None:
         try:
             proc.send_signal(signal.SIGINT)
@@ -424,6 +454,13 @@ def stop_server(proc: subprocess.Popen, timeout_s: float = 45.0) -> int:
             os.killpg(proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+    prefix = getattr(proc, "shm_prefix", None)
+    if prefix and "/" not in prefix:
+        for region in Path("/dev/shm").glob(f"{prefix}*"):
+            try:
+                region.unlink()
+            except OSError:
+                pass
     return proc.returncode
 
 

@@ -30,7 +30,8 @@ class Limits:
     max_steps: int = 100
     max_guidance: float = 30.0
     max_image_pixels: int = 4096 * 4096
-    max_pixel_frames: int = 1280 * 720 * 189  # frames × height × width budget per request
+    max_pixel_frames: int = 1280 * 720 * 189  # frames × height × width budget per request (per window for AR)
+    max_windows: int = 64
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,9 @@ class Defaults:
     t2i: TaskDefaults = field(default_factory=lambda: TaskDefaults(50, 4.0, 3.0))
     t2v: TaskDefaults = field(default_factory=lambda: TaskDefaults(35, 6.0, 10.0))
     i2v: TaskDefaults = field(default_factory=lambda: TaskDefaults(35, 6.0, 10.0))
+    window_frames: int = 29  # AR window, pixel frames (8 latent)
+    overlap_frames: int = 8  # chained overlap, pixel frames (2 latent; the minimum)
+    context_frames: int = 61  # kv context horizon, pixel frames (16 latent); 0 keeps everything
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,10 @@ class GenerationParams:
     use_system_prompt: bool | None
     add_templates: bool
     has_image: bool
+    window_mode: str = "none"  # none | chained | kv
+    window_frames: int = 0
+    overlap_frames: int = 0
+    context_frames: int = 0
 
     @property
     def task(self) -> str:
@@ -85,8 +93,11 @@ class GenerationParams:
 
 PARAMETER_KEYS = (
     "negative_prompt", "height", "width", "num_frames", "fps", "steps", "guidance_scale", "shift", "seed",
-    "use_system_prompt", "add_templates",
+    "use_system_prompt", "add_templates", "window_mode", "window_frames", "overlap_frames", "context_frames",
+    "max_windows",
 )  # fmt: skip
+WINDOW_MODES = ("none", "chained", "kv")
+MIN_CHAINED_OVERLAP_LATENT = 2
 
 
 def _int(params: dict[str, Any], key: str, default: int, lo: int, hi: int) -> int:
@@ -199,7 +210,55 @@ def validate(
         use_system_prompt=_bool(params, "use_system_prompt", None),
         add_templates=bool(_bool(params, "add_templates", True)),
         has_image=image is not None,
+        window_mode=mode,
+        window_frames=window[0],
+        overlap_frames=window[1],
+        context_frames=window[2],
     )
+
+
+def _validate_windows(
+    mode: str, params: dict[str, Any], num_frames: int, defaults: Defaults, limits: Limits, temporal: int
+) -> tuple[int, int, int]:
+    """→ (window_frames, overlap_frames, context_frames) in pixel frames; (0, 0, 0) for mode none."""
+    keys = ("window_frames", "overlap_frames", "context_frames", "max_windows")
+    if mode == "none":
+        extra = [k for k in keys if k in params]
+        if extra:
+            raise RequestError(extra[0], "only applies with window_mode chained or kv")
+        return 0, 0, 0
+    if num_frames == 1:
+        raise RequestError("window_mode", "windows need a video (num_frames > 1)")
+    window = _int(params, "window_frames", defaults.window_frames, 1 + temporal, limits.max_frames)
+    if (window - 1) % temporal:
+        raise RequestError("window_frames", f"must be 1 mod {temporal}, got {window}")
+    w_lat = 1 + (window - 1) // temporal
+    overlap = context = 0
+    total_lat = 1 + (num_frames - 1) // temporal
+    if mode == "chained":
+        lo = MIN_CHAINED_OVERLAP_LATENT * temporal
+        overlap = _int(params, "overlap_frames", defaults.overlap_frames, lo, window - temporal)
+        if overlap % temporal:
+            raise RequestError(
+                "overlap_frames", f"must be a multiple of {temporal} (whole latent frames), got {overlap}"
+            )
+        o_lat = overlap // temporal
+        windows = 1 + -(-max(0, total_lat - w_lat) // (w_lat - o_lat))
+        if "context_frames" in params:
+            raise RequestError("context_frames", "only applies with window_mode kv")
+    else:
+        if "overlap_frames" in params:
+            raise RequestError("overlap_frames", "kv windows do not overlap; only applies with window_mode chained")
+        context = _int(
+            params, "context_frames", defaults.context_frames, 0, 1 + (limits.max_frames - 1) * limits.max_windows
+        )
+        if context and (context - 1) % temporal:
+            raise RequestError("context_frames", f"must be 0 (keep all) or 1 mod {temporal}, got {context}")
+        windows = -(-total_lat // w_lat)
+    max_windows = _int(params, "max_windows", limits.max_windows, 1, limits.max_windows)
+    if windows > max_windows:
+        raise RequestError("num_frames", f"needs {windows} windows of {window} frames, max_windows is {max_windows}")
+    return window, overlap, context
 
 
 def check_image(image: np.ndarray, limits: Limits) -> None:

@@ -79,7 +79,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.render_only:
         return 0
     ports = [p or free_port() for p in (args.grpc_port, args.http_port, args.metrics_port)]
-    proc = launch_server(repo, *ports, address=args.address, extra=args.extra, log_path=None)
+    proc = launch_server(
+        repo,
+        *ports,
+        address=args.address,
+        extra=args.extra,
+        log_path=None,
+        cpu_only=not deployment.torch_device.startswith("cuda"),
+    )
     signal.signal(signal.SIGTERM, lambda *_: stop_server(proc))
     try:
         waited = wait_until_ready(ports[1], host=args.address if args.address != "0.0.0.0" else "127.0.0.1", proc=proc)

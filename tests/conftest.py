@@ -129,7 +129,7 @@ def server(served_deployment, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("serve")
     repo = render(deployment, workdir)
     ports = [free_port() for _ in range(3)]
-    proc = launch_server(repo, *ports, log_path=workdir / "tritonserver.log")
+    proc = launch_server(repo, *ports, log_path=workdir / "tritonserver.log", cpu_only=True)
     try:
         wait_until_ready(ports[1], proc=proc, timeout_s=300)
         yield Server(*ports)

@@ -30,7 +30,9 @@ def test_served_equals_offline(server, offline, case, test_image):
     assert np.array_equal(served.video, expected)
     done = [e for e in served.events if e["type"] == "done"]
     assert len(done) == 1 and done[0]["frames"] == expected.shape[0]
-    assert [e["step"] for e in served.events if e["type"] == "progress"] == list(range(1, offline.prefill.defaults.t2v.steps + 1))
+    assert [e["step"] for e in served.events if e["type"] == "progress"] == list(
+        range(1, offline.prefill.defaults.t2v.steps + 1)
+    )
 
 
 def test_concurrent_requests_share_steps(server, offline):
@@ -107,9 +109,16 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("prompt, params, image, message", BAD, ids=[b[3].split(":")[0] + str(i) for i, b in enumerate(BAD)])
+@pytest.mark.parametrize(
+    "prompt, params, image, message", BAD, ids=[b[3].split(":")[0] + str(i) for i, b in enumerate(BAD)]
+)
 def test_bad_input_named_error_then_served(server, prompt, params, image, message):
     with pytest.raises(ServerError) as e:
         generate(server.url, prompt, params, image)
     assert message in str(e.value)
-    assert generate(server.url, "fine", {"steps": 1, "num_frames": 1, "height": 32, "width": 32}).video.shape == (1, 32, 32, 3)
+    assert generate(server.url, "fine", {"steps": 1, "num_frames": 1, "height": 32, "width": 32}).video.shape == (
+        1,
+        32,
+        32,
+        3,
+    )
