@@ -177,15 +177,21 @@ def validate(
     for key, value in (("height", height), ("width", width)):
         if value % alignment:
             raise RequestError(key, f"must be a multiple of {alignment}, got {value}")
-    num_frames = _int(params, "num_frames", defaults.num_frames, 1, limits.max_frames)
+    mode = params.get("window_mode", "none")
+    if mode not in WINDOW_MODES:
+        raise RequestError("window_mode", f"must be one of {', '.join(WINDOW_MODES)}, got {mode!r}")
+    max_total = limits.max_frames if mode == "none" else 1 + (limits.max_frames - 1) * limits.max_windows
+    num_frames = _int(params, "num_frames", defaults.num_frames, 1, max_total)
     if (num_frames - 1) % temporal_factor:
         raise RequestError(
             "num_frames", f"must be 1 mod {temporal_factor} (1, {1 + temporal_factor}, ...), got {num_frames}"
         )
-    if num_frames * height * width > limits.max_pixel_frames:
+    window = _validate_windows(mode, params, num_frames, defaults, limits, temporal_factor)
+    budget_frames = num_frames if mode == "none" else window[0]
+    if budget_frames * height * width > limits.max_pixel_frames:
+        key = "num_frames" if mode == "none" else "window_frames"
         raise RequestError(
-            "num_frames",
-            f"num_frames×height×width = {num_frames * height * width} exceeds the budget {limits.max_pixel_frames}",
+            key, f"frames×height×width = {budget_frames * height * width} exceeds the budget {limits.max_pixel_frames}"
         )
     task = "t2i" if num_frames == 1 else ("i2v" if image is not None else "t2v")
     if image is not None:
