@@ -1,8 +1,8 @@
-"""GEN attention over [text K/V in the pool | the segment's own tokens], ragged across a packed step.
+"""GEN attention over [prefix K/V in the pool | the segment's own tokens], ragged across a packed step.
 
 A packed step is a list of segments (one per request and CFG branch): rows `start:start+length` of q/k/v
-belong to the segment and attend, non-causally and with GQA, to the branch's text K/V followed by the
-segment's own K/V. This is the reference path (torch SDPA per segment; CPU and any device); GPU paths
+belong to the segment and attend, non-causally and with GQA, to the branch's prefix K/V (text, then any
+committed AR context frames) followed by the segment's own K/V. This is the reference path (torch SDPA per segment; CPU and any device); GPU paths
 plug in behind `gen_attention` with the same arguments.
 
 Layouts: q `[rows, heads, d]`, k/v `[rows, kv_heads, d]`; output `[rows, heads * d]`.
@@ -35,6 +35,8 @@ def gen_attention(
     out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
     for seg in segments:
         rows = slice(seg.start, seg.start + seg.length)
-        text_k, text_v = pool.gather(layer, seg.text_kv)
-        out[rows] = sdpa(q[rows], torch.cat([text_k, k[rows]]), torch.cat([text_v, v[rows]]), causal=False)
+        prefix = [pool.gather(layer, pages) for pages in seg.prefix]
+        keys = torch.cat([pk for pk, _ in prefix] + [k[rows]])
+        values = torch.cat([pv for _, pv in prefix] + [v[rows]])
+        out[rows] = sdpa(q[rows], keys, values, causal=False)
     return out

@@ -4,8 +4,11 @@
   centre-crop, round — as the reference pipeline does for a conditioning image.
 - `VaeCodec.encode_first_frame`: the i2v conditioning latent [1, C, 1, h/16, w/16]. The Wan encoder is
   causal in time, so latent frame 0 of the reference's repeat-padded clip depends on pixel frame 0 only.
-- `VaeCodec.decode`: normalised latents [1, C, T, h, w] → uint8 frames [T', H, W, 3]
-  (T' = 1 + 4(T-1)); the reference's `output_type="np"` × 255, rounded.
+- `StreamDecoder`: the same decode, chunk by chunk along time. The Wan decoder runs one latent frame at a
+  time with a causal cache, so carrying that cache across chunks makes the joined chunks identical to one
+  decode of the whole sequence. `VaeCodec.decode` is a one-chunk stream.
+  Output: uint8 [T', H, W, 3] (T' = 1 + 4(T-1) for the first chunk, 4T after); the reference's
+  `output_type="np"` × 255, rounded.
 """
 
 from __future__ import annotations
@@ -47,11 +50,32 @@ class VaeCodec:
         mean, inv_std = self.mean.to(mu.device), self.inv_std.to(mu.device)
         return ((mu - mean) * inv_std).float()
 
-    @torch.inference_mode()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """normalised latents [1, C, T, h, w] → uint8 [T', H, W, 3] (CPU)."""
-        z = latents.to(device=self.device, dtype=self.dtype)
-        raw = z / self.inv_std.to(z.device) + self.mean.to(z.device)
-        video = self.vae.decode(raw).sample.float()  # [1, 3, T', H, W] in [-1, 1]
+        return StreamDecoder(self).decode(latents)
+
+
+class StreamDecoder:
+    def __init__(self, codec: VaeCodec):
+        self.codec = codec
+        self.cache: list = [None] * codec.vae._cached_conv_counts["decoder"]
+        self.first = True
+
+    @torch.inference_mode()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """The next latent frames [1, C, T, h, w] of this stream → uint8 [T', H, W, 3] (CPU)."""
+        from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
+
+        c, vae = self.codec, self.codec.vae
+        z = latents.to(device=c.device, dtype=c.dtype)
+        x = vae.post_quant_conv(z / c.inv_std.to(z.device) + c.mean.to(z.device))
+        outs = []
+        for i in range(x.shape[2]):  # one latent frame at a time, as AutoencoderKLWan._decode does
+            outs.append(vae.decoder(x[:, :, i : i + 1], feat_cache=self.cache, feat_idx=[0], first_chunk=self.first))
+            self.first = False
+        video = torch.cat(outs, 2)
+        if vae.config.patch_size is not None:
+            video = unpatchify(video, patch_size=vae.config.patch_size)
+        video = video.clamp(-1.0, 1.0).float()  # [1, 3, T', H, W]
         frames = (video[0].permute(1, 2, 3, 0) * 0.5 + 0.5).clamp(0, 1)
         return (frames * 255).round().to(torch.uint8).cpu()

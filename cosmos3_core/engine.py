@@ -1,12 +1,18 @@
-"""The denoise engine: owns the GEN tower, the text K/V pool and every live request.
+"""The denoise engine: owns the GEN tower, the paged K/V pool and every live request.
 
-`submit` (any thread) validates capacity and enqueues; `tick` (the engine thread, or the CLI inline)
+`submit` (any thread) checks capacity and enqueues; `tick` (the engine thread, or the CLI inline)
 admits waiting requests whose pages fit, drops cancelled ones, packs every live request's row (both
-CFG branches, any sizes, any step index) into ONE GEN forward via the row builder, then applies each
-request's guidance and its own scheduler. Requests join and leave between ticks.
+CFG branches, any sizes, any step index, AR commit passes too) into ONE GEN forward via the row builder,
+then applies each request's guidance and its own scheduler. Requests join and leave between ticks.
 
-Events go to the request's `Sink`: progress after each step, `done` with the final latents
-[1, C, T, h, w] fp32, or one `error`. Exactly one of done/error ends every submitted request.
+AR streams (`windows.py`) run window after window: after a window's last step its new latent frames go to
+the sink as a chunk; a `kv` stream then spends one tick on the commit pass (its K/V joins the pool, per
+latent frame, and frames older than the context horizon are released), a `chained` stream pins the
+window's tail as the next window's first frames. Pages: text at admission; a kv stream's largest context
+is reserved at admission so a stream never stalls for pages mid-way.
+
+Events go to the request's `Sink`: `progress` after each step, `chunk` per finished non-final window,
+then exactly one of `done` (the last frames) or `error`.
 """
 
 from __future__ import annotations
@@ -15,23 +21,26 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
+from . import faults
 from .checkpoint import Checkpoint
-from .kv_pool import KVPool, PageList, PoolExhausted
+from .kv_pool import KVPool, PageList
 from .layers import GEN
 from .requests import GenerationParams, RequestError
 from .rotary import rotary_tables, vision_position_ids
 from .sampling import guided_velocity, initial_noise, make_scheduler
 from .stages import PrefillResult
 from .step import Branch, denoise_step, denoise_step_row
+from .windows import WindowPlan, latent_frames, plan_windows
 
 
 class Sink(Protocol):
-    def progress(self, step: int, steps: int) -> None: ...
-    def done(self, latents: torch.Tensor, timings: dict[str, float]) -> None: ...
+    def progress(self, step: int, steps: int, window: int, windows: int) -> None: ...
+    def chunk(self, latents: torch.Tensor, info: dict[str, Any]) -> None: ...
+    def done(self, latents: torch.Tensor, info: dict[str, Any]) -> None: ...
     def error(self, message: str) -> None: ...
     def cancelled(self) -> bool: ...
 
@@ -45,18 +54,27 @@ class Job:
     id: int
     prefill: PrefillResult
     sink: Sink
+    plan: WindowPlan
+    reserve: int  # pages promised for this stream's AR context
     t_submit: float
-    pages: list[PageList] = field(default_factory=list)
+    text_pages: list[PageList] = field(default_factory=list)  # per branch
+    context: list[list[PageList]] = field(default_factory=list)  # per branch, per committed latent frame
+    window: int = 0
+    committing: bool = False
     branches: tuple[Branch, ...] = ()
-    latents: torch.Tensor | None = None
+    latents: torch.Tensor | None = None  # the current window [1, C, T, h, w] fp32
     noisy_frames: torch.Tensor | None = None
-    scheduler: object = None
+    scheduler: Any = None
     step: int = 0
     t_admit: float = 0.0
+    t_last_chunk: float = 0.0
 
     @property
     def params(self) -> GenerationParams:
         return self.prefill.params
+
+    def pages_held(self) -> int:
+        return sum(len(p.pages) for p in self.text_pages) + sum(len(f.pages) for br in self.context for f in br)
 
 
 @dataclass
@@ -90,20 +108,49 @@ class DenoiseEngine:
         self.stats = EngineStats()
         self._waiting: deque[Job] = deque()
         self._live: list[Job] = []
+        self._reserved = 0  # context pages promised to live kv streams and not yet allocated
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._next_id = 0
 
+    # ---- sizes ----
+    def _grid(self, p: GenerationParams) -> tuple[int, int]:
+        s, patch = self.cfg.vae_scale_spatial, self.cfg.latent_patch_size
+        return p.height // s // patch, p.width // s // patch
+
+    def _plan(self, p: GenerationParams) -> WindowPlan:
+        t = self.cfg.vae_scale_temporal
+        return plan_windows(
+            p.window_mode,
+            latent_frames(p.num_frames, t),
+            latent_frames(p.window_frames, t) if p.window_frames else 0,
+            p.overlap_frames // t,
+            latent_frames(p.context_frames, t) if p.context_frames else 0,
+        )
+
+    def _context_reserve(self, p: GenerationParams, plan: WindowPlan, branches: int) -> int:
+        if not plan.commits:
+            return 0
+        committed = plan.total_latent - plan.windows[-1].length
+        frames = min(plan.context, committed) if plan.context else committed
+        h, w = self._grid(p)
+        return branches * frames * self.pool.pages_for(h * w)
+
     # ---- any thread ----
     def submit(self, prefill: PrefillResult, sink: Sink) -> int:
-        need = sum(self.pool.pages_for(k.shape[1]) for k in prefill.text_k)
+        p = prefill.params
+        plan = self._plan(p)
+        reserve = self._context_reserve(p, plan, len(prefill.text_k))
+        need = sum(self.pool.pages_for(k.shape[1]) for k in prefill.text_k) + reserve
         if need > self.pool.num_pages:
-            raise RequestError("prompt", f"text needs {need} K/V pages, the pool has {self.pool.num_pages}")
+            raise RequestError(
+                "prompt", f"request needs {need} K/V pages (text + AR context), the pool has {self.pool.num_pages}"
+            )
         with self._lock:
             if len(self._waiting) >= self.max_queue:
                 raise QueueFull(f"queue full ({self.max_queue} waiting); retry later")
             self._next_id += 1
-            self._waiting.append(Job(self._next_id, prefill, sink, time.perf_counter()))
+            self._waiting.append(Job(self._next_id, prefill, sink, plan, reserve, time.perf_counter()))
             self._wake.notify()
             return self._next_id
 
@@ -134,10 +181,13 @@ class DenoiseEngine:
                 if not self._waiting:
                     return
                 job = self._waiting[0]
-                need = sum(self.pool.pages_for(k.shape[1]) for k in job.prefill.text_k)
-                if need > self.pool.pages_free:
+                need = sum(self.pool.pages_for(k.shape[1]) for k in job.prefill.text_k) + job.reserve
+                if need > self.pool.pages_free - self._reserved:
                     return  # FIFO: the head waits for pages; nobody overtakes it
                 self._waiting.popleft()
+            if job.sink.cancelled():
+                self._finish(job, cancelled=True)
+                continue
             try:
                 self._start(job)
             except Exception as e:  # noqa: BLE001 - one request's failure must not stop the engine
@@ -146,36 +196,58 @@ class DenoiseEngine:
             self._live.append(job)
 
     def _start(self, job: Job) -> None:
-        p = job.params
-        job.t_admit = time.perf_counter()
-        latent_t = 1 + (p.num_frames - 1) // self.cfg.vae_scale_temporal
-        h, w = p.height // self.cfg.vae_scale_spatial, p.width // self.cfg.vae_scale_spatial
-        patch = self.cfg.latent_patch_size
-        grid = (latent_t, h // patch, w // patch)
-        branches = []
+        job.t_admit = job.t_last_chunk = time.perf_counter()
+        self._reserved += job.reserve
         for k, v in zip(job.prefill.text_k, job.prefill.text_v):
             pages = self.pool.alloc(k.shape[1])
-            job.pages.append(pages)
+            job.text_pages.append(pages)
+            job.context.append([])
             self.pool.write(pages, k.to(self.device, self.dtype), v.to(self.device, self.dtype))
-            pos = vision_position_ids(self.cfg, grid, k.shape[1], p.fps)
-            cos, sin = rotary_tables(self.cfg, pos, self.dtype, self.device)
-            branches.append(Branch(pages, cos, sin))
-        job.branches = tuple(branches)
-        latents = initial_noise((1, self.cfg.latent_channel, latent_t, h, w), p.seed, self.device)
-        first_noisy = 0
-        if job.prefill.cond_latent is not None:  # i2v: latent frame 0 is the clean conditioning frame
+        self._start_window(job, previous=None)
+
+    def _start_window(self, job: Job, previous: torch.Tensor | None) -> None:
+        p, win = job.params, job.plan.windows[job.window]
+        h, w = self._grid(p)
+        patch = self.cfg.latent_patch_size
+        shape = (1, self.cfg.latent_channel, win.length, h * patch, w * patch)
+        latents = initial_noise(shape, p.seed + win.index, self.device)
+        clean = 0
+        if win.pinned:  # chained: the previous window's tail, clean
+            latents[:, :, : win.pinned] = previous[:, :, -win.pinned :]
+            clean = win.pinned
+        elif win.index == 0 and job.prefill.cond_latent is not None:  # i2v: latent frame 0
             latents[:, :, :1] = job.prefill.cond_latent.to(self.device)
-            first_noisy = 1
+            clean = 1
         job.latents = latents
-        job.noisy_frames = torch.arange(first_noisy, latent_t, device=self.device)
+        job.noisy_frames = torch.arange(clean, win.length, device=self.device)
+        job.branches = tuple(
+            Branch((text, *ctx), *self._rotary(text.num_tokens, (win.length, h, w), p.fps, win.rotary_offset))
+            for text, ctx in zip(job.text_pages, job.context)
+        )
         job.scheduler = make_scheduler(
             self.ckpt.scheduler_config, p.steps, p.shift, self.ckpt.use_native_flow_schedule, self.device
         )
+        job.step = 0
+        job.committing = False
 
-    def _finish(self, job: Job, error: str | None = None, cancelled: bool = False) -> None:
-        for pages in job.pages:
+    def _rotary(
+        self, text_len: int, grid: tuple[int, int, int], fps: float, offset: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return rotary_tables(
+            self.cfg, vision_position_ids(self.cfg, grid, text_len, fps, offset), self.dtype, self.device
+        )
+
+    def _release(self, job: Job) -> None:
+        for pages in job.text_pages + [f for br in job.context for f in br]:
             self.pool.free(pages)
-        job.pages = []
+        self._reserved -= job.reserve
+        job.reserve = 0
+        job.text_pages, job.context = [], []
+
+    def _finish(
+        self, job: Job, error: str | None = None, cancelled: bool = False, last: torch.Tensor | None = None
+    ) -> None:
+        self._release(job)
         if cancelled:
             self.stats.cancelled += 1
             job.sink.error("cancelled")
@@ -184,11 +256,73 @@ class DenoiseEngine:
             job.sink.error(error)
         else:
             self.stats.completed += 1
-            now = time.perf_counter()
-            job.sink.done(job.latents, {"queue_s": job.t_admit - job.t_submit, "denoise_s": now - job.t_admit})
+            job.sink.done(last, self._chunk_info(job, final=True))
+
+    def _chunk_info(self, job: Job, final: bool) -> dict[str, Any]:
+        win = job.plan.windows[job.window]
+        now = time.perf_counter()
+        info = {
+            "window": win.index,
+            "windows": len(job.plan.windows),
+            "latent_offset": win.latent_start,
+            "latent_frames": win.new_frames,
+            "timings": {"queue_s": job.t_admit - job.t_submit, "window_s": now - job.t_last_chunk},
+        }
+        if final:
+            info["timings"]["denoise_s"] = now - job.t_admit
+        job.t_last_chunk = now
+        return info
+
+    def _commit(self, job: Job, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Append a kv window's committed K/V, one page list per latent frame. Frames past the context horizon
+        are released first, so a stream never holds more than its horizon (what admission reserved)."""
+        win, horizon = job.plan.windows[job.window], job.plan.context
+        per_frame = kv[0][0].shape[1] // win.length
+        keep = min(horizon, win.length) if horizon else win.length
+        for branch, (k, v) in enumerate(kv):
+            frames = job.context[branch]
+            while horizon and len(frames) + keep > horizon:
+                aged = frames.pop(0)
+                self._reserved += len(aged.pages)  # back into this stream's reservation
+                job.reserve += len(aged.pages)
+                self.pool.free(aged)
+            for f in range(win.length - keep, win.length):
+                pages = self.pool.alloc(per_frame)
+                self._reserved -= len(pages.pages)
+                job.reserve -= len(pages.pages)
+                rows = slice(f * per_frame, (f + 1) * per_frame)
+                self.pool.write(pages, k[:, rows], v[:, rows])
+                frames.append(pages)
+
+    def _advance(self, job: Job, branch_v: list[torch.Tensor]) -> bool:
+        """Scheduler step for one request; returns True when the request has ended."""
+        p = job.params
+        if faults.FAIL_STEP_SEED is not None and p.seed == faults.FAIL_STEP_SEED:
+            raise faults.InjectedFault(f"injected fault in the denoise step (seed {p.seed})")
+        v = guided_velocity(branch_v, p.guidance_scale)
+        t = job.scheduler.timesteps[job.step]
+        job.latents = job.scheduler.step(v.unsqueeze(0), t, job.latents.unsqueeze(0), return_dict=False)[0].squeeze(0)
+        job.step += 1
+        job.sink.progress(job.step, p.steps, job.window, len(job.plan.windows))
+        if job.step < p.steps:
+            return False
+        win = job.plan.windows[job.window]
+        new = job.latents[:, :, win.pinned :]
+        if job.window == len(job.plan.windows) - 1:
+            self._finish(job, last=new)
+            return True
+        job.sink.chunk(new, self._chunk_info(job, final=False))
+        if job.plan.commits:
+            job.committing = True  # next tick: the commit pass over this window's clean latents
+        else:
+            job.window += 1
+            self._start_window(job, previous=job.latents)
+        return False
 
     def tick(self) -> int:
-        """Advance every live request one step. Returns the number of requests stepped."""
+        """Advance every live request one step (or commit pass). Returns the number of requests in the forward."""
+        if faults.STEP_DELAY_S:
+            time.sleep(faults.STEP_DELAY_S)
         self._admit()
         for job in [j for j in self._live if j.sink.cancelled()]:
             self._live.remove(job)
@@ -196,46 +330,39 @@ class DenoiseEngine:
         if not self._live:
             return 0
         jobs = list(self._live)
-        rows = [
-            denoise_step_row(
-                j.latents,
-                float(j.scheduler.timesteps[j.step]),
-                j.noisy_frames,
-                j.branches,
-                self.cfg.latent_patch_size,
-                self.dtype,
-            )
-            for j in jobs
-        ]
-        velocities = denoise_step(self.model, self.pool, rows)
+        patch = self.cfg.latent_patch_size
+        rows = []
+        for j in jobs:
+            if j.committing:
+                rows.append(
+                    denoise_step_row(j.latents, 0.0, j.noisy_frames[:0], j.branches, patch, self.dtype, commit=True)
+                )
+            else:
+                t = float(j.scheduler.timesteps[j.step])
+                rows.append(denoise_step_row(j.latents, t, j.noisy_frames, j.branches, patch, self.dtype))
+        outputs = denoise_step(self.model, self.pool, rows)
         self.stats.ticks += 1
         self.stats.rows_last_tick = sum(r.tokens.shape[0] * len(r.branches) for r in rows)
         self.stats.max_requests_in_tick = max(self.stats.max_requests_in_tick, len(jobs))
-        for job, branch_v in zip(jobs, velocities):
+        for job, out in zip(jobs, outputs):
             try:
-                v = guided_velocity(branch_v, job.params.guidance_scale)
-                t = job.scheduler.timesteps[job.step]
-                job.latents = job.scheduler.step(v.unsqueeze(0), t, job.latents.unsqueeze(0), return_dict=False)[
-                    0
-                ].squeeze(0)
-                job.step += 1
-            except Exception as e:  # noqa: BLE001
+                if job.committing:
+                    self._commit(job, out.kv)
+                    job.window += 1
+                    self._start_window(job, previous=None)
+                    ended = False
+                else:
+                    ended = self._advance(job, out.velocity)
+            except Exception as e:  # noqa: BLE001 - fails this request only
                 self._live.remove(job)
                 self._finish(job, error=f"internal error in denoise step: {e}")
                 continue
-            job.sink.progress(job.step, job.params.steps)
-            if job.step == job.params.steps:
+            if ended:
                 self._live.remove(job)
-                self._finish(job)
         return len(jobs)
 
-    def abort_all(self, message: str) -> None:
-        """End every waiting and live request with `message` (shutdown)."""
-        with self._lock:
-            waiting, self._waiting = list(self._waiting), deque()
-        for job in waiting + self._live:
-            self._finish(job, error=message)
-        self._live = []
+    def pages_held(self, job_id: int) -> int:
+        return next((j.pages_held() for j in self._live if j.id == job_id), 0)
 
     def fail_live(self, message: str) -> None:
         """A tick failed as a whole (e.g. out of memory in the packed forward): end its requests, keep serving."""
@@ -243,9 +370,15 @@ class DenoiseEngine:
         for job in live:
             self._finish(job, error=message)
 
+    def abort_all(self, message: str) -> None:
+        """End every waiting and live request with `message` (shutdown)."""
+        with self._lock:
+            waiting, self._waiting = list(self._waiting), deque()
+        for job in waiting:
+            self.stats.failed += 1
+            job.sink.error(message)
+        self.fail_live(message)
+
     def run_until_idle(self) -> None:
         while self.has_work():
             self.tick()
-
-
-__all__ = ["DenoiseEngine", "QueueFull", "Sink", "PoolExhausted"]

@@ -55,21 +55,28 @@ class Generator:
 
 
 class _CollectSink:
+    """Joins AR chunks along time; `latents` is the whole video's [1, C, T, h, w] once done."""
+
     def __init__(self, steps: int, progress: bool):
+        self.chunks: list[torch.Tensor] = []
         self.latents: torch.Tensor | None = None
         self.failure: str | None = None
         self.bar = None
         if progress:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=steps, desc="denoise", unit="step", file=sys.stderr)
+            self.bar = tqdm(desc="denoise", unit="step", file=sys.stderr)
 
-    def progress(self, step: int, steps: int) -> None:
+    def progress(self, step: int, steps: int, window: int, windows: int) -> None:
         if self.bar is not None:
+            self.bar.total = steps * windows
             self.bar.update(1)
 
-    def done(self, latents: torch.Tensor, timings: dict[str, float]) -> None:
-        self.latents = latents
+    def chunk(self, latents: torch.Tensor, info: dict) -> None:
+        self.chunks.append(latents)
+
+    def done(self, latents: torch.Tensor, info: dict) -> None:
+        self.latents = torch.cat([*self.chunks, latents], dim=2)
         if self.bar is not None:
             self.bar.close()
 

@@ -97,17 +97,16 @@ class TritonSink:
         flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
         self.outbox.put((self.sender, resp, flags))
 
-    def progress(self, step: int, steps: int) -> None:
-        self._put(EMPTY_LATENTS, {"type": "progress", "id": self.id, "step": step, "steps": steps}, final=False)
+    def progress(self, step: int, steps: int, window: int, windows: int) -> None:
+        event = {"type": "progress", "id": self.id, "step": step, "steps": steps, "window": window, "windows": windows}
+        self._put(EMPTY_LATENTS, event, final=False)
 
-    def done(self, latents: torch.Tensor, timings: dict[str, float]) -> None:
-        p = self.meta["params"]
-        event = {
-            "type": "done",
-            "seed": p["seed"],
-            "timings": {"prefill_s": self.meta["prefill_s"], **timings},
-            "t0": self.meta["t0"],
-        }
+    def chunk(self, latents: torch.Tensor, info: dict[str, Any]) -> None:
+        self._put(latents.float().cpu(), {"type": "chunk", "id": self.id, **info}, final=False)
+
+    def done(self, latents: torch.Tensor, info: dict[str, Any]) -> None:
+        info["timings"] = {"prefill_s": self.meta["prefill_s"], **info["timings"]}
+        event = {"type": "done", "id": self.id, "seed": self.meta["params"]["seed"], "t0": self.meta["t0"], **info}
         self._put(latents.float().cpu(), event, final=True)  # the last chunk rides in the final response
         self._forget()
 

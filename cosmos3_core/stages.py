@@ -7,13 +7,14 @@ DecodeStage: normalised latents → uint8 frames. The offline CLI chains the sam
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from .checkpoint import Checkpoint
-from .conditioning import VaeCodec
+from .conditioning import StreamDecoder, VaeCodec
 from .layers import UND
 from .prompts import PromptEncoder
 from .requests import Defaults, GenerationParams, Limits, RequestError, validate
@@ -64,8 +65,10 @@ class PrefillStage:
 
     @torch.inference_mode()
     def run(self, p: GenerationParams, image: np.ndarray | None) -> PrefillResult:
+        # an AR window is generated as a clip of window_frames: its templates describe that clip
+        frames = p.num_frames if p.window_mode == "none" else p.window_frames
         cond_ids, uncond_ids = self.prompts.encode(
-            p.prompt, p.negative_prompt, p.num_frames, p.height, p.width, p.fps, p.use_system_prompt, p.add_templates
+            p.prompt, p.negative_prompt, frames, p.height, p.width, p.fps, p.use_system_prompt, p.add_templates
         )
         branches = [cond_ids, uncond_ids][: p.cfg_branches]
         for name, ids in zip(("prompt", "negative_prompt"), branches):
@@ -82,9 +85,27 @@ class PrefillStage:
 
 
 class DecodeStage:
+    """Whole videos, or AR streams chunk by chunk (decoder cache kept per stream id between chunks)."""
+
+    STREAM_IDLE_S = 900.0  # a stream whose chunks stopped (its request failed upstream) is dropped after this
+
     def __init__(self, ckpt: Checkpoint, device: str, dtype: torch.dtype):
         self.codec = VaeCodec(ckpt.load_vae(device, dtype))
+        self.streams: dict[str, tuple[StreamDecoder, float]] = {}
 
     def run(self, latents: torch.Tensor) -> np.ndarray:
         """normalised latents [1, C, T, h, w] → uint8 [T', H, W, 3]."""
         return self.codec.decode(latents).numpy()
+
+    def run_chunk(self, stream_id: str, latents: torch.Tensor, last: bool) -> np.ndarray:
+        now = time.monotonic()
+        for sid in [s for s, (_, t) in self.streams.items() if now - t > self.STREAM_IDLE_S]:
+            del self.streams[sid]
+        decoder = self.streams.pop(stream_id, (None, 0.0))[0] or StreamDecoder(self.codec)
+        frames = decoder.decode(latents).numpy()
+        if not last:
+            self.streams[stream_id] = (decoder, now)
+        return frames
+
+    def drop(self, stream_id: str) -> None:
+        self.streams.pop(stream_id, None)

@@ -3,7 +3,8 @@
 `denoise_step_row` is the only constructor of a `Row` (what one request contributes to a step). Every
 caller — the engine's tick, warmup, AR commit passes, tests — gets rows from it; `pack_rows` concatenates
 rows (each CFG branch is its own segment) and `denoise_step` runs the GEN tower once over the pack and
-returns each row's per-branch velocity.
+returns each row's per-branch velocity, or, for a commit row (an AR window's clean latents, no timestep),
+its per-branch, per-layer K/V to append to the stream's context.
 
 Layouts:
   latents     [1, C, T, H, W] fp32 (the scheduler's sample; H, W in latent pixels)
@@ -24,9 +25,10 @@ from .towers import gen_forward
 
 @dataclass(frozen=True)
 class Branch:
-    """One CFG branch of a request: its text K/V pages and the rotary tables of its latent tokens."""
+    """One CFG branch of a request: the K/V its tokens attend to before their own (text, then committed AR
+    context frames, oldest first) and the rotary tables of its latent tokens."""
 
-    text_kv: PageList
+    prefix: tuple[PageList, ...]
     cos: torch.Tensor  # [N, head_dim]
     sin: torch.Tensor  # [N, head_dim]
 
@@ -39,13 +41,21 @@ class Row:
     token_shape: tuple[int, int, int]  # (T, h, w) patches
     noisy_frames: torch.Tensor  # [T_noisy] long
     branches: tuple[Branch, ...]  # (cond,) or (cond, uncond)
+    commit: bool  # return the tokens' K/V instead of a velocity
 
 
 @dataclass(frozen=True)
 class Segment:
     start: int
     length: int
-    text_kv: PageList
+    prefix: tuple[PageList, ...]
+    collect_kv: bool
+
+
+@dataclass
+class RowOutput:
+    velocity: list[torch.Tensor]  # per branch [1, C, T, H, W] fp32; empty for a commit row
+    kv: list[tuple[torch.Tensor, torch.Tensor]]  # commit rows: per branch (k, v) [layers, N, kv_heads, d]
 
 
 @dataclass(frozen=True)
@@ -79,11 +89,15 @@ def denoise_step_row(
     branches: tuple[Branch, ...],
     patch: int,
     dtype: torch.dtype,
+    commit: bool = False,
 ) -> Row:
     """Build one request's input to a denoise step.
 
     latents [1, C, T, H, W] (any dtype; cast to the model dtype), `timestep` the scheduler's t for this step
-    (applied to the frames in `noisy_frames`; a commit pass passes no noisy frames), `branches` per CFG branch."""
+    (applied to the frames in `noisy_frames`), `branches` per CFG branch. `commit`: an AR commit pass over
+    clean latents — no noisy frames, no timestep; the step returns the tokens' K/V."""
+    if commit and len(noisy_frames):
+        raise ValueError("a commit row has no noisy frames")
     _, _, t, h, w = latents.shape
     token_shape = (t, h // patch, w // patch)
     per_frame = token_shape[1] * token_shape[2]
@@ -98,6 +112,7 @@ def denoise_step_row(
         token_shape=token_shape,
         noisy_frames=noisy_frames,
         branches=branches,
+        commit=commit,
     )
 
 
@@ -112,7 +127,7 @@ def pack_rows(rows: list[Row]) -> PackedStep:
             masks.append(row.noisy_mask)
             cos.append(br.cos)
             sin.append(br.sin)
-            segments.append(Segment(start, n, br.text_kv))
+            segments.append(Segment(start, n, br.prefix, row.commit))
             start += n
     return PackedStep(
         torch.cat(tokens), torch.cat(timesteps), torch.cat(masks), torch.cat(cos), torch.cat(sin), segments
@@ -120,21 +135,25 @@ def pack_rows(rows: list[Row]) -> PackedStep:
 
 
 @torch.inference_mode()
-def denoise_step(model: Cosmos3Transformer, pool: KVPool, rows: list[Row]) -> list[list[torch.Tensor]]:
-    """One GEN pass over all rows → per row, per branch, the velocity [1, C, T, H, W] fp32."""
+def denoise_step(model: Cosmos3Transformer, pool: KVPool, rows: list[Row]) -> list[RowOutput]:
+    """One GEN pass over all rows → per row its per-branch velocity (fp32, zero on clean frames) or K/V."""
     packed = pack_rows(rows)
-    preds = gen_forward(model, pool, packed)
+    preds, collected = gen_forward(model, pool, packed)
     p = model.cfg.latent_patch_size
-    out: list[list[torch.Tensor]] = []
-    start = 0
+    out: list[RowOutput] = []
+    start, seg = 0, 0
     for row in rows:
         n = row.tokens.shape[0]
+        result = RowOutput([], [])
         frame_keep = torch.zeros(row.token_shape[0], dtype=torch.float32, device=preds.device)
         frame_keep[row.noisy_frames] = 1.0
-        velocities = []
         for _ in row.branches:
-            v = unpatchify(preds[start : start + n].float(), row.token_shape, p)
-            velocities.append(v * frame_keep.view(1, 1, -1, 1, 1))
+            if row.commit:
+                result.kv.append(collected[seg])
+            else:
+                v = unpatchify(preds[start : start + n].float(), row.token_shape, p)
+                result.velocity.append(v * frame_keep.view(1, 1, -1, 1, 1))
             start += n
-        out.append(velocities)
+            seg += 1
+        out.append(result)
     return out

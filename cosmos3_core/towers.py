@@ -84,13 +84,23 @@ def prefill_text_kv(
     return torch.stack(ks), torch.stack(vs)
 
 
-def gen_forward(model: Cosmos3Transformer, pool: KVPool, packed) -> torch.Tensor:  # packed: step.PackedStep
-    """One GEN pass over a packed step → predictions [rows, patch_latent_dim] (every row, clean ones too)."""
+def gen_forward(
+    model: Cosmos3Transformer, pool: KVPool, packed
+) -> tuple[torch.Tensor, dict[int, tuple[torch.Tensor, torch.Tensor]]]:  # packed: step.PackedStep
+    """One GEN pass over a packed step → predictions [rows, patch_latent_dim] (every row, clean ones too) and,
+    for each segment that asks (`collect_kv`), its tokens' K/V [layers, tokens, kv_heads, d]."""
+    collect = [i for i, seg in enumerate(packed.segments) if seg.collect_kv]
+    ks: dict[int, list[torch.Tensor]] = {i: [] for i in collect}
+    vs: dict[int, list[torch.Tensor]] = {i: [] for i in collect}
     x = embed_latent_tokens(model, packed.tokens, packed.timesteps, packed.noisy_mask)
     for i, layer in enumerate(model.layers):
         q, k, v = _gen_qkv(layer, x, packed.cos, packed.sin)
+        for j in collect:
+            rows = slice(packed.segments[j].start, packed.segments[j].start + packed.segments[j].length)
+            ks[j].append(k[rows])
+            vs[j].append(v[rows])
         x = _gen_residual(layer, x, gen_attention(q, k, v, pool, i, packed.segments))
-    return model.proj_out(model.norm_moe_gen(x))
+    return model.proj_out(model.norm_moe_gen(x)), {j: (torch.stack(ks[j]), torch.stack(vs[j])) for j in collect}
 
 
 @torch.inference_mode()

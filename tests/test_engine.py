@@ -18,10 +18,13 @@ class Recorder:
         self.errors: list[str] = []
         self.cancel_at = cancel_at
 
-    def progress(self, step, steps):
+    def progress(self, step, steps, window, windows):
         self.steps.append(step)
 
-    def done(self, latents, timings):
+    def chunk(self, latents, info):
+        raise AssertionError("single-shot requests send no chunks")
+
+    def done(self, latents, info):
         self.latents = latents
 
     def error(self, message):
@@ -63,7 +66,7 @@ def test_admission_waits_for_pages_then_rejects_past_queue_bound(parts):
 def test_request_larger_than_pool_is_rejected_up_front(parts):
     ckpt, prefill = parts
     engine = DenoiseEngine(ckpt, "cpu", torch.float32, pool_pages=2, page_size=4, max_queue=2)
-    with pytest.raises(RequestError, match="prompt: text needs"):
+    with pytest.raises(RequestError, match="prompt: request needs"):
         engine.submit(prefilled(prefill, 0), Recorder())
     assert engine.num_waiting == 0
 

@@ -45,7 +45,7 @@ def test_step_reads_every_row_field(monkeypatch, nano_ckpt):
     pool = KVPool(8, 4, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, torch.float32, "cpu")
     pages = pool.alloc(5)
     cos = sin = torch.ones(1 * 2 * 2, cfg.head_dim)
-    branch = step.Branch(pages, cos, sin)
+    branch = step.Branch((pages,), cos, sin)
     latents = torch.randn(1, cfg.latent_channel, 1, 4, 4)
     row = step.denoise_step_row(latents, 500.0, torch.arange(1), (branch,), cfg.latent_patch_size, torch.float32)
     step.denoise_step(model, pool, [row])  # the builder's row runs

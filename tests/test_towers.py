@@ -28,7 +28,7 @@ def make_request(ckpt: Checkpoint, model, pool, text_len: int, grid: tuple[int, 
         pages = pool.alloc(len(ids))
         pool.write(pages, k, v)
         gen_rot = rotary_tables(cfg, vision_position_ids(cfg, grid, len(ids), 16.0), torch.float32, "cpu")
-        branches.append(Branch(pages, *gen_rot))
+        branches.append(Branch((pages,), *gen_rot))
         refs.append((ids, text_rot, gen_rot))
     noisy = torch.arange(first_noisy, t)
     row = denoise_step_row(latents, 700.0 - 50 * seed, noisy, tuple(branches), p, torch.float32)
@@ -47,6 +47,7 @@ def test_cache_once_equals_fused(tiny_ckpts, variant):
     rows = [r for r, _ in reqs]
     packed = denoise_step(model, pool, rows)
     solo = [denoise_step(model, pool, [r])[0] for r in rows]
+    packed, solo = [o.velocity for o in packed], [o.velocity for o in solo]
     p = cfg.latent_patch_size
     for (row, refs), v_packed, v_solo in zip(reqs, packed, solo):
         for (ids, text_rot, gen_rot), vp, vs in zip(refs, v_packed, v_solo):

@@ -22,6 +22,7 @@ from cosmos3_core.serving import (
     text_output,
 )
 from cosmos3_core.stages import DecodeStage
+from cosmos3_core.windows import pixel_frames_of_chunk
 
 EMPTY_VIDEO = np.zeros((0, 0, 0, 3), dtype=np.uint8)
 
@@ -31,6 +32,7 @@ class TritonPythonModel:
         d, device = deployment_from_args(args)
         self.stage = DecodeStage(Checkpoint.open(resolve_checkpoint(d.checkpoint)), device, d.torch_dtype)
         self.marks = CancelMarks(d.cancel_dir)
+        self.temporal = self.stage.codec.vae.config.scale_factor_temporal
 
     def execute(self, requests):
         return [self._one(r) for r in requests]
@@ -41,13 +43,17 @@ class TritonPythonModel:
             if request.is_cancelled():  # the client cancelled: tell the engine (see cosmos3_core/cancel.py)
                 if event.get("id"):
                     self.marks.mark(event["id"])
+                    self.stage.drop(event["id"])
                 return error_response("cancelled")
             latents = input_torch(request, "latents")
             video = EMPTY_VIDEO
-            if latents.numel():
+            if latents.numel():  # chunk (AR window) or done: AR chunks share the decoder cache of their stream
                 t = time.time()
-                video = self.stage.run(latents)
+                video = self.stage.run_chunk(event["id"], latents, last=event["type"] == "done")
                 event["frames"] = int(video.shape[0])
+                event["frame_offset"] = pixel_frames_of_chunk(
+                    event["latent_offset"], event["latent_frames"], self.temporal
+                )[0]
                 event.setdefault("timings", {})["decode_s"] = time.time() - t
                 if "t0" in event:
                     event["timings"]["server_e2e_s"] = time.time() - event.pop("t0")
