@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from cosmos3_core.media import FRAME_SUFFIXES, write_frames
 
@@ -17,28 +18,44 @@ PARAMS = {"negative_prompt": str, "height": int, "width": int, "num_frames": int
           "guidance_scale": float, "shift": float, "seed": int}  # fmt: skip
 
 
+WINDOW_PARAMS = {"window_frames": int, "overlap_frames": int, "context_frames": int, "max_windows": int}
+
+
+def add_request_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default="127.0.0.1:8001")
+    p.add_argument("--wait-ready", type=float, default=0.0, help="wait up to this many seconds for the server")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--image")
+    for name, typ in PARAMS.items():
+        flag = {"guidance_scale": "--guidance"}.get(name, "--" + name.replace("_", "-"))
+        p.add_argument(flag, dest=name, type=typ)
+    p.add_argument("--no-system-prompt", dest="use_system_prompt", action="store_const", const=False)
+    p.add_argument("--no-templates", dest="add_templates", action="store_const", const=False)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m client")
     sub = ap.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="one request, the whole video at the end")
-    g.add_argument("--url", default="127.0.0.1:8001")
-    g.add_argument("--wait-ready", type=float, default=0.0, help="wait up to this many seconds for the server")
-    g.add_argument("--prompt", required=True)
-    g.add_argument("--image")
-    for name, typ in PARAMS.items():
-        flag = {"guidance_scale": "--guidance"}.get(name, "--" + name.replace("_", "-"))
-        g.add_argument(flag, dest=name, type=typ)
-    g.add_argument("--no-system-prompt", dest="use_system_prompt", action="store_const", const=False)
-    g.add_argument("--no-templates", dest="add_templates", action="store_const", const=False)
+    g = sub.add_parser("generate", help="one request; the whole video at the end")
+    add_request_args(g)
     g.add_argument("--out", required=True, help="output file: " + ", ".join(FRAME_SUFFIXES))
+    s = sub.add_parser("stream", help="a long video window by window (Nano AR); chunks written as they arrive")
+    add_request_args(s)
+    s.add_argument("--window-mode", dest="window_mode", choices=("chained", "kv"), default="chained")
+    for name, typ in WINDOW_PARAMS.items():
+        s.add_argument("--" + name.replace("_", "-"), dest=name, type=typ)
+    s.add_argument(
+        "--out", required=True, help="the joined video (.mp4/.npy); chunks go next to it as <stem>.chunkNNN.mp4"
+    )
     args = ap.parse_args(argv)
 
     if not args.out.endswith(FRAME_SUFFIXES):
         print(f"error: out: suffix must be one of {', '.join(FRAME_SUFFIXES)}", file=sys.stderr)
         return 2
-    params = {
-        k: getattr(args, k) for k in (*PARAMS, "use_system_prompt", "add_templates") if getattr(args, k) is not None
-    }
+    keys = (*PARAMS, "use_system_prompt", "add_templates")
+    if args.command == "stream":
+        keys = (*keys, "window_mode", *WINDOW_PARAMS)
+    params = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
     image = None
     if args.image:
         from cosmos3_core.generate import load_image
@@ -53,12 +70,21 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     bar = tqdm(desc="denoise", unit="step", file=sys.stderr)
+    out = Path(args.out)
+    fps = params.get("fps") or 16.0
+    chunks_written: list[str] = []
 
-    def on_event(event: dict) -> None:
+    def on_event(event: dict, frames) -> None:
         if event["type"] == "progress":
-            bar.total = event["steps"]
-            bar.n = event["step"]
+            bar.total = event["steps"] * event.get("windows", 1)
+            bar.n = event.get("window", 0) * event["steps"] + event["step"]
+            bar.set_postfix_str(f"window {event.get('window', 0) + 1}/{event.get('windows', 1)}")
             bar.refresh()
+        elif frames is not None and args.command == "stream":
+            path = out.with_name(f"{out.stem}.chunk{event['window']:03d}.mp4")
+            write_frames(path, frames, fps)
+            chunks_written.append(str(path))
+            bar.write(f"window {event['window'] + 1}/{event['windows']}: {frames.shape[0]} frames → {path}")
 
     try:
         if args.wait_ready:
@@ -70,12 +96,17 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     bar.close()
     done = next((e for e in result.events if e["type"] == "done"), {})
-    write_frames(args.out, result.video, params.get("fps") or 16.0)
+    video = result.video
+    write_frames(out, video, fps)
+    print(f"wrote {out}: {video.shape[0]} frames {video.shape[2]}x{video.shape[1]}", file=sys.stderr)
+    gaps = [b - a for a, b in zip(result.chunk_times, result.chunk_times[1:])]
     print(
-        f"wrote {args.out}: {result.video.shape[0]} frames {result.video.shape[2]}x{result.video.shape[1]}",
+        f"TTFC {result.ttfc_s:.2f}s  e2e {result.e2e_s:.2f}s  frames/s {video.shape[0] / result.e2e_s:.1f}",
         file=sys.stderr,
     )
-    print(f"TTFC {result.ttfc_s:.2f}s  e2e {result.e2e_s:.2f}s  server {done.get('timings', {})}", file=sys.stderr)
+    if gaps:
+        print("chunk gaps " + " ".join(f"{g:.2f}s" for g in gaps), file=sys.stderr)
+    print(f"server timings {done.get('timings', {})}", file=sys.stderr)
     return 0
 
 

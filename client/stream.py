@@ -76,13 +76,14 @@ def generate(
     prompt: str | bytes,
     params: dict[str, Any] | str,
     image: np.ndarray | None = None,
-    on_event: Callable[[dict[str, Any]], None] | None = None,
+    on_event: Callable[[dict[str, Any], np.ndarray | None], None] | None = None,
     model: str = "cosmos3",
     timeout_s: float = 3600.0,
     cancel_after: Callable[[dict[str, Any]], bool] | None = None,
 ) -> StreamResult:
     """Send one request and wait for its final response. Raises ServerError with the server's message.
 
+    `on_event(event, frames)` sees every event with the frames that came with it (None for progress);
     `cancel_after(event)` → True cancels the stream at that event (the result then holds what came before)."""
     import tritonclient.grpc as grpcclient
 
@@ -99,14 +100,15 @@ def generate(
                 raise ServerError(str(error))
             video = result.as_numpy("video")
             event_raw = result.as_numpy("event")
-            if video is not None and video.size:
-                out.frames.append(video)
+            frames = video if video is not None and video.size else None
+            if frames is not None:
+                out.frames.append(frames)
                 out.chunk_times.append(t - t0)
             if event_raw is not None and event_raw.size:
                 event = json.loads(event_raw.reshape(-1)[0])
                 out.events.append(event)
                 if on_event is not None:
-                    on_event(event)
+                    on_event(event, frames)
                 if cancel_after is not None and cancel_after(event):
                     client.stop_stream(cancel_requests=True)
                     out.e2e_s = time.perf_counter() - t0

@@ -102,7 +102,7 @@ class TritonSink:
         self._put(EMPTY_LATENTS, event, final=False)
 
     def chunk(self, latents: torch.Tensor, info: dict[str, Any]) -> None:
-        self._put(latents.float().cpu(), {"type": "chunk", "id": self.id, **info}, final=False)
+        self._put(latents.float().cpu(), {"type": "chunk", "id": self.id, "t0": self.meta["t0"], **info}, final=False)
 
     def done(self, latents: torch.Tensor, info: dict[str, Any]) -> None:
         info["timings"] = {"prefill_s": self.meta["prefill_s"], **info["timings"]}
@@ -190,6 +190,47 @@ class EngineMetrics:
             if now != self._last[k]:
                 self.outcomes[k].increment(now - self._last[k])
                 self._last[k] = now
+
+
+class DecodeMetrics:
+    """Latency histograms measured where frames leave the server (after decode): time to first chunk (the
+    whole video for single-shot requests), gaps between an AR stream's chunks, end-to-end time."""
+
+    BUCKETS = [0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+
+    def __init__(self, labels: dict[str, str]):
+        H = pb_utils.MetricFamily.HISTOGRAM
+        self._families = [
+            pb_utils.MetricFamily(name=n, description=d, kind=H)
+            for n, d in (
+                ("cosmos3_ttfc_seconds", "Request arrival to its first frames out"),
+                ("cosmos3_chunk_gap_seconds", "Between consecutive chunks of one AR stream"),
+                ("cosmos3_e2e_seconds", "Request arrival to its last frames out"),
+            )
+        ]
+        self.ttfc, self.gap, self.e2e = (f.Metric(labels=labels, buckets=self.BUCKETS) for f in self._families)
+        self.last_chunk: dict[str, float] = {}  # stream id → when its previous chunk left
+
+    def frames_out(self, event: dict[str, Any]) -> dict[str, float]:
+        """Record a chunk/done event leaving; returns the timings to add to it."""
+        now = time.time()
+        prev = self.last_chunk.pop(event["id"], None)
+        timings: dict[str, float] = {}
+        if prev is None:
+            timings["ttfc_s"] = now - event["t0"]
+            self.ttfc.observe(timings["ttfc_s"])
+        else:
+            timings["chunk_gap_s"] = now - prev
+            self.gap.observe(timings["chunk_gap_s"])
+        if event["type"] == "done":
+            timings["server_e2e_s"] = now - event["t0"]
+            self.e2e.observe(timings["server_e2e_s"])
+        else:
+            self.last_chunk[event["id"]] = now
+        return timings
+
+    def forget(self, stream_id: str) -> None:
+        self.last_chunk.pop(stream_id, None)
 
 
 class EngineThread:

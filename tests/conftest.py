@@ -83,7 +83,7 @@ SERVED_CONFIG = {
         "t2v": {"steps": 4, "guidance_scale": 6.0, "shift": 10.0},
         "i2v": {"steps": 4, "guidance_scale": 5.0, "shift": 8.0},
     },
-    "limits": {"max_height": 256, "max_width": 256, "max_frames": 33, "max_steps": 60, "max_prompt_tokens": 600,
+    "limits": {"max_windows": 8, "max_height": 256, "max_width": 256, "max_frames": 33, "max_steps": 60, "max_prompt_tokens": 600,
                "max_prompt_bytes": 2048, "max_image_pixels": 65536, "max_pixel_frames": 2_000_000},
 }  # fmt: skip
 

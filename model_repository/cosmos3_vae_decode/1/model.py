@@ -13,6 +13,7 @@ from cosmos3_core.cancel import CancelMarks
 from cosmos3_core.checkpoint import Checkpoint
 from cosmos3_core.deployment import resolve_checkpoint
 from cosmos3_core.serving import (
+    DecodeMetrics,
     deployment_from_args,
     error_response,
     input_array,
@@ -33,6 +34,7 @@ class TritonPythonModel:
         self.stage = DecodeStage(Checkpoint.open(resolve_checkpoint(d.checkpoint)), device, d.torch_dtype)
         self.marks = CancelMarks(d.cancel_dir)
         self.temporal = self.stage.codec.vae.config.scale_factor_temporal
+        self.metrics = DecodeMetrics({"model": args["model_name"], "instance": args["model_instance_name"]})
 
     def execute(self, requests):
         return [self._one(r) for r in requests]
@@ -44,6 +46,7 @@ class TritonPythonModel:
                 if event.get("id"):
                     self.marks.mark(event["id"])
                     self.stage.drop(event["id"])
+                    self.metrics.forget(event["id"])
                 return error_response("cancelled")
             latents = input_torch(request, "latents")
             video = EMPTY_VIDEO
@@ -55,8 +58,8 @@ class TritonPythonModel:
                     event["latent_offset"], event["latent_frames"], self.temporal
                 )[0]
                 event.setdefault("timings", {})["decode_s"] = time.time() - t
-                if "t0" in event:
-                    event["timings"]["server_e2e_s"] = time.time() - event.pop("t0")
+                event["timings"].update(self.metrics.frames_out(event))
+                del event["t0"]
         except Exception as e:  # noqa: BLE001
             return error_response(log_exception("cosmos3_vae_decode", e))
         return pb_utils.InferenceResponse(
