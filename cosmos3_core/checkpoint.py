@@ -34,6 +34,7 @@ class Checkpoint:
     scheduler_config: dict[str, Any]
     use_native_flow_schedule: bool
     default_use_system_prompt: bool
+    random_weights: bool = False  # a real-shape skeleton for speed runs (tools/random_checkpoint.py)
 
     @classmethod
     def open(cls, root: str | Path) -> Checkpoint:
@@ -54,6 +55,7 @@ class Checkpoint:
             scheduler_config=sched,
             use_native_flow_schedule=bool(index.get("use_native_flow_schedule", False)),
             default_use_system_prompt=bool(index.get("default_use_system_prompt", True)),
+            random_weights=bool(index.get("random_weights", False)),
         )
 
     def weight_files(self) -> dict[str, Path]:
@@ -72,6 +74,8 @@ class Checkpoint:
     def load_transformer(
         self, parts: set[str] | frozenset[str], device: str | torch.device, dtype: torch.dtype
     ) -> Cosmos3Transformer:
+        if self.random_weights:
+            return self._random_transformer(parts, device, dtype)
         with torch.device("meta"):
             model = Cosmos3Transformer(self.config, frozenset(parts))
         expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
@@ -101,8 +105,31 @@ class Checkpoint:
         model.load_state_dict(state, strict=True, assign=True)
         return model.eval().requires_grad_(False)
 
+    def _random_transformer(
+        self, parts: set[str] | frozenset[str], device: str | torch.device, dtype: torch.dtype
+    ) -> Cosmos3Transformer:
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = Cosmos3Transformer(self.config, frozenset(parts))
+        for p in model.parameters():
+            if p.ndim > 1:  # scaled so activations stay O(1) through the stack
+                torch.nn.init.normal_(p, std=p.shape[-1] ** -0.5)
+        model.to(dtype)
+        if hasattr(model, "time_embedder"):
+            model.time_embedder.float()  # fp32, as loaded checkpoints keep it
+        return model.eval().requires_grad_(False)
+
     def load_vae(self, device: str | torch.device, dtype: torch.dtype):  # -> AutoencoderKLWan
         from diffusers import AutoencoderKLWan
+
+        if self.random_weights:
+            torch.manual_seed(0)
+            return (
+                AutoencoderKLWan.from_config(read_json(self.root / "vae" / "config.json"))
+                .to(device, dtype)
+                .eval()
+                .requires_grad_(False)
+            )
 
         try:
             vae = AutoencoderKLWan.from_pretrained(self.root / "vae", torch_dtype=dtype)

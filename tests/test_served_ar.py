@@ -59,7 +59,20 @@ def test_cancel_mid_stream(server):
 
 def test_client_stream_command(server, tmp_path):
     out = tmp_path / "long.mp4"
-    args = ["--url", server.url, "--prompt", "a river", "--num-frames", "33", "--window-frames", "17", "--steps", "2", "--out", str(out)]
+    args = [
+        "--url",
+        server.url,
+        "--prompt",
+        "a river",
+        "--num-frames",
+        "33",
+        "--window-frames",
+        "17",
+        "--steps",
+        "2",
+        "--out",
+        str(out),
+    ]
     r = subprocess.run([sys.executable, "-m", "client", "stream", *args], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert out.is_file() and len(list(tmp_path.glob("long.chunk*.mp4"))) == 3
