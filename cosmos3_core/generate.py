@@ -23,7 +23,7 @@ from .deployment import Deployment, resolve_checkpoint
 from .engine import DenoiseEngine
 from .media import FRAME_SUFFIXES, write_frames
 from .requests import RequestError
-from .stages import DecodeStage, PrefillStage
+from .stages import DecodeStage, PrefillResult, PrefillStage
 
 OUT_SUFFIXES = (*FRAME_SUFFIXES, ".pt")
 
@@ -43,8 +43,11 @@ class Generator:
         self, prompt: str, params: dict, image: np.ndarray | None = None, progress: bool = False
     ) -> torch.Tensor:
         p = self.prefill.validate(prompt, params, image)
-        sink = _CollectSink(p.steps, progress)
-        self.engine.submit(self.prefill.run(p, image), sink)
+        return self.latents_from(self.prefill.run(p, image), progress)
+
+    def latents_from(self, prefilled: PrefillResult, progress: bool = False) -> torch.Tensor:
+        sink = _CollectSink(prefilled.params.steps, progress)
+        self.engine.submit(prefilled, sink)
         self.engine.run_until_idle()
         if sink.failure is not None:
             raise RuntimeError(sink.failure)

@@ -1,0 +1,133 @@
+"""In-process speed, side by side in one run: our engine vs diffusers' Cosmos3OmniPipeline on the same random
+weights at the real shapes, and the compute floor.
+
+  python -m bench.inprocess --preset edge --height 480 --width 832 --frames 121 --steps 20 --guidance 6 [--no-diffusers]
+
+Prints a table and writes JSON to --json. Needs CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from cosmos3_core.deployment import Deployment
+from cosmos3_core.generate import Generator
+
+from .floor import H200_BF16_FLOPS, denoise_flops, tokens_for
+
+
+def sync_time() -> float:
+    torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def ours(args, params) -> dict:
+    gen = Generator(Deployment(checkpoint=f"random:{args.preset}", device="cuda", dtype="bfloat16", pool_pages=4096))
+    gen.frames(PROMPT, {**params, "steps": 2})  # warm-up: allocator, cuBLAS/flash heuristics, compile
+    phases = {"prefill": [], "denoise": [], "decode": [], "e2e": []}
+    for _ in range(args.repeat):
+        marks = [sync_time()]
+        pre = gen.prefill.run(gen.prefill.validate(PROMPT, params, None), None)
+        marks.append(sync_time())
+        lat = gen.latents_from(pre)
+        marks.append(sync_time())
+        gen.decode.run(lat)
+        marks.append(sync_time())
+        for name, a, b in (("prefill", 0, 1), ("denoise", 1, 2), ("decode", 2, 3), ("e2e", 0, 3)):
+            phases[name].append(marks[b] - marks[a])
+    return {"phases": phases, "text_tokens": pre.text_k[0].shape[1]}
+
+
+def reference(args, params) -> dict:
+    from diffusers import Cosmos3OmniPipeline, Cosmos3OmniTransformer, UniPCMultistepScheduler
+
+    from cosmos3_core.checkpoint import Checkpoint
+    from cosmos3_core.config import read_json
+    from cosmos3_core.deployment import resolve_checkpoint
+
+    root = resolve_checkpoint(f"random:{args.preset}")
+    ckpt = Checkpoint.open(root)
+    tcfg = {k: v for k, v in read_json(root / "transformer" / "config.json").items() if not k.startswith("_")}
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        transformer = Cosmos3OmniTransformer(**tcfg).to(torch.bfloat16)
+    transformer.time_embedder.float()
+    vae = ckpt.load_vae("cuda", torch.bfloat16)
+    sched = UniPCMultistepScheduler.from_config(ckpt.scheduler_config, flow_shift=params["shift"])
+    pipe = Cosmos3OmniPipeline(transformer, ckpt.load_tokenizer(), vae, sched, enable_safety_checker=False,
+                               use_native_flow_schedule=ckpt.use_native_flow_schedule)  # fmt: skip
+    pipe.set_progress_bar_config(disable=True)
+
+    def run(steps: int):
+        return pipe(prompt=PROMPT, num_frames=params["num_frames"], height=params["height"], width=params["width"],
+                    fps=24.0, num_inference_steps=steps, guidance_scale=params["guidance_scale"],
+                    generator=torch.Generator().manual_seed(0), output_type="np", enable_safety_check=False)  # fmt: skip
+
+    run(2)
+    e2e = []
+    for _ in range(args.repeat):
+        t0 = sync_time()
+        run(params["steps"])
+        e2e.append(sync_time() - t0)
+    return {"e2e": e2e}
+
+
+PROMPT = "A robot arm stacks red and blue cubes on a wooden table, soft daylight, static camera."
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="edge")
+    ap.add_argument("--height", type=int, default=480)
+    ap.add_argument("--width", type=int, default=832)
+    ap.add_argument("--frames", type=int, default=121)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--guidance", type=float, default=6.0)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--no-diffusers", action="store_true")
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    params = {"height": args.height, "width": args.width, "num_frames": args.frames, "steps": args.steps,
+              "guidance_scale": args.guidance, "shift": 5.0, "seed": 0}  # fmt: skip
+    torch.backends.cuda.matmul.allow_tf32 = True
+    result = {"args": vars(args), "gpu": torch.cuda.get_device_name()}
+    result["ours"] = ours(args, params)
+    result["ours_peak_mem_gb"] = torch.cuda.max_memory_allocated() / 1e9
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    if not args.no_diffusers:
+        result["diffusers"] = reference(args, params)
+    result["diffusers_peak_mem_gb"] = torch.cuda.max_memory_allocated() / 1e9
+
+    from cosmos3_core.checkpoint import Checkpoint
+    from cosmos3_core.deployment import resolve_checkpoint
+
+    cfg = Checkpoint.open(resolve_checkpoint(f"random:{args.preset}")).config
+    tokens = tokens_for(cfg, args.height, args.width, args.frames)
+    flops = denoise_flops(cfg, tokens, result["ours"]["text_tokens"], args.steps, 2 if args.guidance != 1 else 1)
+    result["floor_s"] = flops / H200_BF16_FLOPS
+    result["tokens_per_branch"] = tokens
+    med = {k: statistics.median(v) for k, v in result["ours"]["phases"].items()}
+    rows = [("ours e2e", med["e2e"]), ("ours prefill", med["prefill"]), ("ours denoise", med["denoise"]),
+            ("ours decode", med["decode"]), ("compute floor (denoise)", result["floor_s"])]  # fmt: skip
+    if "diffusers" in result:
+        rows.append(("diffusers e2e", statistics.median(result["diffusers"]["e2e"])))
+    print(f"{args.preset} {args.width}x{args.height}x{args.frames} steps {args.steps} guidance {args.guidance} "
+          f"tokens/branch {tokens} on {result['gpu']}")  # fmt: skip
+    for name, v in rows:
+        print(f"  {name:28s} {v:8.2f} s")
+    print(f"  denoise / floor              {med['denoise'] / result['floor_s']:8.2f} x")
+    if "diffusers" in result:
+        print(f"  diffusers / ours (e2e)       {statistics.median(result['diffusers']['e2e']) / med['e2e']:8.2f} x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
