@@ -27,8 +27,13 @@ def sync_time() -> float:
 
 
 def ours(args, params) -> dict:
-    gen = Generator(Deployment(checkpoint=f"random:{args.preset}", device="cuda", dtype="bfloat16", pool_pages=4096))
+    d = Deployment(
+        checkpoint=f"random:{args.preset}", device="cuda", dtype="bfloat16", pool_pages=4096, compile=args.compile
+    )
+    t0 = time.perf_counter()
+    gen = Generator(d)
     gen.frames(PROMPT, {**params, "steps": 2})  # warm-up: allocator, cuBLAS/flash heuristics, compile
+    warmup_s = time.perf_counter() - t0
     phases = {"prefill": [], "denoise": [], "decode": [], "e2e": []}
     for _ in range(args.repeat):
         marks = [sync_time()]
@@ -40,7 +45,7 @@ def ours(args, params) -> dict:
         marks.append(sync_time())
         for name, a, b in (("prefill", 0, 1), ("denoise", 1, 2), ("decode", 2, 3), ("e2e", 0, 3)):
             phases[name].append(marks[b] - marks[a])
-    return {"phases": phases, "text_tokens": pre.text_k[0].shape[1]}
+    return {"phases": phases, "text_tokens": pre.text_k[0].shape[1], "load_and_warmup_s": warmup_s}
 
 
 def reference(args, params) -> dict:
@@ -90,6 +95,7 @@ def main() -> None:
     ap.add_argument("--guidance", type=float, default=6.0)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--no-diffusers", action="store_true")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the GEN layer stack")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     params = {"height": args.height, "width": args.width, "num_frames": args.frames, "steps": args.steps,
@@ -118,7 +124,8 @@ def main() -> None:
     if "diffusers" in result:
         rows.append(("diffusers e2e", statistics.median(result["diffusers"]["e2e"])))
     print(f"{args.preset} {args.width}x{args.height}x{args.frames} steps {args.steps} guidance {args.guidance} "
-          f"tokens/branch {tokens} on {result['gpu']}")  # fmt: skip
+          f"tokens/branch {tokens} compile {args.compile} on {result['gpu']} "
+          f"(load+warmup {result['ours']['load_and_warmup_s']:.0f}s)")  # fmt: skip
     for name, v in rows:
         print(f"  {name:28s} {v:8.2f} s")
     print(f"  denoise / floor              {med['denoise'] / result['floor_s']:8.2f} x")

@@ -24,6 +24,8 @@ class Deployment:
     pool_pages: int = 256
     page_size: int = 16
     max_queue: int = 16
+    compile: bool = False  # torch.compile the GEN layer stack (dynamic shapes)
+    warmup_requests: list[dict[str, Any]] = field(default_factory=list)  # request parameters run at startup
     cancel_dir: str = ""  # where the decode step marks cancelled requests for the engine (set by serve.render)
     instances: dict[str, int] = field(default_factory=lambda: {"prefill": 1, "denoise": 1, "vae_decode": 1})
     defaults: Defaults = field(default_factory=Defaults)

@@ -17,6 +17,7 @@ then exactly one of `done` (the last frames) or `error`.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import deque
@@ -34,6 +35,7 @@ from .rotary import rotary_tables, vision_position_ids
 from .sampling import guided_velocity, initial_noise, make_scheduler
 from .stages import PrefillResult
 from .step import Branch, denoise_step, denoise_step_row
+from .towers import EAGER, GenKernels
 from .windows import WindowPlan, latent_frames, plan_windows
 
 
@@ -47,6 +49,17 @@ class Sink(Protocol):
 
 class QueueFull(RuntimeError):
     pass
+
+
+class _NullSink:
+    def progress(self, step: int, steps: int, window: int, windows: int) -> None: ...
+    def chunk(self, latents: torch.Tensor, info: dict[str, Any]) -> None: ...
+    def done(self, latents: torch.Tensor, info: dict[str, Any]) -> None: ...
+    def cancelled(self) -> bool:
+        return False
+
+    def error(self, message: str) -> None:
+        raise RuntimeError(f"warmup request failed: {message}")
 
 
 @dataclass
@@ -89,9 +102,17 @@ class EngineStats:
 
 class DenoiseEngine:
     def __init__(
-        self, ckpt: Checkpoint, device: str, dtype: torch.dtype, pool_pages: int, page_size: int, max_queue: int
+        self,
+        ckpt: Checkpoint,
+        device: str,
+        dtype: torch.dtype,
+        pool_pages: int,
+        page_size: int,
+        max_queue: int,
+        compile: bool = False,
     ):
         self.ckpt = ckpt
+        self.kernels = GenKernels.compiled() if compile else EAGER
         self.cfg = ckpt.config
         self.device, self.dtype = device, dtype
         self.model = ckpt.load_transformer({GEN}, device, dtype)
@@ -340,7 +361,7 @@ class DenoiseEngine:
             else:
                 t = float(j.scheduler.timesteps[j.step])
                 rows.append(denoise_step_row(j.latents, t, j.noisy_frames, j.branches, patch, self.dtype))
-        outputs = denoise_step(self.model, self.pool, rows)
+        outputs = denoise_step(self.model, self.pool, rows, self.kernels)
         self.stats.ticks += 1
         self.stats.rows_last_tick = sum(r.tokens.shape[0] * len(r.branches) for r in rows)
         self.stats.max_requests_in_tick = max(self.stats.max_requests_in_tick, len(jobs))
@@ -378,6 +399,22 @@ class DenoiseEngine:
             self.stats.failed += 1
             job.sink.error(message)
         self.fail_live(message)
+
+    def warmup(self, requests: list[GenerationParams], text_tokens: int = 96) -> float:
+        """Run each request shape for two steps through the real step (rows from the row builder), so compiles,
+        allocator growth and kernel autotuning happen before serving. Returns seconds spent."""
+        t0 = time.perf_counter()
+        cfg = self.cfg
+        g = torch.Generator().manual_seed(0)
+        for p in requests:
+            shape = (cfg.num_hidden_layers, text_tokens, cfg.num_key_value_heads, cfg.head_dim)
+            kv = [torch.randn(shape, generator=g).to(self.dtype) * 0.1 for _ in range(2 * p.cfg_branches)]
+            pre = PrefillResult(dataclasses.replace(p, steps=2), kv[: p.cfg_branches], kv[p.cfg_branches :], None)
+            self.submit(pre, _NullSink())
+            self.run_until_idle()
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
 
     def run_until_idle(self) -> None:
         while self.has_work():

@@ -21,6 +21,7 @@ class PoolExhausted(RuntimeError):
 class PageList:
     pages: list[int]
     num_tokens: int
+    index: torch.Tensor | None = None  # the page ids on the pool's device, made once (no per-step host copy)
 
 
 class KVPool:
@@ -56,12 +57,14 @@ class KVPool:
         need = self.pages_for(num_tokens)
         if need > len(self._free):
             raise PoolExhausted(f"need {need} pages, {len(self._free)} free of {self.num_pages}")
-        return PageList([self._free.pop() for _ in range(need)], num_tokens)
+        pages = [self._free.pop() for _ in range(need)]
+        return PageList(pages, num_tokens, torch.tensor(pages, dtype=torch.long).to(self.k_pages.device))
 
     def free(self, page_list: PageList) -> None:
         self._free.extend(reversed(page_list.pages))
         page_list.pages = []
         page_list.num_tokens = 0
+        page_list.index = None
 
     def write(self, page_list: PageList, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [layers, num_tokens, kv_heads, head_dim] for exactly `page_list.num_tokens` tokens."""
@@ -73,6 +76,5 @@ class KVPool:
 
     def gather(self, layer: int, page_list: PageList) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's K, V for a branch: [num_tokens, kv_heads, head_dim] each (reference path)."""
-        idx = torch.tensor(page_list.pages, device=self.k_pages.device, dtype=torch.long)
-        n = page_list.num_tokens
+        idx, n = page_list.index, page_list.num_tokens
         return self.k_pages[layer, idx].flatten(0, 1)[:n], self.v_pages[layer, idx].flatten(0, 1)[:n]

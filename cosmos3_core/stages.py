@@ -90,6 +90,8 @@ class DecodeStage:
     STREAM_IDLE_S = 900.0  # a stream whose chunks stopped (its request failed upstream) is dropped after this
 
     def __init__(self, ckpt: Checkpoint, device: str, dtype: torch.dtype):
+        if str(device).startswith("cuda"):
+            torch.backends.cudnn.benchmark = True  # the Wan decoder's conv3d shapes repeat every frame
         self.codec = VaeCodec(ckpt.load_vae(device, dtype))
         self.streams: dict[str, tuple[StreamDecoder, float]] = {}
 

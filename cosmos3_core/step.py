@@ -20,7 +20,7 @@ import torch
 
 from .kv_pool import KVPool, PageList
 from .layers import Cosmos3Transformer
-from .towers import gen_forward
+from .towers import EAGER, GenKernels, gen_forward
 
 
 @dataclass(frozen=True)
@@ -135,10 +135,12 @@ def pack_rows(rows: list[Row]) -> PackedStep:
 
 
 @torch.inference_mode()
-def denoise_step(model: Cosmos3Transformer, pool: KVPool, rows: list[Row]) -> list[RowOutput]:
+def denoise_step(
+    model: Cosmos3Transformer, pool: KVPool, rows: list[Row], kernels: GenKernels = EAGER
+) -> list[RowOutput]:
     """One GEN pass over all rows → per row its per-branch velocity (fp32, zero on clean frames) or K/V."""
     packed = pack_rows(rows)
-    preds, collected = gen_forward(model, pool, packed)
+    preds, collected = gen_forward(model, pool, packed, kernels)
     p = model.cfg.latent_patch_size
     out: list[RowOutput] = []
     start, seg = 0, 0

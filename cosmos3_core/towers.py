@@ -10,6 +10,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
 from .attention import gen_attention, sdpa
@@ -84,8 +87,24 @@ def prefill_text_kv(
     return torch.stack(ks), torch.stack(vs)
 
 
+@dataclass(frozen=True)
+class GenKernels:
+    """The per-layer GEN computations around attention: eager, or compiled once for every layer and every
+    packed size (`torch.compile(dynamic=True)`; modules are inlined, so one graph serves all layers)."""
+
+    qkv: Callable = _gen_qkv
+    residual: Callable = _gen_residual
+
+    @classmethod
+    def compiled(cls) -> GenKernels:
+        return cls(torch.compile(_gen_qkv, dynamic=True), torch.compile(_gen_residual, dynamic=True))
+
+
+EAGER = GenKernels()
+
+
 def gen_forward(
-    model: Cosmos3Transformer, pool: KVPool, packed
+    model: Cosmos3Transformer, pool: KVPool, packed, kernels: GenKernels = EAGER
 ) -> tuple[torch.Tensor, dict[int, tuple[torch.Tensor, torch.Tensor]]]:  # packed: step.PackedStep
     """One GEN pass over a packed step → predictions [rows, patch_latent_dim] (every row, clean ones too) and,
     for each segment that asks (`collect_kv`), its tokens' K/V [layers, tokens, kv_heads, d]."""
@@ -94,12 +113,12 @@ def gen_forward(
     vs: dict[int, list[torch.Tensor]] = {i: [] for i in collect}
     x = embed_latent_tokens(model, packed.tokens, packed.timesteps, packed.noisy_mask)
     for i, layer in enumerate(model.layers):
-        q, k, v = _gen_qkv(layer, x, packed.cos, packed.sin)
+        q, k, v = kernels.qkv(layer, x, packed.cos, packed.sin)
         for j in collect:
             rows = slice(packed.segments[j].start, packed.segments[j].start + packed.segments[j].length)
             ks[j].append(k[rows])
             vs[j].append(v[rows])
-        x = _gen_residual(layer, x, gen_attention(q, k, v, pool, i, packed.segments))
+        x = kernels.residual(layer, x, gen_attention(q, k, v, pool, i, packed.segments))
     return model.proj_out(model.norm_moe_gen(x)), {j: (torch.stack(ks[j]), torch.stack(vs[j])) for j in collect}
 
 

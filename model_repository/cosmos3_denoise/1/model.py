@@ -6,12 +6,13 @@ progress events and, in the final response, the finished latents. Thin adaptor o
 """
 
 import numpy as np
+import triton_python_backend_utils as pb_utils
 
 from cosmos3_core.cancel import CancelMarks
 from cosmos3_core.checkpoint import Checkpoint
 from cosmos3_core.deployment import resolve_checkpoint
 from cosmos3_core.engine import DenoiseEngine, QueueFull
-from cosmos3_core.requests import RequestError
+from cosmos3_core.requests import RequestError, validate
 from cosmos3_core.serving import (
     EngineMetrics,
     EngineThread,
@@ -30,7 +31,16 @@ class TritonPythonModel:
     def initialize(self, args):
         d, device = deployment_from_args(args)
         ckpt = Checkpoint.open(resolve_checkpoint(d.checkpoint))
-        self.engine = DenoiseEngine(ckpt, device, d.torch_dtype, d.pool_pages, d.page_size, d.max_queue)
+        self.engine = DenoiseEngine(ckpt, device, d.torch_dtype, d.pool_pages, d.page_size, d.max_queue, d.compile)
+        warmup = [
+            validate(
+                "warmup", r, None, d.defaults, d.limits, ckpt.config.pixel_alignment, ckpt.config.vae_scale_temporal
+            )
+            for r in d.warmup_requests
+        ]
+        pb_utils.Logger.log_info(
+            f"cosmos3_denoise: warmup of {len(warmup)} shapes took {self.engine.warmup(warmup):.1f}s"
+        )
         self.metrics = EngineMetrics({"model": args["model_name"], "instance": args["model_instance_name"]})
         self.marks = CancelMarks(d.cancel_dir)
         self.responses = ResponseThread()
