@@ -1,0 +1,107 @@
+"""Served speed: start the real tritonserver on a deployment and drive it with concurrent gRPC streams.
+
+  python -m bench.served --config configs/bench_edge.yaml --c1 3 --c4 8 [--ar 2] --json out.json
+
+Reports c=1 end-to-end p50, c=4 videos/min and e2e p50 (single-shot t2v), and for `--ar N` Nano-style AR
+streams (chained windows): TTFC, chunk gap and aggregate frames/s at c=1 and c=4.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from client.stream import generate
+
+from cosmos3_core.deployment import Deployment
+from cosmos3_core.launcher import free_port, launch_server, stop_server, wait_until_ready
+from cosmos3_core.serve import render
+
+PROMPT = "A robot arm stacks red and blue cubes on a wooden table, soft daylight, static camera."
+
+
+def drive(url: str, params: dict, count: int, concurrency: int) -> dict:
+    """`count` requests, `concurrency` at a time. → e2e list, wall time, frames, TTFCs and chunk gaps."""
+    results, lock = [], threading.Lock()
+    todo = list(range(count))
+
+    def worker() -> None:
+        while True:
+            with lock:
+                if not todo:
+                    return
+                i = todo.pop(0)
+            r = generate(url, PROMPT, {**params, "seed": i})
+            gaps = [b - a for a, b in zip(r.chunk_times, r.chunk_times[1:])]
+            with lock:
+                results.append({"e2e": r.e2e_s, "ttfc": r.ttfc_s, "gaps": gaps, "frames": int(r.video.shape[0])})
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    e2e = [r["e2e"] for r in results]
+    out = {"count": count, "concurrency": concurrency, "wall_s": wall, "e2e_p50": statistics.median(e2e), "e2e": e2e,
+           "videos_per_min": 60 * count / wall, "frames_per_s": sum(r["frames"] for r in results) / wall,
+           "ttfc_p50": statistics.median(r["ttfc"] for r in results)}  # fmt: skip
+    gaps = [g for r in results for g in r["gaps"]]
+    if gaps:
+        out["chunk_gap_p50"] = statistics.median(gaps)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default="configs/bench_edge.yaml")
+    ap.add_argument("--c1", type=int, default=3, help="sequential single-shot requests")
+    ap.add_argument("--c4", type=int, default=8, help="single-shot requests at concurrency 4")
+    ap.add_argument("--ar", type=int, default=0, help="AR streams at c=1 and at c=4 (×4)")
+    ap.add_argument("--ar-params", default='{"window_mode": "chained", "num_frames": 61, "window_frames": 29, "overlap_frames": 8}')
+    ap.add_argument("--params", default="{}", help="JSON request parameters for single-shot runs")
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    deployment = Deployment.load(args.config)
+    workdir = Path(tempfile.mkdtemp(prefix="cosmos3-bench-"))
+    repo = render(deployment, workdir)
+    ports = [free_port() for _ in range(3)]
+    proc = launch_server(repo, *ports, log_path=workdir / "tritonserver.log", cpu_only=not deployment.torch_device.startswith("cuda"))
+    url = f"127.0.0.1:{ports[0]}"
+    result: dict = {"config": args.config}
+    try:
+        result["startup_s"] = wait_until_ready(ports[1], proc=proc, timeout_s=900)
+        params = json.loads(args.params)
+        generate(url, PROMPT, {**params, "steps": 2})  # first-request effects out of the timing
+        result["c1"] = drive(url, params, args.c1, 1)
+        result["c4"] = drive(url, params, args.c4, 4)
+        if args.ar:
+            ar = json.loads(args.ar_params)
+            result["ar_c1"] = drive(url, ar, args.ar, 1)
+            result["ar_c4"] = drive(url, ar, 4 * args.ar, 4)
+    except Exception as e:  # noqa: BLE001
+        print(f"benchmark failed: {e}\n--- server log tail ---\n{(workdir / 'tritonserver.log').read_text()[-3000:]}", file=sys.stderr)
+        return 1
+    finally:
+        stop_server(proc)
+    for key in ("c1", "c4", "ar_c1", "ar_c4"):
+        if key in result:
+            r = result[key]
+            extra = f"  TTFC p50 {r['ttfc_p50']:.2f}s" + (f"  chunk gap p50 {r['chunk_gap_p50']:.2f}s" if "chunk_gap_p50" in r else "")
+            print(f"{key:6s} n={r['count']:2d}  e2e p50 {r['e2e_p50']:7.2f}s  videos/min {r['videos_per_min']:6.2f}  "
+                  f"frames/s {r['frames_per_s']:6.1f}{extra}")  # fmt: skip
+    print(f"server startup (load + compile + warmup) {result['startup_s']:.0f}s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
