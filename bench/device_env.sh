@@ -3,10 +3,9 @@
 # via a .pth — the recipe in shared/docs/triton.md), with the carried wheels installed into it.
 set -euo pipefail
 BASE_SITE=$(python3 -c "import site; print(site.getsitepackages()[0])")
-if [ ! -x /tmp/v/bin/python ]; then
-  python3 -m venv /tmp/v
-  echo "$BASE_SITE" > /tmp/v/lib/python3.12/site-packages/zz_base.pth
-fi
+[ -x /tmp/v/bin/python ] || python3 -m venv /tmp/v
+# the base env after the venv; its scipy (built for numpy 2) hidden, else diffusers' UniPC import fails
+echo "import sys; sys.path.append('$BASE_SITE'); sys.modules['scipy'] = None" > /tmp/v/lib/python3.12/site-packages/zz_base.pth
 /tmp/v/bin/python -m pip install -q --no-index --no-deps .whl/*.whl 2>&1 | grep -v -e "already exists" -e WARNING | tail -3 || true
 echo "$PWD" > /tmp/v/lib/python3.12/site-packages/cosmos3_repo.pth
 /tmp/v/bin/python -c "import numpy, torch, diffusers, tritonclient.grpc, cosmos3_core; print('numpy', numpy.__version__, 'torch', torch.__version__, 'cuda', torch.cuda.is_available())"

@@ -2,8 +2,7 @@
 # On the H200, after bench/device_env.sh on the same (warm) machine: served benchmark, then in-process vs diffusers.
 set -uo pipefail
 [ -x /tmp/v/bin/python ] || { echo "no /tmp/v: run bench/device_env.sh first on this machine"; exit 3; }
-/tmp/v/bin/python -m pip install -q --no-index --no-deps .whl/*.whl 2>&1 | grep -v -e "already exists" -e WARNING | tail -2
-echo "$PWD" > /tmp/v/lib/python3.12/site-packages/cosmos3_repo.pth
+bash bench/device_env.sh
 export COSMOS3_CACHE=/tmp/c3cache
 timeout 330 /tmp/v/bin/python -m bench.served --config configs/bench_edge.yaml --c1 3 --c4 8 --json $OUT/served.json > $OUT/served.txt 2>&1
 tail -8 $OUT/served.txt
