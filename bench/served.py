@@ -39,8 +39,9 @@ def drive(url: str, params: dict, count: int, concurrency: int) -> dict:
                 i = todo.pop(0)
             r = generate(url, PROMPT, {**params, "seed": i})
             gaps = [b - a for a, b in zip(r.chunk_times, r.chunk_times[1:])]
+            server = next(e for e in r.events if e["type"] == "done")["timings"]
             with lock:
-                results.append({"e2e": r.e2e_s, "ttfc": r.ttfc_s, "gaps": gaps, "frames": int(r.video.shape[0])})
+                results.append({"e2e": r.e2e_s, "ttfc": r.ttfc_s, "gaps": gaps, "frames": int(r.video.shape[0]), "server": server})
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=worker) for _ in range(concurrency)]
@@ -53,6 +54,7 @@ def drive(url: str, params: dict, count: int, concurrency: int) -> dict:
     out = {"count": count, "concurrency": concurrency, "wall_s": wall, "e2e_p50": statistics.median(e2e), "e2e": e2e,
            "videos_per_min": 60 * count / wall, "frames_per_s": sum(r["frames"] for r in results) / wall,
            "ttfc_p50": statistics.median(r["ttfc"] for r in results)}  # fmt: skip
+    out["server_p50"] = {k: statistics.median(r["server"][k] for r in results) for k in results[0]["server"]}
     gaps = [g for r in results for g in r["gaps"]]
     if gaps:
         out["chunk_gap_p50"] = statistics.median(gaps)
@@ -97,6 +99,7 @@ def main() -> int:
             extra = f"  TTFC p50 {r['ttfc_p50']:.2f}s" + (f"  chunk gap p50 {r['chunk_gap_p50']:.2f}s" if "chunk_gap_p50" in r else "")
             print(f"{key:6s} n={r['count']:2d}  e2e p50 {r['e2e_p50']:7.2f}s  videos/min {r['videos_per_min']:6.2f}  "
                   f"frames/s {r['frames_per_s']:6.1f}{extra}")  # fmt: skip
+            print("        server-side p50: " + "  ".join(f"{k} {v:.2f}" for k, v in r["server_p50"].items()))
     print(f"server startup (load + compile + warmup) {result['startup_s']:.0f}s")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
