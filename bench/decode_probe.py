@@ -1,6 +1,6 @@
 """Wan2.2 VAE decode at Edge's video shape: frame-by-frame (reference) vs channels_last_3d vs multi-frame chunks.
 
-  python -m bench.decode_probe   (CUDA)
+python -m bench.decode_probe   (CUDA)
 """
 
 from __future__ import annotations
@@ -42,9 +42,11 @@ def main() -> None:
         return torch.cat(outs)
 
     for k in (2, 4, 8):
-        out, t = timed(lambda: chunked(k))
+        out, t = timed(lambda k=k: chunked(k))
         diff = (out.int() - ref.int()).abs()
-        print(f"chunks of {k} latent frames {t:6.2f} s  max|diff| {diff.max().item()}  mean {diff.float().mean().item():.4f}")
+        print(
+            f"chunks of {k} latent frames {t:6.2f} s  max|diff| {diff.max().item()}  mean {diff.float().mean().item():.4f}"
+        )
     for m in codec.vae.modules():
         if isinstance(m, torch.nn.Conv3d):
             m.to(memory_format=torch.channels_last_3d)

@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 from client.stream import generate
-
 from cosmos3_core.deployment import Deployment
 from cosmos3_core.launcher import free_port, launch_server, stop_server, wait_until_ready
 from cosmos3_core.serve import render
@@ -41,7 +40,9 @@ def drive(url: str, params: dict, count: int, concurrency: int) -> dict:
             gaps = [b - a for a, b in zip(r.chunk_times, r.chunk_times[1:])]
             server = next(e for e in r.events if e["type"] == "done")["timings"]
             with lock:
-                results.append({"e2e": r.e2e_s, "ttfc": r.ttfc_s, "gaps": gaps, "frames": int(r.video.shape[0]), "server": server})
+                results.append(
+                    {"e2e": r.e2e_s, "ttfc": r.ttfc_s, "gaps": gaps, "frames": int(r.video.shape[0]), "server": server}
+                )
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=worker) for _ in range(concurrency)]
@@ -67,7 +68,9 @@ def main() -> int:
     ap.add_argument("--c1", type=int, default=3, help="sequential single-shot requests")
     ap.add_argument("--c4", type=int, default=8, help="single-shot requests at concurrency 4")
     ap.add_argument("--ar", type=int, default=0, help="AR streams at c=1 and at c=4 (×4)")
-    ap.add_argument("--ar-params", default='{"window_mode": "chained", "num_frames": 61, "window_frames": 29, "overlap_frames": 8}')
+    ap.add_argument(
+        "--ar-params", default='{"window_mode": "chained", "num_frames": 61, "window_frames": 29, "overlap_frames": 8}'
+    )
     ap.add_argument("--params", default="{}", help="JSON request parameters for single-shot runs")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
@@ -75,7 +78,9 @@ def main() -> int:
     workdir = Path(tempfile.mkdtemp(prefix="cosmos3-bench-"))
     repo = render(deployment, workdir)
     ports = [free_port() for _ in range(3)]
-    proc = launch_server(repo, *ports, log_path=workdir / "tritonserver.log", cpu_only=not deployment.torch_device.startswith("cuda"))
+    proc = launch_server(
+        repo, *ports, log_path=workdir / "tritonserver.log", cpu_only=not deployment.torch_device.startswith("cuda")
+    )
     url = f"127.0.0.1:{ports[0]}"
     result: dict = {"config": args.config}
     try:
@@ -89,14 +94,19 @@ def main() -> int:
             result["ar_c1"] = drive(url, ar, args.ar, 1)
             result["ar_c4"] = drive(url, ar, 4 * args.ar, 4)
     except Exception as e:  # noqa: BLE001
-        print(f"benchmark failed: {e}\n--- server log tail ---\n{(workdir / 'tritonserver.log').read_text()[-3000:]}", file=sys.stderr)
+        print(
+            f"benchmark failed: {e}\n--- server log tail ---\n{(workdir / 'tritonserver.log').read_text()[-3000:]}",
+            file=sys.stderr,
+        )
         return 1
     finally:
         stop_server(proc)
     for key in ("c1", "c4", "ar_c1", "ar_c4"):
         if key in result:
             r = result[key]
-            extra = f"  TTFC p50 {r['ttfc_p50']:.2f}s" + (f"  chunk gap p50 {r['chunk_gap_p50']:.2f}s" if "chunk_gap_p50" in r else "")
+            extra = f"  TTFC p50 {r['ttfc_p50']:.2f}s" + (
+                f"  chunk gap p50 {r['chunk_gap_p50']:.2f}s" if "chunk_gap_p50" in r else ""
+            )
             print(f"{key:6s} n={r['count']:2d}  e2e p50 {r['e2e_p50']:7.2f}s  videos/min {r['videos_per_min']:6.2f}  "
                   f"frames/s {r['frames_per_s']:6.1f}{extra}")  # fmt: skip
             print("        server-side p50: " + "  ".join(f"{k} {v:.2f}" for k, v in r["server_p50"].items()))

@@ -81,10 +81,12 @@ def main(argv: list[str] | None = None) -> int:
             bar.set_postfix_str(f"window {event.get('window', 0) + 1}/{event.get('windows', 1)}")
             bar.refresh()
         elif frames is not None and args.command == "stream":
-            path = out.with_name(f"{out.stem}.chunk{event['window']:03d}.mp4")
+            path = out.with_name(f"{out.stem}.chunk{len(chunks_written):03d}.mp4")
             write_frames(path, frames, fps)
             chunks_written.append(str(path))
-            bar.write(f"window {event['window'] + 1}/{event['windows']}: {frames.shape[0]} frames → {path}")
+            bar.write(
+                f"window {event['window'] + 1}/{event['windows']}: frames {event['frame_offset']}.. ({frames.shape[0]}) → {path}"
+            )
 
     try:
         if args.wait_ready:

@@ -32,7 +32,7 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> tor
 def gen_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool, layer: int, segments: list[Segment]
 ) -> torch.Tensor:
-    out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
+    out = torch.zeros(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)  # padding rows stay 0
     for seg in segments:
         rows = slice(seg.start, seg.start + seg.length)
         prefix = [pool.gather(layer, pages) for pages in seg.prefix]

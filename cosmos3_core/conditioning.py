@@ -84,10 +84,12 @@ class StreamDecoder:
 
         c, vae = self.codec, self.codec.vae
         z = latents.to(device=c.device, dtype=c.dtype)
-        x = vae.post_quant_conv(z / c.inv_std.to(z.device) + c.mean.to(z.device))
+        x = z / c.inv_std.to(z.device) + c.mean.to(z.device)
         outs = []
         for i in range(x.shape[2]):  # one latent frame at a time, as AutoencoderKLWan._decode does
-            outs.append(vae.decoder(x[:, :, i : i + 1], feat_cache=self.cache, feat_idx=[0], first_chunk=self.first))
+            # post_quant_conv per frame too: then no op sees a shape that depends on how the stream was chunked
+            frame = vae.post_quant_conv(x[:, :, i : i + 1])
+            outs.append(vae.decoder(frame, feat_cache=self.cache, feat_idx=[0], first_chunk=self.first))
             self.first = False
         video = torch.cat(outs, 2)
         if vae.config.patch_size is not None:

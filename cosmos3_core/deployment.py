@@ -24,6 +24,7 @@ class Deployment:
     pool_pages: int = 256
     page_size: int = 16
     max_queue: int = 16
+    decode_chunk_frames: int = 4  # latent frames per streamed piece (decode + transfer overlap); 0: whole windows
     compile: bool = False  # torch.compile the GEN layer stack (dynamic shapes)
     warmup_requests: list[dict[str, Any]] = field(default_factory=list)  # request parameters run at startup
     cancel_dir: str = ""  # where the decode step marks cancelled requests for the engine (set by serve.render)

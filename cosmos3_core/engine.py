@@ -110,8 +110,10 @@ class DenoiseEngine:
         page_size: int,
         max_queue: int,
         compile: bool = False,
+        decode_chunk: int = 0,
     ):
         self.ckpt = ckpt
+        self.decode_chunk = decode_chunk  # latent frames per emitted piece; 0: a window's frames at once
         self.kernels = GenKernels.compiled() if compile else EAGER
         self.cfg = ckpt.config
         self.device, self.dtype = device, dtype
@@ -277,16 +279,30 @@ class DenoiseEngine:
             job.sink.error(error)
         else:
             self.stats.completed += 1
-            job.sink.done(last, self._chunk_info(job, final=True))
+            self._emit(job, last, final=True)
 
-    def _chunk_info(self, job: Job, final: bool) -> dict[str, Any]:
+    def _emit(self, job: Job, latents: torch.Tensor, final: bool) -> None:
+        """A finished window's new latent frames → the sink in pieces of at most `decode_chunk` latent frames, so
+        the decode and transfer of one piece overlap the next (the stream decoder keeps the seams exact)."""
+        n = latents.shape[2]
+        size = self.decode_chunk or n
+        for a in range(0, n, size):
+            piece = latents[:, :, a : a + size]
+            last = a + size >= n
+            info = self._chunk_info(job, final and last, a, piece.shape[2])
+            if final and last:
+                job.sink.done(piece, info)
+            else:
+                job.sink.chunk(piece, info)
+
+    def _chunk_info(self, job: Job, final: bool, offset: int, frames: int) -> dict[str, Any]:
         win = job.plan.windows[job.window]
         now = time.perf_counter()
         info = {
             "window": win.index,
             "windows": len(job.plan.windows),
-            "latent_offset": win.latent_start,
-            "latent_frames": win.new_frames,
+            "latent_offset": win.latent_start + offset,
+            "latent_frames": frames,
             "timings": {"queue_s": job.t_admit - job.t_submit, "window_s": now - job.t_last_chunk},
         }
         if final:
@@ -332,7 +348,7 @@ class DenoiseEngine:
         if job.window == len(job.plan.windows) - 1:
             self._finish(job, last=new)
             return True
-        job.sink.chunk(new, self._chunk_info(job, final=False))
+        self._emit(job, new, final=False)
         if job.plan.commits:
             job.committing = True  # next tick: the commit pass over this window's clean latents
         else:

@@ -116,19 +116,30 @@ def denoise_step_row(
     )
 
 
+SEGMENT_ALIGN = 64  # rows; see pack_rows
+
+
+def _pad(x: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.cat([x, x.new_zeros((rows, *x.shape[1:]))]) if rows else x
+
+
 def pack_rows(rows: list[Row]) -> PackedStep:
+    """Concatenate rows, one segment per CFG branch, each starting at a multiple of SEGMENT_ALIGN rows (zero
+    padding after it). Aligned segments see the same GEMM blocking whatever they are packed with, so a request's
+    result does not depend on its neighbours (bit for bit on CPU); padding rows never reach attention."""
     tokens, timesteps, masks, cos, sin, segments = [], [], [], [], [], []
     start = 0
     for row in rows:
         n = row.tokens.shape[0]
+        pad = -n % SEGMENT_ALIGN
         for br in row.branches:
-            tokens.append(row.tokens)
-            timesteps.append(row.timesteps)
-            masks.append(row.noisy_mask)
-            cos.append(br.cos)
-            sin.append(br.sin)
+            tokens.append(_pad(row.tokens, pad))
+            timesteps.append(_pad(row.timesteps, pad))
+            masks.append(_pad(row.noisy_mask, pad))
+            cos.append(_pad(br.cos, pad))
+            sin.append(_pad(br.sin, pad))
             segments.append(Segment(start, n, br.prefix, row.commit))
-            start += n
+            start += n + pad
     return PackedStep(
         torch.cat(tokens), torch.cat(timesteps), torch.cat(masks), torch.cat(cos), torch.cat(sin), segments
     )
@@ -143,7 +154,7 @@ def denoise_step(
     preds, collected = gen_forward(model, pool, packed, kernels)
     p = model.cfg.latent_patch_size
     out: list[RowOutput] = []
-    start, seg = 0, 0
+    seg = 0
     for row in rows:
         n = row.tokens.shape[0]
         result = RowOutput([], [])
@@ -153,9 +164,9 @@ def denoise_step(
             if row.commit:
                 result.kv.append(collected[seg])
             else:
+                start = packed.segments[seg].start
                 v = unpatchify(preds[start : start + n].float(), row.token_shape, p)
                 result.velocity.append(v * frame_keep.view(1, 1, -1, 1, 1))
-            start += n
             seg += 1
         out.append(result)
     return out

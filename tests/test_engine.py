@@ -81,3 +81,28 @@ def test_cancel_leaves_within_one_step_and_frees_pages(parts):
     assert cancel.steps == [1, 2] and cancel.errors == ["cancelled"] and cancel.latents is None
     assert keep.latents is not None and engine.pool.pages_used == 0
     assert engine.stats.max_requests_in_tick == 2
+
+
+def test_final_latents_stream_in_pieces(parts):
+    ckpt, prefill = parts
+    whole, pieces = [], []
+
+    class Pieces(Recorder):
+        def __init__(self, out):
+            super().__init__()
+            self.out = out
+
+        def chunk(self, latents, info):
+            self.out.append((latents, info))
+
+        def done(self, latents, info):
+            self.out.append((latents, info))
+
+    for decode_chunk, out in ((0, whole), (2, pieces)):
+        engine = DenoiseEngine(ckpt, "cpu", torch.float32, 64, 16, 4, decode_chunk=decode_chunk)
+        p = prefill.validate("x", {"num_frames": 21, "steps": 2, "seed": 3}, None)  # 6 latent frames
+        engine.submit(prefill.run(p, None), Pieces(out))
+        engine.run_until_idle()
+    assert len(whole) == 1 and len(pieces) == 3
+    assert [i["latent_offset"] for _, i in pieces] == [0, 2, 4] and all(i["latent_frames"] == 2 for _, i in pieces)
+    assert torch.equal(torch.cat([lat for lat, _ in pieces], dim=2), whole[0][0])

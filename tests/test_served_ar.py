@@ -35,14 +35,22 @@ def test_two_streams_and_a_single_shot_equal_solo(server, offline):
     after = server.metrics()
     for i, (prompt, params) in enumerate(jobs):
         r = results[i]
-        assert np.array_equal(r.video, offline.frames(prompt, params)), f"{prompt} differs from its solo run"
+        expected = offline.frames(prompt, params)
+        bad = [t for t in range(expected.shape[0]) if not np.array_equal(r.video[t], expected[t])]
+        assert not bad, (
+            f"{prompt} differs from its solo run at frames {bad}: {[(e['type'], e.get('frame_offset')) for e in r.events if e['type'] != 'progress']}"
+        )
         chunks = [e for e in r.events if e["type"] in ("chunk", "done")]
-        assert [c["window"] for c in chunks] == list(range(len(chunks)))
+        assert [c["window"] for c in chunks] == sorted(c["window"] for c in chunks)
         assert [c["frame_offset"] for c in chunks] == list(np.cumsum([0] + [c["frames"] for c in chunks[:-1]]))
-    assert len([e for e in results[0].events if e["type"] == "chunk"]) == 2  # 9 latent frames: 5 + 3 + 1 → 3 windows
+        assert chunks[-1]["window"] == chunks[-1]["windows"] - 1 and chunks[-1]["type"] == "done"
+    # chained, 9 latent frames: windows of 5 (4 + 1 pieces), 3 new, 1 new → 3 windows
+    assert sorted({e["window"] for e in results[0].events if e["type"] in ("chunk", "done")}) == [0, 1, 2]
     assert after["cosmos3_max_requests_per_tick"] >= 2
     assert after["cosmos3_ttfc_seconds_count"] - before.get("cosmos3_ttfc_seconds_count", 0) == 3
-    assert after["cosmos3_chunk_gap_seconds_count"] - before.get("cosmos3_chunk_gap_seconds_count", 0) == 2 + 2
+    pieces = sum(len([e for e in results[i].events if e["type"] in ("chunk", "done")]) for i in range(3))
+    gaps = after["cosmos3_chunk_gap_seconds_count"] - before.get("cosmos3_chunk_gap_seconds_count", 0)
+    assert gaps == pieces - 3  # every piece after a request's first
     assert after["cosmos3_kv_pages_used"] == 0
 
 
@@ -75,5 +83,5 @@ def test_client_stream_command(server, tmp_path):
     ]
     r = subprocess.run([sys.executable, "-m", "client", "stream", *args], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert out.is_file() and len(list(tmp_path.glob("long.chunk*.mp4"))) == 3
+    assert out.is_file() and len(list(tmp_path.glob("long.chunk*.mp4"))) >= 3
     assert "TTFC" in r.stderr and "chunk gaps" in r.stderr and "frames/s" in r.stderr
