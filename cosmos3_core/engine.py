@@ -78,6 +78,7 @@ class Job:
     latents: torch.Tensor | None = None  # the current window [1, C, T, h, w] fp32
     noisy_frames: torch.Tensor | None = None
     scheduler: Any = None
+    timesteps: list[float] = field(default_factory=list)  # the scheduler's, on the host: no sync per step
     step: int = 0
     t_admit: float = 0.0
     t_last_chunk: float = 0.0
@@ -92,12 +93,17 @@ class Job:
 
 @dataclass
 class EngineStats:
+    """Plain counters, bumped by the engine thread (and `rejected` by the submitting one), read by metrics."""
+
     ticks: int = 0
+    request_steps: int = 0
     rows_last_tick: int = 0
     max_requests_in_tick: int = 0
     completed: int = 0
     cancelled: int = 0
     failed: int = 0
+    rejected: int = 0
+    queue_times: deque = field(default_factory=lambda: deque(maxlen=10000))
 
 
 class DenoiseEngine:
@@ -220,6 +226,7 @@ class DenoiseEngine:
 
     def _start(self, job: Job) -> None:
         job.t_admit = job.t_last_chunk = time.perf_counter()
+        self.stats.queue_times.append(job.t_admit - job.t_submit)
         self._reserved += job.reserve
         for k, v in zip(job.prefill.text_k, job.prefill.text_v):
             pages = self.pool.alloc(k.shape[1])
@@ -250,6 +257,7 @@ class DenoiseEngine:
         job.scheduler = make_scheduler(
             self.ckpt.scheduler_config, p.steps, p.shift, self.ckpt.use_native_flow_schedule, self.device
         )
+        job.timesteps = job.scheduler.timesteps.tolist()
         job.step = 0
         job.committing = False
 
@@ -375,10 +383,11 @@ class DenoiseEngine:
                     denoise_step_row(j.latents, 0.0, j.noisy_frames[:0], j.branches, patch, self.dtype, commit=True)
                 )
             else:
-                t = float(j.scheduler.timesteps[j.step])
+                t = j.timesteps[j.step]
                 rows.append(denoise_step_row(j.latents, t, j.noisy_frames, j.branches, patch, self.dtype))
         outputs = denoise_step(self.model, self.pool, rows, self.kernels)
         self.stats.ticks += 1
+        self.stats.request_steps += len(jobs)
         self.stats.rows_last_tick = sum(r.tokens.shape[0] * len(r.branches) for r in rows)
         self.stats.max_requests_in_tick = max(self.stats.max_requests_in_tick, len(jobs))
         for job, out in zip(jobs, outputs):
@@ -430,6 +439,7 @@ class DenoiseEngine:
             self.run_until_idle()
         if self.device.startswith("cuda"):
             torch.cuda.synchronize()
+        self.stats = EngineStats()  # serving counts start after warmup
         return time.perf_counter() - t0
 
     def run_until_idle(self) -> None:

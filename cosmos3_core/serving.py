@@ -91,11 +91,7 @@ class TritonSink:
         self.id = meta.get("id", "")
 
     def _put(self, latents: torch.Tensor | np.ndarray, event: dict[str, Any], final: bool) -> None:
-        resp = pb_utils.InferenceResponse(
-            output_tensors=[output("latents", latents), text_output("event", json.dumps(event))]
-        )
-        flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
-        self.outbox.put((self.sender, resp, flags))
+        self.outbox.put((self.sender, (latents, event), final))
 
     def progress(self, step: int, steps: int, window: int, windows: int) -> None:
         event = {"type": "progress", "id": self.id, "step": step, "steps": steps, "window": window, "windows": windows}
@@ -111,7 +107,7 @@ class TritonSink:
         self._forget()
 
     def error(self, message: str) -> None:
-        self.outbox.put((self.sender, error_response(message), pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL))
+        self.outbox.put((self.sender, message, True))
         self._forget()
 
     def cancelled(self) -> bool:
@@ -123,7 +119,8 @@ class TritonSink:
 
 
 class ResponseThread:
-    """The one thread that sends responses (house rule: one send path)."""
+    """The one thread that builds and sends responses (house rule: one send path). Items: (sender,
+    (latents, event) | error message, final)."""
 
     def __init__(self):
         self.outbox: queue.Queue = queue.Queue()
@@ -132,9 +129,16 @@ class ResponseThread:
 
     def _run(self) -> None:
         while (item := self.outbox.get()) is not None:
-            sender, resp, flags = item
+            sender, payload, final = item
             try:
-                sender.send(resp, flags=flags)
+                if isinstance(payload, str):
+                    resp = error_response(payload)
+                else:
+                    latents, event = payload
+                    resp = pb_utils.InferenceResponse(
+                        output_tensors=[output("latents", latents), text_output("event", json.dumps(event))]
+                    )
+                sender.send(resp, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
             except Exception as e:  # noqa: BLE001 - a client that went away must not stop the others
                 pb_utils.Logger.log_warn(f"cosmos3: send failed: {e}")
 
@@ -144,52 +148,79 @@ class ResponseThread:
 
 
 class EngineMetrics:
-    """Gauges and counters on Triton's metrics port, set by the engine thread between ticks."""
+    """The engine's gauges, counters and queue-time histogram, published by a thread of their own every
+    `interval` seconds: the engine thread only bumps plain counters and never talks to the server."""
 
-    def __init__(self, labels: dict[str, str]):
+    QUEUE_BUCKETS = [0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300]
+
+    def __init__(self, engine: DenoiseEngine, labels: dict[str, str], interval: float = 0.2):
+        self.engine, self.interval = engine, interval
         self._families: list[Any] = []  # a MetricFamily must outlive its Metrics
+        G, C, H = pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.HISTOGRAM
 
-        def family(name: str, desc: str, kind: Any) -> Any:
+        def family(name: str, desc: str, kind: Any, **kw: Any) -> Any:
             self._families.append(pb_utils.MetricFamily(name=name, description=desc, kind=kind))
-            return self._families[-1].Metric(labels=labels)
+            return self._families[-1].Metric(labels=labels, **kw)
 
-        G, C = pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.COUNTER
-        self.pages_used = family("cosmos3_kv_pages_used", "Text K/V pages held by requests", G)
-        self.pages_free = family("cosmos3_kv_pages_free", "Text K/V pages free", G)
-        self.queue_depth = family("cosmos3_queue_depth", "Requests waiting for admission", G)
-        self.live = family("cosmos3_live_requests", "Requests being denoised", G)
-        self.ticks = family("cosmos3_engine_ticks_total", "Packed denoise forwards run", C)
-        self.request_steps = family("cosmos3_request_steps_total", "Request-steps advanced (> ticks when shared)", C)
-        self.max_shared = family("cosmos3_max_requests_per_tick", "Most requests packed into one forward", G)
-        self.rows = family("cosmos3_rows_last_tick", "Token rows (both CFG branches) in the last forward", G)
+        self.gauges = {
+            "pages_used": family("cosmos3_kv_pages_used", "K/V pages held by requests", G),
+            "pages_free": family("cosmos3_kv_pages_free", "K/V pages free", G),
+            "num_waiting": family("cosmos3_queue_depth", "Requests waiting for admission", G),
+            "num_live": family("cosmos3_live_requests", "Requests being denoised", G),
+            "max_requests_in_tick": family("cosmos3_max_requests_per_tick", "Most requests packed into one forward", G),
+            "rows_last_tick": family("cosmos3_rows_last_tick", "Token rows (both CFG branches) in the last forward", G),
+        }
+        self.steps_per_s = family("cosmos3_request_steps_per_second", "Request-steps per second, last interval", G)
+        self.counters = {
+            "ticks": family("cosmos3_engine_ticks_total", "Packed denoise forwards run", C),
+            "request_steps": family("cosmos3_request_steps_total", "Request-steps advanced (> ticks when shared)", C),
+        }
+        self.queue_time = family("cosmos3_queue_seconds", "Submit to admission", H, buckets=self.QUEUE_BUCKETS)
         outcomes = pb_utils.MetricFamily(
             name="cosmos3_requests_total", description="Requests ended, by outcome", kind=C
         )
         self._families.append(outcomes)
-        self.outcomes = {
-            k: outcomes.Metric(labels={**labels, "outcome": k})
-            for k in ("completed", "cancelled", "failed", "rejected")
-        }
-        self._last = {"completed": 0, "cancelled": 0, "failed": 0}
+        for k in ("completed", "cancelled", "failed", "rejected"):
+            self.counters[k] = outcomes.Metric(labels={**labels, "outcome": k})
+        self._last = dict.fromkeys(self.counters, 0)
+        self._last_t = time.monotonic()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="cosmos3-metrics", daemon=True)
+        self.thread.start()
 
     def rejected(self) -> None:
-        self.outcomes["rejected"].increment(1)
+        with self._lock:
+            self.engine.stats.rejected += 1
 
-    def update(self, engine: DenoiseEngine, stepped: int) -> None:
-        self.pages_used.set(engine.pool.pages_used)
-        self.pages_free.set(engine.pool.pages_free)
-        self.queue_depth.set(engine.num_waiting)
-        self.live.set(engine.num_live)
-        if stepped:
-            self.ticks.increment(1)
-            self.request_steps.increment(stepped)
-            self.rows.set(engine.stats.rows_last_tick)
-            self.max_shared.set(engine.stats.max_requests_in_tick)
-        for k in self._last:
-            now = getattr(engine.stats, k)
-            if now != self._last[k]:
-                self.outcomes[k].increment(now - self._last[k])
-                self._last[k] = now
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.publish()
+
+    def publish(self) -> None:
+        e, stats = self.engine, self.engine.stats
+        with self._lock:
+            values = {"pages_used": e.pool.pages_used, "pages_free": e.pool.pages_free, "num_waiting": e.num_waiting,
+                      "num_live": e.num_live, "max_requests_in_tick": stats.max_requests_in_tick,
+                      "rows_last_tick": stats.rows_last_tick}  # fmt: skip
+            for k, metric in self.gauges.items():
+                metric.set(values[k])
+            now = time.monotonic()
+            steps = stats.request_steps - self._last["request_steps"]
+            self.steps_per_s.set(steps / max(now - self._last_t, 1e-6))
+            self._last_t = now
+            for k, metric in self.counters.items():
+                value = getattr(stats, k)
+                if value != self._last[k]:
+                    metric.increment(value - self._last[k])
+                    self._last[k] = value
+            while stats.queue_times:
+                self.queue_time.observe(stats.queue_times.popleft())
+
+    def close(self) -> None:
+        self._stop.set()
+        self.thread.join(5)
+        self.publish()
 
 
 class DecodeMetrics:
@@ -236,8 +267,8 @@ class DecodeMetrics:
 class EngineThread:
     """Runs `engine.tick()` until stopped; a failing tick fails the requests in it, never the thread."""
 
-    def __init__(self, engine: DenoiseEngine, metrics: EngineMetrics):
-        self.engine, self.metrics = engine, metrics
+    def __init__(self, engine: DenoiseEngine):
+        self.engine = engine
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="cosmos3-engine", daemon=True)
         self.thread.start()
@@ -246,18 +277,15 @@ class EngineThread:
         while not self.stop.is_set():
             self.engine.wait_for_work(0.05)
             try:
-                stepped = self.engine.tick()
+                self.engine.tick()
             except Exception as e:  # noqa: BLE001
                 self.engine.fail_live(log_exception("denoise tick", e))
-                stepped = 0
-            self.metrics.update(self.engine, stepped)
 
     def close(self, timeout: float) -> None:
         self.stop.set()
         self.engine.wake()
         self.thread.join(timeout)
         self.engine.abort_all("server shutting down")
-        self.metrics.update(self.engine, 0)
 
 
 def request_meta(text: str) -> tuple[GenerationParams, dict[str, Any]]:

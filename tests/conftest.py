@@ -104,11 +104,15 @@ class Server:
         self.url = f"127.0.0.1:{grpc}"
         self.http_port, self.metrics_port = http, metrics
 
-    def metrics(self) -> dict[str, float]:
-        """cosmos3_* samples summed over instances, keyed by name (and outcome label)."""
+    def metrics(self, settle: bool = False) -> dict[str, float]:
+        """cosmos3_* samples summed over instances, keyed by name (and outcome label). `settle`: first wait out
+        the engine metrics' publishing interval (0.2 s)."""
         import re
+        import time
         import urllib.request
 
+        if settle:
+            time.sleep(0.6)
         text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
         out: dict[str, float] = {}
         for line in text.splitlines():

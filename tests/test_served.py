@@ -41,7 +41,7 @@ def test_concurrent_requests_share_steps(server, offline):
         ("a blue boat", {"num_frames": 9, "height": 128, "width": 64, "steps": 30, "seed": 2, "guidance_scale": 1.0}),
         ("a green hill", {"num_frames": 1, "height": 64, "width": 64, "steps": 50, "seed": 3}),
     ]
-    before = server.metrics()
+    before = server.metrics(settle=True)
     results: dict[int, object] = {}
 
     def run(i: int) -> None:
@@ -53,7 +53,7 @@ def test_concurrent_requests_share_steps(server, offline):
         time.sleep(0.02)
     for t in threads:
         t.join(120)
-    after = server.metrics()
+    after = server.metrics(settle=True)
     for i, (prompt, params) in enumerate(requests):
         assert np.array_equal(results[i].video, offline.frames(prompt, params)), f"request {i} differs from solo"
     ticks = after["cosmos3_engine_ticks_total"] - before["cosmos3_engine_ticks_total"]
@@ -73,7 +73,7 @@ def wait_metric(server, key: str, value: float, timeout: float = 10.0) -> dict[s
 
 
 def test_cancel_frees_pages_and_server_keeps_serving(server):
-    before = server.metrics()
+    before = server.metrics(settle=True)
     params = {"num_frames": 33, "height": 128, "width": 128, "steps": 60, "seed": 9}
     r = generate(server.url, "a long one", params, cancel_after=lambda e: e.get("step") == 2)
     assert [e["step"] for e in r.events] == [1, 2]

@@ -20,7 +20,7 @@ SINGLE = {"num_frames": 9, "steps": 8, "seed": 23}
 
 
 def test_two_streams_and_a_single_shot_equal_solo(server, offline):
-    before = server.metrics()
+    before = server.metrics(settle=True)
     jobs = [("a harbour", CHAINED), ("a forest path", KV), ("a kite", SINGLE)]
     results: dict[int, object] = {}
 
@@ -32,7 +32,7 @@ def test_two_streams_and_a_single_shot_equal_solo(server, offline):
         t.start()
     for t in threads:
         t.join(180)
-    after = server.metrics()
+    after = server.metrics(settle=True)
     for i, (prompt, params) in enumerate(jobs):
         r = results[i]
         expected = offline.frames(prompt, params)
@@ -55,7 +55,7 @@ def test_two_streams_and_a_single_shot_equal_solo(server, offline):
 
 
 def test_cancel_mid_stream(server):
-    before = server.metrics()
+    before = server.metrics(settle=True)
     params = {**KV, "num_frames": 65, "steps": 10}
     r = generate(server.url, "a very long road", params, cancel_after=lambda e: e["type"] == "chunk")
     assert len([e for e in r.events if e["type"] == "chunk"]) == 1 and not any(e["type"] == "done" for e in r.events)

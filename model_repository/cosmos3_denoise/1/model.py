@@ -43,10 +43,12 @@ class TritonPythonModel:
         pb_utils.Logger.log_info(
             f"cosmos3_denoise: warmup of {len(warmup)} shapes took {self.engine.warmup(warmup):.1f}s"
         )
-        self.metrics = EngineMetrics({"model": args["model_name"], "instance": args["model_instance_name"]})
+        self.metrics = EngineMetrics(
+            self.engine, {"model": args["model_name"], "instance": args["model_instance_name"]}
+        )
         self.marks = CancelMarks(d.cancel_dir)
         self.responses = ResponseThread()
-        self.engine_thread = EngineThread(self.engine, self.metrics)
+        self.engine_thread = EngineThread(self.engine)
 
     def execute(self, requests):
         for request in requests:
@@ -74,4 +76,5 @@ class TritonPythonModel:
 
     def finalize(self):
         self.engine_thread.close(timeout=30)
+        self.metrics.close()
         self.responses.close(timeout=30)
