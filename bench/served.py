@@ -76,7 +76,7 @@ def main() -> int:
     args = ap.parse_args()
     deployment = Deployment.load(args.config)
     workdir = Path(tempfile.mkdtemp(prefix="cosmos3-bench-"))
-    repo = render(deployment, workdir)
+    repo, deployment = render(deployment, workdir)
     ports = [free_port() for _ in range(3)]
     proc = launch_server(
         repo, *ports, log_path=workdir / "tritonserver.log", cpu_only=not deployment.torch_device.startswith("cuda")

@@ -85,6 +85,17 @@ def generate(
 
     `on_event(event, frames)` sees every event with the frames that came with it (None for progress);
     `cancel_after(event)` → True cancels the stream at that event (the result then holds what came before)."""
+    from tritonclient.utils import InferenceServerException
+
+    try:
+        return _generate(url, prompt, params, image, on_event, model, timeout_s, cancel_after)
+    except InferenceServerException as e:  # connection-level failures (server gone, stream broken)
+        raise ServerError(str(e)) from e
+    except queue.Empty as e:
+        raise ServerError(f"no response within {timeout_s:.0f}s") from e
+
+
+def _generate(url, prompt, params, image, on_event, model, timeout_s, cancel_after) -> StreamResult:
     import tritonclient.grpc as grpcclient
 
     responses: queue.Queue = queue.Queue()

@@ -29,3 +29,14 @@ class CancelMarks:
 
     def clear(self, request_id: str) -> None:
         self._path(request_id).unlink(missing_ok=True)
+
+    # Graceful shutdown: `serve` marks the deployment draining before it stops tritonserver (whose ensemble can
+    # no longer schedule the decode steps of in-flight requests once it is stopping).
+    def drain(self) -> None:
+        self.mark("DRAINING")
+
+    def is_draining(self) -> bool:
+        return self.is_marked("DRAINING")
+
+    def undrain(self) -> None:
+        self.clear("DRAINING")

@@ -27,6 +27,7 @@ class Deployment:
     decode_chunk_frames: int = 4  # latent frames per streamed piece (decode + transfer overlap); 0: whole windows
     compile: bool = False  # torch.compile the GEN layer stack (dynamic shapes)
     warmup_requests: list[dict[str, Any]] = field(default_factory=list)  # request parameters run at startup
+    drain_timeout_s: float = 20.0  # on shutdown, live requests get this long to finish before they are ended
     cancel_dir: str = ""  # where the decode step marks cancelled requests for the engine (set by serve.render)
     instances: dict[str, int] = field(default_factory=lambda: {"prefill": 1, "denoise": 1, "vae_decode": 1})
     defaults: Defaults = field(default_factory=Defaults)

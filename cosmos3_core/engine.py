@@ -138,6 +138,7 @@ class DenoiseEngine:
         self._waiting: deque[Job] = deque()
         self._live: list[Job] = []
         self._reserved = 0  # context pages promised to live kv streams and not yet allocated
+        self.draining = False  # shutting down: no new requests; live ones finish (or are ended by the caller)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._next_id = 0
@@ -167,6 +168,8 @@ class DenoiseEngine:
 
     # ---- any thread ----
     def submit(self, prefill: PrefillResult, sink: Sink) -> int:
+        if self.draining:
+            raise QueueFull("server is shutting down; not admitting new requests")
         p = prefill.params
         plan = self._plan(p)
         reserve = self._context_reserve(p, plan, len(prefill.text_k))

@@ -44,6 +44,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -464,7 +465,27 @@ def stop_server(proc: subprocess.Popen, timeout_s: float = 45.0) -> int:
     return proc.returncode
 
 
+def stub_pids(proc: subprocess.Popen) -> dict[int, str]:
+    """The server's live Python stubs: pid → model instance name (found by the server's unique shm prefix)."""
+    prefix = getattr(proc, "shm_prefix", None)
+    out: dict[int, str] = {}
+    if not prefix:
+        return out
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and any(_STUB_NAME.encode() in a for a in argv) and any(prefix.encode() in a for a in argv):
+            out[int(entry.name)] = next((a.decode() for a in argv if re.fullmatch(rb"\w+_\d+_\d+", a)), "stub")
+    return out
+
+
 __all__ = [
+    "stub_pids",
     "find_tritonserver",
     "is_wheel_server",
     "prepare_backend_dir",

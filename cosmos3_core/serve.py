@@ -15,19 +15,22 @@ import dataclasses
 import shutil
 import signal
 import sys
+import threading
 from pathlib import Path
 from string import Template
 
 import yaml
 
+from .cancel import CancelMarks
 from .deployment import Deployment, resolve_checkpoint
-from .launcher import free_port, launch_server, stop_server, wait_until_ready
+from .launcher import free_port, launch_server, stop_server, stub_pids, wait_until_ready
 
 REPO_TEMPLATE = Path(__file__).resolve().parent.parent / "model_repository"
 MODELS = ("cosmos3", "cosmos3_prefill", "cosmos3_denoise", "cosmos3_vae_decode")
 
 
-def render(deployment: Deployment, workdir: Path) -> Path:
+def render(deployment: Deployment, workdir: Path) -> tuple[Path, Deployment]:
+    """→ (model repository, the effective deployment it serves)."""
     workdir = workdir.absolute()
     workdir.mkdir(parents=True, exist_ok=True)
     deployment = dataclasses.replace(
@@ -56,7 +59,7 @@ def render(deployment: Deployment, workdir: Path) -> Path:
         (dst / "config.pbtxt").write_text(Template((src / "config.pbtxt").read_text()).substitute(values))
         if (src / "1" / "model.py").is_file():
             shutil.copy2(src / "1" / "model.py", dst / "1" / "model.py")
-    return repo
+    return repo, deployment
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,32 +77,75 @@ def main(argv: list[str] | None = None) -> int:
 
     deployment = Deployment.load(args.config, checkpoint=args.checkpoint)
     workdir = Path(args.workdir)
-    repo = render(deployment, workdir)
+    repo, deployment = render(deployment, workdir)
     print(f"rendered {repo}", file=sys.stderr)
     if args.render_only:
         return 0
     ports = [p or free_port() for p in (args.grpc_port, args.http_port, args.metrics_port)]
-    proc = launch_server(
-        repo,
-        *ports,
-        address=args.address,
-        extra=args.extra,
-        log_path=None,
-        cpu_only=not deployment.torch_device.startswith("cuda"),
-    )
-    signal.signal(signal.SIGTERM, lambda *_: stop_server(proc))
-    try:
-        waited = wait_until_ready(ports[1], host=args.address if args.address != "0.0.0.0" else "127.0.0.1", proc=proc)
+    host = args.address if args.address != "0.0.0.0" else "127.0.0.1"
+    stopping = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    signal.signal(signal.SIGINT, lambda *_: stopping.set())
+    while not stopping.is_set():
+        proc = launch_server(
+            repo, *ports, address=args.address, extra=args.extra, log_path=None,
+            cpu_only=not deployment.torch_device.startswith("cuda"),
+        )  # fmt: skip
+        try:
+            waited = wait_until_ready(ports[1], host=host, proc=proc)
+        except (RuntimeError, TimeoutError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            stop_server(proc)
+            return 1
         print(
             f"ready in {waited:.1f}s: grpc {args.address}:{ports[0]}  http :{ports[1]}  metrics :{ports[2]}",
             file=sys.stderr,
         )
-        return proc.wait()
-    except KeyboardInterrupt:
-        return stop_server(proc)
-    finally:
-        if proc.poll() is None:
-            stop_server(proc)
+        reason = supervise(proc, stopping)
+        if reason is None:  # asked to stop: drain, then stop the server
+            drain(deployment, ports[2], host)
+            return stop_server(proc)
+        print(f"{reason}; restarting tritonserver (its in-flight requests end with errors)", file=sys.stderr)
+        stop_server(proc, timeout_s=5)
+    return 0
+
+
+def drain(deployment: Deployment, metrics_port: int, host: str) -> None:
+    """Stop admitting; wait until no request is live or waiting (the engine ends stragglers after its drain
+    timeout). Then tritonserver can stop with nothing in flight."""
+    import re
+    import time
+    import urllib.request
+
+    marks = CancelMarks(deployment.cancel_dir)
+    marks.drain()
+    deadline = time.monotonic() + deployment.drain_timeout_s + 10
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        try:
+            text = urllib.request.urlopen(f"http://{host}:{metrics_port}/metrics", timeout=5).read().decode()
+        except OSError:
+            break
+        busy = sum(float(v) for v in re.findall(r"^cosmos3_(?:live_requests|queue_depth)\{[^}]*\} (\S+)$", text, re.M))
+        if busy == 0:
+            time.sleep(1.0)  # let the last responses pass the decode step
+            break
+    marks.undrain()
+
+
+def supervise(proc, stopping: threading.Event) -> str | None:
+    """Wait until asked to stop (→ None) or the server or one of its Python stubs dies (→ why). A dead
+    decoupled stub is not restarted by Triton 2.51 ('Stub process ... is not healthy' for every later
+    request), so the whole server is restarted."""
+    stubs = stub_pids(proc)
+    while not stopping.wait(1.0):
+        if proc.poll() is not None:
+            return f"tritonserver exited with {proc.returncode}"
+        alive = stub_pids(proc)
+        dead = sorted(set(stubs) - set(alive))
+        if dead:
+            return f"Python stub(s) died: {', '.join(stubs[p] for p in dead)}"
+    return None
 
 
 if __name__ == "__main__":

@@ -267,8 +267,9 @@ class DecodeMetrics:
 class EngineThread:
     """Runs `engine.tick()` until stopped; a failing tick fails the requests in it, never the thread."""
 
-    def __init__(self, engine: DenoiseEngine):
-        self.engine = engine
+    def __init__(self, engine: DenoiseEngine, marks: CancelMarks, drain_timeout_s: float):
+        self.engine, self.marks, self.drain_timeout_s = engine, marks, drain_timeout_s
+        self.drain_since: float | None = None
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="cosmos3-engine", daemon=True)
         self.thread.start()
@@ -276,10 +277,20 @@ class EngineThread:
     def _run(self) -> None:
         while not self.stop.is_set():
             self.engine.wait_for_work(0.05)
+            self._check_drain()
             try:
                 self.engine.tick()
             except Exception as e:  # noqa: BLE001
                 self.engine.fail_live(log_exception("denoise tick", e))
+
+    def _check_drain(self) -> None:
+        """Draining: admit nothing new; requests still live after the drain timeout end with one error each."""
+        if self.drain_since is None:
+            if self.marks.is_draining():
+                self.drain_since = time.monotonic()
+                self.engine.draining = True
+        elif time.monotonic() - self.drain_since > self.drain_timeout_s and self.engine.has_work():
+            self.engine.abort_all("server shutting down; the request did not finish within the drain timeout")
 
     def close(self, timeout: float) -> None:
         self.stop.set()

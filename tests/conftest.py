@@ -131,7 +131,7 @@ def server(served_deployment, tmp_path_factory):
 
     _, deployment = served_deployment
     workdir = tmp_path_factory.mktemp("serve")
-    repo = render(deployment, workdir)
+    repo, deployment = render(deployment, workdir)
     ports = [free_port() for _ in range(3)]
     env = {**server_env(), "COSMOS3_FAULTS": "step_delay_s=0.02,fail_step_seed=666"}  # see cosmos3_core/faults.py
     proc = launch_server(repo, *ports, log_path=workdir / "tritonserver.log", cpu_only=True, env=env)

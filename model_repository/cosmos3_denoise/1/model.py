@@ -48,7 +48,7 @@ class TritonPythonModel:
         )
         self.marks = CancelMarks(d.cancel_dir)
         self.responses = ResponseThread()
-        self.engine_thread = EngineThread(self.engine)
+        self.engine_thread = EngineThread(self.engine, self.marks, d.drain_timeout_s)
 
     def execute(self, requests):
         for request in requests:

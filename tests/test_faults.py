@@ -1,0 +1,84 @@
+"""Faults through `python -m cosmos3_core.serve` (the supervised server): a killed stub, SIGTERM in flight."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from client.stream import ServerError, generate, wait_ready
+from cosmos3_core.launcher import free_port
+
+pytestmark = pytest.mark.served
+
+LONG = {"steps": 40, "num_frames": 17, "height": 64, "width": 64}
+
+
+@pytest.fixture
+def supervised(served_deployment, tmp_path):
+    path, _ = served_deployment
+    ports = [free_port() for _ in range(3)]
+    env = {**os.environ, "COSMOS3_FAULTS": "step_delay_s=0.05"}
+    cmd = [sys.executable, "-m", "cosmos3_core.serve", "--config", str(path), "--workdir", str(tmp_path / "serve"),
+           "--grpc-port", str(ports[0]), "--http-port", str(ports[1]), "--metrics-port", str(ports[2])]  # fmt: skip
+    log = open(tmp_path / "serve.log", "wb")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"127.0.0.1:{ports[0]}"
+    wait_ready(url, 300)
+    yield proc, url, tmp_path / "serve"
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    log.close()
+
+
+def run_async(url: str, n: int) -> tuple[list[threading.Thread], dict[int, object]]:
+    out: dict[int, object] = {}
+
+    def run(i: int) -> None:
+        try:
+            out[i] = generate(url, f"request {i}", {**LONG, "seed": i}, timeout_s=120)
+        except ServerError as e:
+            out[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    return threads, out
+
+
+def stub_of(workdir, model: str) -> int:
+    pattern = f"triton_python_backend_stub {workdir}/model_repository/{model}/"
+    pids = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
+    assert len(pids) == 1, pids
+    return int(pids[0])
+
+
+def test_killed_denoise_stub_errors_in_flight_then_serves(supervised):
+    proc, url, workdir = supervised
+    threads, out = run_async(url, 2)
+    time.sleep(1.5)  # both requests are denoising
+    os.kill(stub_of(workdir, "cosmos3_denoise"), signal.SIGKILL)
+    for t in threads:
+        t.join(120)
+    assert all(isinstance(out[i], ServerError) for i in range(2)), out  # errors, not silence
+    wait_ready(url, 300)  # the supervisor restarted the server
+    assert generate(url, "after the fault", {"steps": 2}).video.shape == (9, 32, 64, 3)
+
+
+def test_sigterm_with_requests_in_flight(supervised):
+    proc, url, _ = supervised
+    threads, out = run_async(url, 2)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(120)
+    assert proc.wait(60) == 0
+    for i in range(2):  # each ended with its result or one clear error
+        r = out[i]
+        assert isinstance(r, ServerError) or (r.video.shape == (17, 64, 64, 3) and r.events[-1]["type"] == "done"), r
