@@ -12,7 +12,7 @@ ADDRESS ?= 127.0.0.1
 PROMPT ?= A robot arm stacks red and blue cubes on a wooden table, soft daylight.
 OUT ?= out/demo.mp4
 
-.PHONY: setup serve demo stop test lint bench docker clean
+.PHONY: setup serve demo stop test lint bench soak docker clean
 
 setup: $(VENV)/.installed
 
@@ -40,8 +40,12 @@ test: setup
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
+soak: setup
+	$(PY) -m bench.soak --config $(CONFIG) --n $(or $(N),500) --c $(or $(C),8) --cancel 0.2
+
 bench: setup
-	$(PY) -m bench.run --config $(or $(BENCH_CONFIG),configs/edge.yaml)
+	$(PY) -m bench.served --config $(or $(BENCH_CONFIG),configs/bench_edge.yaml) --json out/bench_served.json
+	$(PY) -m bench.inprocess --preset edge --compile --json out/bench_inprocess.json
 
 docker:
 	docker build -f docker/Dockerfile -t cosmos3-triton .
