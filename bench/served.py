@@ -13,7 +13,6 @@ import json
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -22,34 +21,22 @@ from cosmos3_core.deployment import Deployment
 from cosmos3_core.launcher import free_port, launch_server, stop_server, wait_until_ready
 from cosmos3_core.serve import render
 
+from .pool import run_pool
+
 PROMPT = "A robot arm stacks red and blue cubes on a wooden table, soft daylight, static camera."
 
 
 def drive(url: str, params: dict, count: int, concurrency: int) -> dict:
     """`count` requests, `concurrency` at a time. → e2e list, wall time, frames, TTFCs and chunk gaps."""
-    results, lock = [], threading.Lock()
-    todo = list(range(count))
 
-    def worker() -> None:
-        while True:
-            with lock:
-                if not todo:
-                    return
-                i = todo.pop(0)
-            r = generate(url, PROMPT, {**params, "seed": i})
-            gaps = [b - a for a, b in zip(r.chunk_times, r.chunk_times[1:])]
-            server = next(e for e in r.events if e["type"] == "done")["timings"]
-            with lock:
-                results.append(
-                    {"e2e": r.e2e_s, "ttfc": r.ttfc_s, "gaps": gaps, "frames": int(r.video.shape[0]), "server": server}
-                )
+    def one(i: int) -> dict:
+        r = generate(url, PROMPT, {**params, "seed": i})
+        gaps = [b - a for a, b in zip(r.chunk_times, r.chunk_times[1:])]
+        server = next(e for e in r.events if e["type"] == "done")["timings"]
+        return {"e2e": r.e2e_s, "ttfc": r.ttfc_s, "gaps": gaps, "frames": int(r.video.shape[0]), "server": server}
 
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    results = run_pool(range(count), concurrency, one)
     wall = time.perf_counter() - t0
     e2e = [r["e2e"] for r in results]
     out = {"count": count, "concurrency": concurrency, "wall_s": wall, "e2e_p50": statistics.median(e2e), "e2e": e2e,

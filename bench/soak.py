@@ -13,7 +13,6 @@ import json
 import random
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -21,6 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from client.stream import ServerError, generate
+
+from .pool import run_pool
 
 
 def make_requests(n: int, cancel: float, seed: int, max_steps: int = 3) -> list[dict]:
@@ -51,36 +52,24 @@ def make_requests(n: int, cancel: float, seed: int, max_steps: int = 3) -> list[
 
 def run_soak(url: str, requests: list[dict], concurrency: int, timeout_s: float = 300) -> list[dict]:
     """→ one outcome per request: completed (with frames and its done-event count), error, or cancelled."""
-    todo, lock, outcomes = list(requests), threading.Lock(), []
 
-    def worker() -> None:
-        while True:
-            with lock:
-                if not todo:
-                    return
-                req = todo.pop(0)
-            seen = {"progress": 0}
+    def one(req: dict) -> dict:
+        seen = {"progress": 0}
 
-            def cancel_after(event: dict, req=req, seen=seen) -> bool:
-                if event["type"] == "progress":
-                    seen["progress"] += 1
-                return req["cancel_at"] is not None and seen["progress"] >= req["cancel_at"]
+        def cancel_after(event: dict) -> bool:
+            if event["type"] == "progress":
+                seen["progress"] += 1
+            return req["cancel_at"] is not None and seen["progress"] >= req["cancel_at"]
 
-            try:
-                r = generate(url, req["prompt"], req["params"], cancel_after=cancel_after, timeout_s=timeout_s)
-                finals = sum(e["type"] == "done" for e in r.events)
-                status = "completed" if finals else ("cancelled" if req["cancel_at"] else "lost")
-                out = {"status": status, "finals": finals, "video": r.video if finals else None}
-            except ServerError as e:
-                out = {"status": "error", "message": str(e)}
-            with lock:
-                outcomes.append({**req, **out})
+        try:
+            r = generate(url, req["prompt"], req["params"], cancel_after=cancel_after, timeout_s=timeout_s)
+            finals = sum(e["type"] == "done" for e in r.events)
+            status = "completed" if finals else ("cancelled" if req["cancel_at"] else "lost")
+            return {**req, "status": status, "finals": finals, "video": r.video if finals else None}
+        except ServerError as e:
+            return {**req, "status": "error", "message": str(e)}
 
-    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    outcomes = run_pool(requests, concurrency, one)
     return sorted(outcomes, key=lambda o: o["id"])
 
 
