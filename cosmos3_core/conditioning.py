@@ -62,22 +62,6 @@ class StreamDecoder:
         self.first = True
 
     @torch.inference_mode()
-    def decode_multi(self, latents: torch.Tensor) -> torch.Tensor:
-        """Probe: the next latent frames in ONE decoder call (valid after the first chunk: causal convs with the
-        cache see the same inputs; only the first frame's temporal upsampling is special)."""
-        from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
-
-        assert not self.first
-        c, vae = self.codec, self.codec.vae
-        z = latents.to(device=c.device, dtype=c.dtype)
-        x = vae.post_quant_conv(z / c.inv_std.to(z.device) + c.mean.to(z.device))
-        video = vae.decoder(x, feat_cache=self.cache, feat_idx=[0], first_chunk=False)
-        if vae.config.patch_size is not None:
-            video = unpatchify(video, patch_size=vae.config.patch_size)
-        frames = (video.clamp(-1.0, 1.0).float()[0].permute(1, 2, 3, 0) * 0.5 + 0.5).clamp(0, 1)
-        return (frames * 255).round().to(torch.uint8).cpu()
-
-    @torch.inference_mode()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """The next latent frames [1, C, T, h, w] of this stream → uint8 [T', H, W, 3] (CPU)."""
         from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify

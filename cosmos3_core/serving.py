@@ -302,7 +302,3 @@ class EngineThread:
 def request_meta(text: str) -> tuple[GenerationParams, dict[str, Any]]:
     meta = json.loads(text)
     return GenerationParams(**meta["params"]), meta
-
-
-def now() -> float:
-    return time.time()
