@@ -24,7 +24,9 @@ def test_metrics_move_during_a_run(server):
 
     scraper = threading.Thread(target=scrape)
     scraper.start()
-    threads = [threading.Thread(target=generate, args=(server.url, f"m{i}", {"steps": 30, "seed": i})) for i in range(3)]
+    threads = [
+        threading.Thread(target=generate, args=(server.url, f"m{i}", {"steps": 30, "seed": i})) for i in range(3)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -47,5 +49,11 @@ def test_metrics_move_during_a_run(server):
     assert grew("cosmos3_engine_ticks_total") and grew("cosmos3_request_steps_total", 90)
     assert grew("cosmos3_queue_seconds_count", 4) and grew("cosmos3_e2e_seconds_count", 3)
     assert grew("cosmos3_ttfc_seconds_count", 3)
-    assert grew("cosmos3_requests_total:completed", 3) and grew("cosmos3_requests_total:failed", 1)  # seed 666: injected
-    assert after["cosmos3_kv_pages_used"] == 0 and after["cosmos3_live_requests"] == 0 and after["cosmos3_queue_depth"] == 0
+    assert grew("cosmos3_requests_total:completed", 3) and grew(
+        "cosmos3_requests_total:failed", 1
+    )  # seed 666: injected
+    assert (
+        after["cosmos3_kv_pages_used"] == 0
+        and after["cosmos3_live_requests"] == 0
+        and after["cosmos3_queue_depth"] == 0
+    )
