@@ -38,6 +38,7 @@ def render(deployment: Deployment, workdir: Path) -> tuple[Path, Deployment]:
         checkpoint=str(resolve_checkpoint(deployment.checkpoint).absolute()),
         cancel_dir=deployment.cancel_dir or str(workdir / "cancelled"),
     )
+    shutil.rmtree(deployment.cancel_dir, ignore_errors=True)  # no stale cancel or drain marks from a previous run
     dep_path = workdir / "deployment.yaml"
     dep_path.write_text(yaml.safe_dump(dataclasses.asdict(deployment), sort_keys=False))
     gpu = deployment.torch_device.startswith("cuda")
