@@ -425,9 +425,12 @@ def _log_tail(proc: subprocess.Popen | None, n: int = 4000) -> str:
     if not path:
         return ""
     try:
-        return "\n--- log tail ---\n" + Path(path).read_text(errors="replace")[-n:]
+        text = Path(path).read_text(errors="replace")
     except OSError:
         return ""
+    # why models failed to load is logged once per model, far above the tail: lead with those lines
+    why = [ln[:600] for ln in text.splitlines() if "Failed to initialize Python stub" in ln or "failed to load" in ln]
+    return "\n--- model load errors ---\n" + "\n".join(dict.fromkeys(why)) + "\n--- log tail ---\n" + text[-n:]
 
 
 def stop_server(proc: subprocess.Popen, timeout_s: float = 45.0) -> int:

@@ -82,3 +82,22 @@ def test_sigterm_with_requests_in_flight(supervised):
     for i in range(2):  # each ended with its result or one clear error
         r = out[i]
         assert isinstance(r, ServerError) or (r.video.shape == (17, 64, 64, 3) and r.events[-1]["type"] == "done"), r
+
+
+def test_model_that_fails_to_load_says_why(tmp_path):
+    """A bad checkpoint path: the server never reports ready, and its log names the missing directory."""
+    import dataclasses
+
+    from cosmos3_core.deployment import Deployment
+    from cosmos3_core.launcher import launch_server, stop_server, wait_until_ready
+    from cosmos3_core.serve import render
+
+    deployment = dataclasses.replace(Deployment.load("configs/tiny.yaml"), checkpoint=str(tmp_path / "missing"))
+    repo, _ = render(deployment, tmp_path / "serve")
+    ports = [free_port() for _ in range(3)]
+    proc = launch_server(repo, *ports, log_path=tmp_path / "log", cpu_only=True)
+    try:
+        with pytest.raises(RuntimeError, match="checkpoint directory not found"):
+            wait_until_ready(ports[1], proc=proc, timeout_s=120)
+    finally:
+        stop_server(proc)
