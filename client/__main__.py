@@ -11,26 +11,15 @@ import sys
 from pathlib import Path
 
 from cosmos3_core.media import FRAME_SUFFIXES, write_frames
+from cosmos3_core.requests import add_request_arguments, params_from_arguments
 
 from .stream import ServerError, generate, wait_ready
 
-PARAMS = {"negative_prompt": str, "height": int, "width": int, "num_frames": int, "fps": float, "steps": int,
-          "guidance_scale": float, "shift": float, "seed": int}  # fmt: skip
 
-
-WINDOW_PARAMS = {"window_frames": int, "overlap_frames": int, "context_frames": int, "max_windows": int}
-
-
-def add_request_args(p: argparse.ArgumentParser) -> None:
+def add_request_args(p: argparse.ArgumentParser, windows: bool = False) -> None:
     p.add_argument("--url", default="127.0.0.1:8001")
     p.add_argument("--wait-ready", type=float, default=0.0, help="wait up to this many seconds for the server")
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--image")
-    for name, typ in PARAMS.items():
-        flag = {"guidance_scale": "--guidance"}.get(name, "--" + name.replace("_", "-"))
-        p.add_argument(flag, dest=name, type=typ)
-    p.add_argument("--no-system-prompt", dest="use_system_prompt", action="store_const", const=False)
-    p.add_argument("--no-templates", dest="add_templates", action="store_const", const=False)
+    add_request_arguments(p, windows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,10 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     add_request_args(g)
     g.add_argument("--out", required=True, help="output file: " + ", ".join(FRAME_SUFFIXES))
     s = sub.add_parser("stream", help="a long video window by window (Nano AR); chunks written as they arrive")
-    add_request_args(s)
-    s.add_argument("--window-mode", dest="window_mode", choices=("chained", "kv"), default="chained")
-    for name, typ in WINDOW_PARAMS.items():
-        s.add_argument("--" + name.replace("_", "-"), dest=name, type=typ)
+    add_request_args(s, windows=True)
     s.add_argument(
         "--out", required=True, help="the joined video (.mp4/.npy); chunks go next to it as <stem>.chunkNNN.mp4"
     )
@@ -52,10 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.out.endswith(FRAME_SUFFIXES):
         print(f"error: out: suffix must be one of {', '.join(FRAME_SUFFIXES)}", file=sys.stderr)
         return 2
-    keys = (*PARAMS, "use_system_prompt", "add_templates")
-    if args.command == "stream":
-        keys = (*keys, "window_mode", *WINDOW_PARAMS)
-    params = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
+    params = params_from_arguments(args)
     image = None
     if args.image:
         from cosmos3_core.generate import load_image

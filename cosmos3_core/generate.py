@@ -22,7 +22,7 @@ from .config import CheckpointError
 from .deployment import Deployment, resolve_checkpoint
 from .engine import DenoiseEngine
 from .media import FRAME_SUFFIXES, write_frames
-from .requests import RequestError
+from .requests import RequestError, add_request_arguments, params_from_arguments
 from .stages import DecodeStage, PrefillResult, PrefillStage
 
 OUT_SUFFIXES = (*FRAME_SUFFIXES, ".pt")
@@ -97,27 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m cosmos3_core.generate", description=__doc__.split("\n")[0])
     ap.add_argument("--checkpoint", default="", help="checkpoint dir (diffusers layout); default: the tiny one")
     ap.add_argument("--config", default=None, help="deployment YAML (defaults, limits, device, dtype)")
-    ap.add_argument("--prompt", required=True)
-    ap.add_argument("--negative-prompt", dest="negative_prompt")
-    ap.add_argument("--image", help="conditioning image for i2v (png/jpg)")
-    ap.add_argument("--height", type=int)
-    ap.add_argument("--width", type=int)
-    ap.add_argument("--num-frames", dest="num_frames", type=int)
-    ap.add_argument("--fps", type=float)
-    ap.add_argument("--steps", type=int)
-    ap.add_argument("--guidance", dest="guidance_scale", type=float)
-    ap.add_argument("--shift", type=float)
-    ap.add_argument("--seed", type=int)
-    ap.add_argument("--no-system-prompt", dest="use_system_prompt", action="store_const", const=False)
-    ap.add_argument("--no-templates", dest="add_templates", action="store_const", const=False)
+    add_request_arguments(ap)
     ap.add_argument("--device")
     ap.add_argument("--dtype")
     ap.add_argument("--out", required=True, help="output file: " + ", ".join(OUT_SUFFIXES))
     return ap
-
-
-PARAM_ARGS = ("negative_prompt", "height", "width", "num_frames", "fps", "steps", "guidance_scale", "shift", "seed",
-              "use_system_prompt", "add_templates")  # fmt: skip
 
 
 def load_image(path: str) -> np.ndarray:
@@ -143,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         ckpt = Checkpoint.open(resolve_checkpoint(deployment.checkpoint))
         image = load_image(args.image) if args.image else None
-        params = {k: getattr(args, k) for k in PARAM_ARGS if getattr(args, k) is not None}
+        params = params_from_arguments(args)
         gen = Generator(deployment, ckpt)
         p = gen.prefill.validate(args.prompt, params, image)  # fail fast, before any work
         latents = gen.latents(args.prompt, params, image, progress=True)

@@ -275,3 +275,36 @@ def check_image(image: np.ndarray, limits: Limits) -> None:
     h, w = image.shape[:2]
     if h < 1 or w < 1 or h * w > limits.max_image_pixels:
         raise RequestError("image", f"has {h}x{w} pixels, allowed 1..{limits.max_image_pixels}")
+
+
+# Command-line options for the request parameters, shared by the offline CLI and the client (one spelling).
+CLI_PARAMS: dict[str, type] = {
+    "negative_prompt": str, "height": int, "width": int, "num_frames": int, "fps": float, "steps": int,
+    "guidance_scale": float, "shift": float, "seed": int,
+}  # fmt: skip
+CLI_WINDOW_PARAMS: dict[str, type] = {
+    "window_frames": int,
+    "overlap_frames": int,
+    "context_frames": int,
+    "max_windows": int,
+}
+
+
+def add_request_arguments(ap, windows: bool = False) -> None:
+    """--prompt, --image and every request parameter as a flag (`--guidance` for guidance_scale)."""
+    ap.add_argument("--prompt", required=True)
+    ap.add_argument("--image", help="conditioning image for i2v (png/jpg)")
+    for name, typ in CLI_PARAMS.items():
+        ap.add_argument({"guidance_scale": "--guidance"}.get(name, "--" + name.replace("_", "-")), dest=name, type=typ)
+    ap.add_argument("--no-system-prompt", dest="use_system_prompt", action="store_const", const=False)
+    ap.add_argument("--no-templates", dest="add_templates", action="store_const", const=False)
+    if windows:
+        ap.add_argument("--window-mode", dest="window_mode", choices=("chained", "kv"), default="chained")
+        for name, typ in CLI_WINDOW_PARAMS.items():
+            ap.add_argument("--" + name.replace("_", "-"), dest=name, type=typ)
+
+
+def params_from_arguments(args) -> dict[str, Any]:
+    """The request parameters the user set on the command line (the rest take the deployment's defaults)."""
+    keys = (*CLI_PARAMS, "use_system_prompt", "add_templates", "window_mode", *CLI_WINDOW_PARAMS)
+    return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
