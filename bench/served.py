@@ -18,8 +18,8 @@ from pathlib import Path
 
 from client.stream import generate
 from cosmos3_core.deployment import Deployment
-from cosmos3_core.launcher import free_port, launch_server, stop_server, wait_until_ready
-from cosmos3_core.serve import render
+from cosmos3_core.launcher import stop_server, wait_until_ready
+from cosmos3_core.serve import start
 
 from .pool import run_pool
 
@@ -63,11 +63,7 @@ def main() -> int:
     args = ap.parse_args()
     deployment = Deployment.load(args.config)
     workdir = Path(tempfile.mkdtemp(prefix="cosmos3-bench-"))
-    repo, deployment = render(deployment, workdir)
-    ports = [free_port() for _ in range(3)]
-    proc = launch_server(
-        repo, *ports, log_path=workdir / "tritonserver.log", cpu_only=not deployment.torch_device.startswith("cuda")
-    )
+    proc, ports, deployment = start(deployment, workdir)
     url = f"127.0.0.1:{ports[0]}"
     result: dict = {"config": args.config}
     try:

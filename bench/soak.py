@@ -113,14 +113,10 @@ def main() -> int:
 
     from cosmos3_core.deployment import Deployment
     from cosmos3_core.generate import Generator
-    from cosmos3_core.launcher import free_port, launch_server, stop_server, wait_until_ready
-    from cosmos3_core.serve import render
+    from cosmos3_core.launcher import stop_server, wait_until_ready
+    from cosmos3_core.serve import start
 
-    repo, deployment = render(Deployment.load(args.config), Path(tempfile.mkdtemp(prefix="cosmos3-soak-")))
-    ports = [free_port() for _ in range(3)]
-    proc = launch_server(
-        repo, *ports, log_path=repo.parent / "tritonserver.log", cpu_only=deployment.torch_device == "cpu"
-    )
+    proc, ports, deployment = start(Deployment.load(args.config), Path(tempfile.mkdtemp(prefix="cosmos3-soak-")))
     url = f"127.0.0.1:{ports[0]}"
     try:
         wait_until_ready(ports[1], proc=proc, timeout_s=600)

@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import shutil
 import signal
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -61,6 +62,18 @@ def render(deployment: Deployment, workdir: Path) -> tuple[Path, Deployment]:
         if (src / "1" / "model.py").is_file():
             shutil.copy2(src / "1" / "model.py", dst / "1" / "model.py")
     return repo, deployment
+
+
+def start(
+    deployment: Deployment, workdir: Path, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen, list[int], Deployment]:
+    """Render and launch on free loopback ports (benchmarks, soak, tests) → (process, [grpc, http, metrics],
+    the effective deployment). Not yet ready: `wait_until_ready(ports[1], proc=proc)`."""
+    repo, deployment = render(deployment, workdir)
+    ports = [free_port() for _ in range(3)]
+    proc = launch_server(repo, *ports, log_path=Path(workdir) / "tritonserver.log", env=env,
+                         cpu_only=not deployment.torch_device.startswith("cuda"))  # fmt: skip
+    return proc, ports, deployment
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -126,15 +126,11 @@ class Server:
 
 @pytest.fixture(scope="session")
 def server(served_deployment, tmp_path_factory):
-    from cosmos3_core.launcher import free_port, launch_server, server_env, stop_server, wait_until_ready
-    from cosmos3_core.serve import render
+    from cosmos3_core.launcher import server_env, stop_server, wait_until_ready
+    from cosmos3_core.serve import start
 
-    _, deployment = served_deployment
-    workdir = tmp_path_factory.mktemp("serve")
-    repo, deployment = render(deployment, workdir)
-    ports = [free_port() for _ in range(3)]
     env = {**server_env(), "COSMOS3_FAULTS": "step_delay_s=0.02,fail_step_seed=666"}  # see cosmos3_core/faults.py
-    proc = launch_server(repo, *ports, log_path=workdir / "tritonserver.log", cpu_only=True, env=env)
+    proc, ports, _ = start(served_deployment[1], tmp_path_factory.mktemp("serve"), env)
     try:
         wait_until_ready(ports[1], proc=proc, timeout_s=300)
         yield Server(*ports)

@@ -89,13 +89,11 @@ def test_model_that_fails_to_load_says_why(tmp_path):
     import dataclasses
 
     from cosmos3_core.deployment import Deployment
-    from cosmos3_core.launcher import launch_server, stop_server, wait_until_ready
-    from cosmos3_core.serve import render
+    from cosmos3_core.launcher import stop_server, wait_until_ready
+    from cosmos3_core.serve import start
 
     deployment = dataclasses.replace(Deployment.load("configs/tiny.yaml"), checkpoint=str(tmp_path / "missing"))
-    repo, _ = render(deployment, tmp_path / "serve")
-    ports = [free_port() for _ in range(3)]
-    proc = launch_server(repo, *ports, log_path=tmp_path / "log", cpu_only=True)
+    proc, ports, _ = start(deployment, tmp_path / "serve")
     try:
         with pytest.raises(RuntimeError, match="checkpoint directory not found"):
             wait_until_ready(ports[1], proc=proc, timeout_s=120)

@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pytest
 
+from bench.pool import run_pool
 from client.stream import ServerError, generate
 
 pytestmark = pytest.mark.served
@@ -42,17 +43,7 @@ def test_concurrent_requests_share_steps(server, offline):
         ("a green hill", {"num_frames": 1, "height": 64, "width": 64, "steps": 50, "seed": 3}),
     ]
     before = server.metrics(settle=True)
-    results: dict[int, object] = {}
-
-    def run(i: int) -> None:
-        results[i] = generate(server.url, *requests[i])
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
-    for t in threads:
-        t.start()
-        time.sleep(0.02)
-    for t in threads:
-        t.join(120)
+    results = dict(run_pool(range(len(requests)), len(requests), lambda i: (i, generate(server.url, *requests[i]))))
     after = server.metrics(settle=True)
     for i, (prompt, params) in enumerate(requests):
         assert np.array_equal(results[i].video, offline.frames(prompt, params)), f"request {i} differs from solo"

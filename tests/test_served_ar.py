@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
 
 import numpy as np
 import pytest
 
+from bench.pool import run_pool
 from client.stream import generate
 from tests.test_served import wait_metric
 
@@ -22,16 +22,7 @@ SINGLE = {"num_frames": 9, "steps": 8, "seed": 23}
 def test_two_streams_and_a_single_shot_equal_solo(server, offline):
     before = server.metrics(settle=True)
     jobs = [("a harbour", CHAINED), ("a forest path", KV), ("a kite", SINGLE)]
-    results: dict[int, object] = {}
-
-    def run(i: int) -> None:
-        results[i] = generate(server.url, *jobs[i])
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(180)
+    results = dict(run_pool(range(len(jobs)), len(jobs), lambda i: (i, generate(server.url, *jobs[i]))))
     after = server.metrics(settle=True)
     for i, (prompt, params) in enumerate(jobs):
         r = results[i]
