@@ -1,9 +1,10 @@
 """In-process speed, side by side in one run: our engine vs diffusers' Cosmos3OmniPipeline on the same random
 weights at the real shapes, and the compute floor.
 
-  python -m bench.inprocess --preset edge --height 480 --width 832 --frames 121 --steps 20 --guidance 6 [--no-diffusers]
+  python -m bench.inprocess --preset edge --compile --variants sdpa flashinfer flashinfer+graphs
 
-Prints a table and writes JSON to --json. Needs CUDA.
+Each variant (attention backend, `+graphs` for CUDA-graph replay) runs the same requests on one loaded engine
+(its step is swapped); then diffusers on the same weights. Prints a table and writes JSON to --json. Needs CUDA.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 
 from cosmos3_core.deployment import Deployment
 from cosmos3_core.generate import Generator
+from cosmos3_core.step import DenoiseStep
 
 from .floor import H200_BF16_FLOPS, denoise_flops, tokens_for
 
@@ -30,12 +32,22 @@ def ours(args, params) -> dict:
     d = Deployment(
         checkpoint=f"random:{args.preset}", device="cuda", dtype="bfloat16", pool_pages=4096, compile=args.compile
     )
-    t0 = time.perf_counter()
     gen = Generator(d)
-    gen.frames(PROMPT, {**params, "steps": 2})  # warm-up: allocator, cuBLAS/flash heuristics, compile
+    out = {}
+    for variant in args.variants:
+        attention, *extra = variant.split("+")
+        eng = gen.engine
+        eng.step = DenoiseStep(eng.model, eng.pool, eng.step.kernels, attention, cuda_graphs="graphs" in extra)
+        out[variant] = run_variant(gen, params, args.repeat)
+    return out
+
+
+def run_variant(gen: Generator, params: dict, repeat: int) -> dict:
+    t0 = time.perf_counter()
+    gen.frames(PROMPT, {**params, "steps": 3})  # warm-up: allocator, cuBLAS/flash heuristics, compile, capture
     warmup_s = time.perf_counter() - t0
     phases = {"prefill": [], "denoise": [], "decode": [], "e2e": []}
-    for _ in range(args.repeat):
+    for _ in range(repeat):
         marks = [sync_time()]
         pre = gen.prefill.run(gen.prefill.validate(PROMPT, params, None), None)
         marks.append(sync_time())
@@ -45,7 +57,8 @@ def ours(args, params) -> dict:
         marks.append(sync_time())
         for name, a, b in (("prefill", 0, 1), ("denoise", 1, 2), ("decode", 2, 3), ("e2e", 0, 3)):
             phases[name].append(marks[b] - marks[a])
-    return {"phases": phases, "text_tokens": pre.text_k[0].shape[1], "load_and_warmup_s": warmup_s}
+    captures = gen.engine.step.captures
+    return {"phases": phases, "text_tokens": pre.text_k[0].shape[1], "warmup_s": warmup_s, "captures": captures}
 
 
 def reference(args, params) -> dict:
@@ -96,6 +109,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--no-diffusers", action="store_true")
     ap.add_argument("--compile", action="store_true", help="torch.compile the GEN layer stack")
+    ap.add_argument("--variants", nargs="+", default=["sdpa", "flashinfer+graphs"], help="attention[+graphs] ...")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     params = {"height": args.height, "width": args.width, "num_frames": args.frames, "steps": args.steps,
@@ -115,22 +129,22 @@ def main() -> None:
 
     cfg = Checkpoint.open(resolve_checkpoint(f"random:{args.preset}")).config
     tokens = tokens_for(cfg, args.height, args.width, args.frames)
-    flops = denoise_flops(cfg, tokens, result["ours"]["text_tokens"], args.steps, 2 if args.guidance != 1 else 1)
+    first = result["ours"][args.variants[0]]
+    flops = denoise_flops(cfg, tokens, first["text_tokens"], args.steps, 2 if args.guidance != 1 else 1)
     result["floor_s"] = flops / H200_BF16_FLOPS
     result["tokens_per_branch"] = tokens
-    med = {k: statistics.median(v) for k, v in result["ours"]["phases"].items()}
-    rows = [("ours e2e", med["e2e"]), ("ours prefill", med["prefill"]), ("ours denoise", med["denoise"]),
-            ("ours decode", med["decode"]), ("compute floor (denoise)", result["floor_s"])]  # fmt: skip
-    if "diffusers" in result:
-        rows.append(("diffusers e2e", statistics.median(result["diffusers"]["e2e"])))
+    diff = statistics.median(result["diffusers"]["e2e"]) if "diffusers" in result else float("nan")
     print(f"{args.preset} {args.width}x{args.height}x{args.frames} steps {args.steps} guidance {args.guidance} "
-          f"tokens/branch {tokens} compile {args.compile} on {result['gpu']} "
-          f"(load+warmup {result['ours']['load_and_warmup_s']:.0f}s)")  # fmt: skip
-    for name, v in rows:
-        print(f"  {name:28s} {v:8.2f} s")
-    print(f"  denoise / floor              {med['denoise'] / result['floor_s']:8.2f} x")
-    if "diffusers" in result:
-        print(f"  diffusers / ours (e2e)       {statistics.median(result['diffusers']['e2e']) / med['e2e']:8.2f} x")
+          f"tokens/branch {tokens} compile {args.compile} on {result['gpu']}; compute floor {result['floor_s']:.2f} s, "
+          f"diffusers e2e {diff:.2f} s, peak mem ours {result['ours_peak_mem_gb']:.1f} GB / diffusers "
+          f"{result['diffusers_peak_mem_gb']:.1f} GB")  # fmt: skip
+    print(
+        f"{'variant':22s} {'e2e':>7s} {'prefill':>8s} {'denoise':>8s} {'decode':>7s} {'den/floor':>9s} {'diff/ours':>9s}"
+    )
+    for variant, r in result["ours"].items():
+        med = {k: statistics.median(v) for k, v in r["phases"].items()}
+        print(f"{variant:22s} {med['e2e']:7.2f} {med['prefill']:8.2f} {med['denoise']:8.2f} {med['decode']:7.2f} "
+              f"{med['denoise'] / result['floor_s']:9.2f} {diff / med['e2e']:9.2f}")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -2,15 +2,23 @@
 
 A packed step is a list of segments (one per request and CFG branch): rows `start:start+length` of q/k/v
 belong to the segment and attend, non-causally and with GQA, to the branch's prefix K/V (text, then any
-committed AR context frames) followed by the segment's own K/V. This is the reference path (torch SDPA per segment; CPU and any device); GPU paths
-plug in behind `gen_attention` with the same arguments.
+committed AR context frames; order does not matter, nothing is causal) followed by the segment's own K/V.
+Rows between segments are zero padding (see `step.pack`); their output is never read.
 
+Two backends with one contract, chosen by the deployment's `attention`:
+- `SdpaAttention` — torch SDPA per segment over gathered prefix pages + own K/V. Any device; the reference.
+- `FlashInferAttention` — CUDA: FlashInfer's paged prefill over the prefix pages and ragged prefill over the
+  own tokens, merged by their log-sum-exp. `plan` does all host work once per step (every layer shares it)
+  and writes only into buffers the plan owns, so a captured CUDA graph replays it with new page tables.
+
+A backend makes one `Plan` per step layout (`graphs.StepLayout`); `plan.update(segments)` runs before each
+forward outside any graph, `plan(q, k, v, layer)` inside it.
 Layouts: q `[rows, heads, d]`, k/v `[rows, kv_heads, d]`; output `[rows, heads * d]`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +27,8 @@ from .kv_pool import KVPool
 
 if TYPE_CHECKING:
     from .step import Segment
+
+BACKENDS = ("auto", "sdpa", "flashinfer")
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
@@ -29,14 +39,168 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> tor
     return out[0].transpose(0, 1).flatten(-2)
 
 
-def gen_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool, layer: int, segments: list[Segment]
-) -> torch.Tensor:
-    out = torch.zeros(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)  # padding rows stay 0
-    for seg in segments:
-        rows = slice(seg.start, seg.start + seg.length)
-        prefix = [pool.gather(layer, pages) for pages in seg.prefix]
-        keys = torch.cat([pk for pk, _ in prefix] + [k[rows]])
-        values = torch.cat([pv for _, pv in prefix] + [v[rows]])
-        out[rows] = sdpa(q[rows], keys, values, causal=False)
-    return out
+class Plan(Protocol):
+    def update(self, segments: list[Segment]) -> None: ...
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor: ...
+
+
+class SdpaAttention:
+    name = "sdpa"
+
+    def __init__(self, pool: KVPool):
+        self.pool = pool
+
+    def shape_key(self, segments: list[Segment]) -> tuple:
+        """What besides the segment lengths fixes this backend's tensor shapes: the prefix token counts."""
+        return tuple(tuple(p.num_tokens for p in seg.prefix) for seg in segments)
+
+    def make_plan(self, rows: int) -> SdpaPlan:
+        return SdpaPlan(self.pool)
+
+
+class SdpaPlan:
+    """Gathers each prefix page list through an index buffer the plan owns (a graph replays with new pages)."""
+
+    def __init__(self, pool: KVPool):
+        self.pool = pool
+        self.segments: list[Segment] = []
+        self.page_index: list[list[torch.Tensor]] = []
+
+    def update(self, segments: list[Segment]) -> None:
+        if not self.page_index:
+            self.page_index = [[p.index.clone() for p in seg.prefix] for seg in segments]
+        else:
+            for bufs, seg in zip(self.page_index, segments):
+                for buf, p in zip(bufs, seg.prefix):
+                    buf.copy_(p.index)
+        self.segments = segments
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+        pool = self.pool
+        out = torch.zeros(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
+        for seg, index in zip(self.segments, self.page_index):
+            rows = slice(seg.start, seg.start + seg.length)
+            keys = [pool.k_pages[layer, i].flatten(0, 1)[: p.num_tokens] for i, p in zip(index, seg.prefix)]
+            values = [pool.v_pages[layer, i].flatten(0, 1)[: p.num_tokens] for i, p in zip(index, seg.prefix)]
+            out[rows] = sdpa(q[rows], torch.cat([*keys, k[rows]]), torch.cat([*values, v[rows]]), causal=False)
+        return out
+
+
+class FlashInferAttention:
+    """FlashInfer batch prefill: paged (prefix) + ragged (own tokens) + `merge_state`. fa3 on Hopper.
+
+    The paged kernel reads a request's pages in order and only the last may be partly filled, so a prefix of
+    several page lists (text + AR context frames) is laid out full lists first, the partial one last; a step
+    where two lists are partial (frame tokens not a multiple of `page_size`) is an error that names the fix."""
+
+    name = "flashinfer"
+    WORKSPACE_BYTES = 256 << 20
+
+    def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int):
+        import flashinfer  # noqa: F401 - fail at construction, not mid-step
+
+        self.pool = pool
+        self.heads, self.kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        device = pool.k_pages.device
+        major, _ = torch.cuda.get_device_capability(device)
+        self.backend = "fa3" if major == 9 and head_dim in (64, 128, 256) else "fa2"
+        self.workspace = torch.empty(self.WORKSPACE_BYTES, dtype=torch.uint8, device=device)  # shared: runs are serial
+
+    def shape_key(self, segments: list[Segment]) -> tuple:
+        return ()  # prefix lengths are plan data, not shapes
+
+    def make_plan(self, rows: int) -> FlashInferPlan:
+        return FlashInferPlan(self, rows)
+
+
+class FlashInferPlan:
+    def __init__(self, attn: FlashInferAttention, rows: int):
+        self.attn = attn
+        self.rows = rows  # packed rows: the last segment's padding ends here
+        self.paged = self.ragged = None
+
+    def _wrappers(self, batch: int) -> None:
+        import flashinfer
+
+        a, dev = self.attn, self.attn.workspace.device
+
+        def ints(n: int) -> torch.Tensor:
+            return torch.zeros(n, dtype=torch.int32, device=dev)
+
+        self.paged = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            a.workspace,
+            "NHD",
+            use_cuda_graph=True,  # fixed batch, plan writes into these buffers: capturable, replayable
+            qo_indptr_buf=ints(batch + 1),
+            paged_kv_indptr_buf=ints(batch + 1),
+            paged_kv_indices_buf=ints(a.pool.num_pages + batch),
+            paged_kv_last_page_len_buf=ints(batch),
+            backend=a.backend,
+        )
+        self.ragged = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
+            a.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=ints(batch + 1), kv_indptr_buf=ints(batch + 1),
+            backend=a.backend,
+        )  # fmt: skip
+
+    def update(self, segments: list[Segment]) -> None:
+        a, ps = self.attn, self.attn.pool.page_size
+        # requests: each segment, then its padding rows as a request of their own (ragged ranges are contiguous)
+        qo, pages_indptr, indices, last_len = [0], [0], [], []
+        for i, seg in enumerate(segments):
+            end = segments[i + 1].start if i + 1 < len(segments) else None
+            lists = sorted(seg.prefix, key=lambda p: p.num_tokens % ps != 0)  # full lists first
+            if sum(p.num_tokens % ps != 0 for p in lists) > 1:
+                raise ValueError(
+                    f"flashinfer attention: a prefix of several page lists needs all but one to fill whole pages "
+                    f"(page_size {ps}; got token counts {[p.num_tokens for p in seg.prefix]}); use a page_size that "
+                    f"divides the tokens per latent frame, or attention: sdpa"
+                )
+            ids = [i for p in lists for i in p.pages]
+            qo.append(seg.start + seg.length)
+            indices += ids
+            pages_indptr.append(len(indices))
+            last_len.append(lists[-1].num_tokens - (len(lists[-1].pages) - 1) * ps)
+            pad_end = end if end is not None else self.rows
+            if pad_end > qo[-1]:  # padding rows: attend to one page of this segment (finite, never read)
+                qo.append(pad_end)
+                indices.append(ids[0])
+                pages_indptr.append(len(indices))
+                last_len.append(1)
+        if self.paged is None:
+            self._wrappers(len(qo) - 1)
+        qo_indptr = torch.tensor(qo, dtype=torch.int32)
+        dt = a.pool.k_pages.dtype
+        self.paged.plan(
+            qo_indptr,
+            torch.tensor(pages_indptr, dtype=torch.int32),
+            torch.tensor(indices, dtype=torch.int32),
+            torch.tensor(last_len, dtype=torch.int32),
+            a.heads, a.kv_heads, a.head_dim, ps, causal=False, q_data_type=dt, kv_data_type=dt,
+        )  # fmt: skip
+        self.ragged.plan(
+            qo_indptr, qo_indptr, a.heads, a.kv_heads, a.head_dim, causal=False, q_data_type=dt, kv_data_type=dt
+        )
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+        import flashinfer
+
+        pool = self.attn.pool
+        out_prefix, lse_prefix = self.paged.run(q, (pool.k_pages[layer], pool.v_pages[layer]), return_lse=True)
+        out_own, lse_own = self.ragged.run(q, k, v, return_lse=True)
+        return flashinfer.merge_state(out_prefix, lse_prefix, out_own, lse_own)[0].flatten(-2)
+
+
+def make_attention(name: str, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int):
+    """`auto`: FlashInfer on CUDA when it is installed, else SDPA."""
+    if name not in BACKENDS:
+        raise ValueError(f"attention must be one of {', '.join(BACKENDS)}; got {name!r}")
+    on_cuda = pool.k_pages.is_cuda
+    if name == "auto":
+        import importlib.util
+
+        name = "flashinfer" if on_cuda and importlib.util.find_spec("flashinfer") else "sdpa"
+    if name == "flashinfer":
+        if not on_cuda:
+            raise ValueError("attention: flashinfer needs a CUDA device")
+        return FlashInferAttention(pool, num_heads, num_kv_heads, head_dim)
+    return SdpaAttention(pool)

@@ -26,6 +26,8 @@ class Deployment:
     max_queue: int = 16
     decode_chunk_frames: int = 4  # latent frames per streamed piece (decode + transfer overlap); 0: whole windows
     compile: bool = False  # torch.compile the GEN layer stack (dynamic shapes)
+    attention: str = "auto"  # sdpa | flashinfer | auto (flashinfer on CUDA when installed, else sdpa)
+    cuda_graphs: bool = True  # CUDA only: capture each step layout's forward on its second use, then replay
     warmup_requests: list[dict[str, Any]] = field(default_factory=list)  # request parameters run at startup
     drain_timeout_s: float = 20.0  # on shutdown, live requests get this long to finish before they are ended
     cancel_dir: str = ""  # where the decode step marks cancelled requests for the engine (set by serve.render)

@@ -28,13 +28,14 @@ import torch
 
 from . import faults
 from .checkpoint import Checkpoint
+from .deployment import Deployment
 from .kv_pool import KVPool, PageList
 from .layers import GEN
 from .requests import GenerationParams, RequestError
 from .rotary import rotary_tables, vision_position_ids
 from .sampling import guided_velocity, initial_noise, make_scheduler
 from .stages import PrefillResult
-from .step import Branch, denoise_step, denoise_step_row
+from .step import Branch, DenoiseStep, denoise_step_row
 from .towers import EAGER, GenKernels
 from .windows import WindowPlan, latent_frames, plan_windows
 
@@ -117,10 +118,11 @@ class DenoiseEngine:
         max_queue: int,
         compile: bool = False,
         decode_chunk: int = 0,
+        attention: str = "sdpa",
+        cuda_graphs: bool = False,
     ):
         self.ckpt = ckpt
         self.decode_chunk = decode_chunk  # latent frames per emitted piece; 0: a window's frames at once
-        self.kernels = GenKernels.compiled() if compile else EAGER
         self.cfg = ckpt.config
         self.device, self.dtype = device, dtype
         self.model = ckpt.load_transformer({GEN}, device, dtype)
@@ -133,6 +135,8 @@ class DenoiseEngine:
             dtype,
             device,
         )
+        kernels = GenKernels.compiled() if compile else EAGER
+        self.step = DenoiseStep(self.model, self.pool, kernels, attention, cuda_graphs)
         self.max_queue = max_queue
         self.stats = EngineStats()
         self._waiting: deque[Job] = deque()
@@ -142,6 +146,21 @@ class DenoiseEngine:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._next_id = 0
+
+    @classmethod
+    def from_deployment(cls, ckpt: Checkpoint, d: Deployment, device: str | None = None) -> DenoiseEngine:
+        return cls(
+            ckpt,
+            device or d.torch_device,
+            d.torch_dtype,
+            d.pool_pages,
+            d.page_size,
+            d.max_queue,
+            compile=d.compile,
+            decode_chunk=d.decode_chunk_frames,
+            attention=d.attention,
+            cuda_graphs=d.cuda_graphs,
+        )
 
     # ---- sizes ----
     def _grid(self, p: GenerationParams) -> tuple[int, int]:
@@ -388,7 +407,7 @@ class DenoiseEngine:
             else:
                 t = j.timesteps[j.step]
                 rows.append(denoise_step_row(j.latents, t, j.noisy_frames, j.branches, patch, self.dtype))
-        outputs = denoise_step(self.model, self.pool, rows, self.kernels)
+        outputs = self.step(rows)
         self.stats.ticks += 1
         self.stats.request_steps += len(jobs)
         self.stats.rows_last_tick = sum(r.tokens.shape[0] * len(r.branches) for r in rows)

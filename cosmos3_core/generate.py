@@ -36,9 +36,7 @@ class Generator:
         self.ckpt = checkpoint or Checkpoint.open(resolve_checkpoint(d.checkpoint))
         device, dtype = d.torch_device, d.torch_dtype
         self.prefill = PrefillStage(self.ckpt, device, dtype, d.defaults, d.limits)
-        self.engine = DenoiseEngine(
-            self.ckpt, device, dtype, d.pool_pages, d.page_size, d.max_queue, d.compile, d.decode_chunk_frames
-        )
+        self.engine = DenoiseEngine.from_deployment(self.ckpt, d)
         self.engine.warmup([self.prefill.validate("warmup", r, None) for r in d.warmup_requests])
         self.decode = DecodeStage(self.ckpt, device, dtype)
 

@@ -1,10 +1,11 @@
 """The denoise step and the one function that builds its input.
 
 `denoise_step_row` is the only constructor of a `Row` (what one request contributes to a step). Every
-caller — the engine's tick, warmup, AR commit passes, tests — gets rows from it; `pack_rows` concatenates
-rows (each CFG branch is its own segment) and `denoise_step` runs the GEN tower once over the pack and
-returns each row's per-branch velocity, or, for a commit row (an AR window's clean latents, no timestep),
-its per-branch, per-layer K/V to append to the stream's context.
+caller — the engine's tick, warmup, AR commit passes, tests — gets rows from it. `DenoiseStep` packs rows
+(each CFG branch is its own segment) into the buffers of their layout (`graphs.StepLayout`: buffers,
+attention plan, CUDA graph), runs the GEN tower once over the pack and returns each row's per-branch
+velocity, or, for a commit row (an AR window's clean latents, no timestep), its per-branch, per-layer K/V
+to append to the stream's context.
 
 Layouts:
   latents     [1, C, T, H, W] fp32 (the scheduler's sample; H, W in latent pixels)
@@ -14,13 +15,16 @@ Layouts:
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
+from .attention import make_attention
+from .graphs import StepLayout
 from .kv_pool import KVPool, PageList
 from .layers import Cosmos3Transformer
-from .towers import EAGER, GenKernels, gen_forward
+from .towers import EAGER, GenKernels
 
 
 @dataclass(frozen=True)
@@ -56,16 +60,6 @@ class Segment:
 class RowOutput:
     velocity: list[torch.Tensor]  # per branch [1, C, T, H, W] fp32; empty for a commit row
     kv: list[tuple[torch.Tensor, torch.Tensor]]  # commit rows: per branch (k, v) [layers, N, kv_heads, d]
-
-
-@dataclass(frozen=True)
-class PackedStep:
-    tokens: torch.Tensor  # [S, patch_latent_dim]
-    timesteps: torch.Tensor  # [S]
-    noisy_mask: torch.Tensor  # [S]
-    cos: torch.Tensor  # [S, head_dim]
-    sin: torch.Tensor  # [S, head_dim]
-    segments: list[Segment]
 
 
 def patchify(latents: torch.Tensor, p: int) -> torch.Tensor:
@@ -116,57 +110,78 @@ def denoise_step_row(
     )
 
 
-SEGMENT_ALIGN = 64  # rows; see pack_rows
+SEGMENT_ALIGN = 64  # rows; see segments_of
 
 
-def _pad(x: torch.Tensor, rows: int) -> torch.Tensor:
-    return torch.cat([x, x.new_zeros((rows, *x.shape[1:]))]) if rows else x
-
-
-def pack_rows(rows: list[Row]) -> PackedStep:
-    """Concatenate rows, one segment per CFG branch, each starting at a multiple of SEGMENT_ALIGN rows (zero
-    padding after it). Aligned segments see the same GEMM blocking whatever they are packed with, so a request's
-    result does not depend on its neighbours (bit for bit on CPU); padding rows never reach attention."""
-    tokens, timesteps, masks, cos, sin, segments = [], [], [], [], [], []
-    start = 0
+def segments_of(rows: list[Row]) -> tuple[list[Segment], int]:
+    """One segment per CFG branch, each starting at a multiple of SEGMENT_ALIGN rows (zero padding after it) →
+    (segments, total rows). Aligned segments see the same GEMM blocking whatever they are packed with, so a
+    request's result does not depend on its neighbours (bit for bit on CPU); padding rows never reach attention."""
+    segments, start = [], 0
     for row in rows:
         n = row.tokens.shape[0]
-        pad = -n % SEGMENT_ALIGN
         for br in row.branches:
-            tokens.append(_pad(row.tokens, pad))
-            timesteps.append(_pad(row.timesteps, pad))
-            masks.append(_pad(row.noisy_mask, pad))
-            cos.append(_pad(br.cos, pad))
-            sin.append(_pad(br.sin, pad))
             segments.append(Segment(start, n, br.prefix, row.commit))
-            start += n + pad
-    return PackedStep(
-        torch.cat(tokens), torch.cat(timesteps), torch.cat(masks), torch.cat(cos), torch.cat(sin), segments
-    )
+            start += -(-n // SEGMENT_ALIGN) * SEGMENT_ALIGN
+    return segments, start
 
 
-@torch.inference_mode()
-def denoise_step(
-    model: Cosmos3Transformer, pool: KVPool, rows: list[Row], kernels: GenKernels = EAGER
-) -> list[RowOutput]:
-    """One GEN pass over all rows → per row its per-branch velocity (fp32, zero on clean frames) or K/V."""
-    packed = pack_rows(rows)
-    preds, collected = gen_forward(model, pool, packed, kernels)
-    p = model.cfg.latent_patch_size
-    out: list[RowOutput] = []
-    seg = 0
-    for row in rows:
-        n = row.tokens.shape[0]
-        result = RowOutput([], [])
-        frame_keep = torch.zeros(row.token_shape[0], dtype=torch.float32, device=preds.device)
-        frame_keep[row.noisy_frames] = 1.0
-        for _ in row.branches:
-            if row.commit:
-                result.kv.append(collected[seg])
-            else:
-                start = packed.segments[seg].start
-                v = unpatchify(preds[start : start + n].float(), row.token_shape, p)
-                result.velocity.append(v * frame_keep.view(1, 1, -1, 1, 1))
-            seg += 1
-        out.append(result)
-    return out
+class DenoiseStep:
+    """Runs denoise steps over packed rows. Owns the attention backend and, per layout (row sizes, branches,
+    commit flags, and whatever the backend's shapes depend on), a `StepLayout`: input buffers, attention plan
+    and, on CUDA with `cuda_graphs`, the captured forward. The most recent MAX_LAYOUTS layouts are kept."""
+
+    MAX_LAYOUTS = 16
+
+    def __init__(
+        self,
+        model: Cosmos3Transformer,
+        pool: KVPool,
+        kernels: GenKernels = EAGER,
+        attention: str = "sdpa",
+        cuda_graphs: bool = False,
+    ):
+        cfg = model.cfg
+        self.model, self.pool, self.kernels = model, pool, kernels
+        self.attention = make_attention(attention, pool, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        self.cuda_graphs = cuda_graphs and pool.k_pages.is_cuda
+        self.graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None  # shared: replays are serial
+        self.layouts: OrderedDict[tuple, StepLayout] = OrderedDict()
+        self.captures = 0
+
+    def layout(self, rows: list[Row]) -> tuple[StepLayout, list[Segment]]:
+        segments, total = segments_of(rows)
+        key = (
+            tuple((r.tokens.shape[0], len(r.branches), r.commit) for r in rows),
+            self.attention.shape_key(segments),
+        )
+        layout = self.layouts.pop(key, None) or StepLayout(self, total, rows[0].tokens.shape[1], segments)
+        self.layouts[key] = layout
+        while len(self.layouts) > self.MAX_LAYOUTS:
+            self.layouts.popitem(last=False)
+        return layout, segments
+
+    @torch.inference_mode()
+    def __call__(self, rows: list[Row]) -> list[RowOutput]:
+        """One GEN pass over all rows → per row its per-branch velocity (fp32, zero on clean frames) or K/V."""
+        layout, segments = self.layout(rows)
+        layout.fill(rows, segments)
+        preds, collected = layout.run()
+        p = self.model.cfg.latent_patch_size
+        out: list[RowOutput] = []
+        seg = 0
+        for row in rows:
+            n = row.tokens.shape[0]
+            result = RowOutput([], [])
+            frame_keep = torch.zeros(row.token_shape[0], dtype=torch.float32, device=preds.device)
+            frame_keep[row.noisy_frames] = 1.0
+            for _ in row.branches:
+                if row.commit:
+                    result.kv.append(collected[seg])
+                else:
+                    start = segments[seg].start
+                    v = unpatchify(preds[start : start + n].float(), row.token_shape, p)
+                    result.velocity.append(v * frame_keep.view(1, 1, -1, 1, 1))  # a new tensor: preds is reused
+                seg += 1
+            out.append(result)
+        return out

@@ -15,8 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import gen_attention, sdpa
-from .kv_pool import KVPool
+from .attention import Plan, sdpa
 from .layers import Cosmos3Transformer, Layer
 from .rotary import apply_rotary
 
@@ -104,10 +103,11 @@ EAGER = GenKernels()
 
 
 def gen_forward(
-    model: Cosmos3Transformer, pool: KVPool, packed, kernels: GenKernels = EAGER
-) -> tuple[torch.Tensor, dict[int, tuple[torch.Tensor, torch.Tensor]]]:  # packed: step.PackedStep
+    model: Cosmos3Transformer, packed, attend: Plan, kernels: GenKernels = EAGER
+) -> tuple[torch.Tensor, dict[int, tuple[torch.Tensor, torch.Tensor]]]:  # packed: graphs.PackedStep
     """One GEN pass over a packed step → predictions [rows, patch_latent_dim] (every row, clean ones too) and,
-    for each segment that asks (`collect_kv`), its tokens' K/V [layers, tokens, kv_heads, d]."""
+    for each segment that asks (`collect_kv`), its tokens' K/V [layers, tokens, kv_heads, d]. `attend` is the
+    step's attention plan (already updated for these segments). No host synchronisation: capturable."""
     collect = [i for i, seg in enumerate(packed.segments) if seg.collect_kv]
     ks: dict[int, list[torch.Tensor]] = {i: [] for i in collect}
     vs: dict[int, list[torch.Tensor]] = {i: [] for i in collect}
@@ -118,7 +118,7 @@ def gen_forward(
             rows = slice(packed.segments[j].start, packed.segments[j].start + packed.segments[j].length)
             ks[j].append(k[rows])
             vs[j].append(v[rows])
-        x = kernels.residual(layer, x, gen_attention(q, k, v, pool, i, packed.segments))
+        x = kernels.residual(layer, x, attend(q, k, v, i))
     return model.proj_out(model.norm_moe_gen(x)), {j: (torch.stack(ks[j]), torch.stack(vs[j])) for j in collect}
 
 

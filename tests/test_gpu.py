@@ -1,12 +1,19 @@
-"""GPU paths (skipped without CUDA): bf16 on the GPU against the fp32 CPU reference, batched vs individual."""
+"""GPU paths (skipped without CUDA), on tiny checkpoints with head_dim 64 (a size every GPU kernel takes):
+
+- bf16 on the GPU against the fp32 CPU reference, for each attention backend, eager and captured;
+- FlashInfer against SDPA, captured against eager, batched against individual requests.
+"""
 
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 import torch
 
 from cosmos3_core.deployment import Deployment
-from cosmos3_core.generate import Generator
+from cosmos3_core.generate import Generator, _CollectSink
+from cosmos3_core.tools.make_tiny import make_tiny
 from tests.conftest import rel_l2
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -17,35 +24,65 @@ REQUESTS = [
     ("a blue boat", {"num_frames": 5, "height": 96, "width": 64, "steps": 3, "seed": 2, "guidance_scale": 1.0}),
     ("a green hill", {"num_frames": 1, "height": 64, "width": 64, "steps": 5, "seed": 3}),
 ]
+HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
+VARIANTS = [
+    ("sdpa", False),
+    ("sdpa", True),
+    pytest.param("flashinfer", False, marks=pytest.mark.skipif(not HAS_FLASHINFER, reason="needs flashinfer")),
+    pytest.param("flashinfer", True, marks=pytest.mark.skipif(not HAS_FLASHINFER, reason="needs flashinfer")),
+]
 
 
 @pytest.fixture(scope="module", params=["nano", "edge"])
-def gens(request, tiny_ckpts):
-    ckpt = str(tiny_ckpts[request.param])
-    cpu = Generator(Deployment(checkpoint=ckpt, device="cpu", dtype="float32"))
-    gpu = Generator(Deployment(checkpoint=ckpt, device="cuda", dtype="bfloat16"))
-    return cpu, gpu
+def ckpt_and_reference(request, tmp_path_factory):
+    ckpt = make_tiny(tmp_path_factory.mktemp("d64") / request.param, variant=request.param, seed=7, head_dim=64)
+    cpu = Generator(Deployment(checkpoint=str(ckpt), device="cpu", dtype="float32"))
+    return ckpt, [cpu.latents(p, q) for p, q in REQUESTS]
 
 
-def test_bf16_gpu_matches_fp32_cpu(gens):
-    cpu, gpu = gens
-    for prompt, params in REQUESTS:
-        ref = cpu.latents(prompt, params)
-        ours = gpu.latents(prompt, params).float().cpu()
-        assert rel_l2(ours, ref) < BF16_TOL, prompt
+def gpu_generator(ckpt, attention: str, cuda_graphs: bool) -> Generator:
+    d = Deployment(checkpoint=str(ckpt), device="cuda", dtype="bfloat16", attention=attention, cuda_graphs=cuda_graphs)
+    return Generator(d)
 
 
-def test_batched_equals_individual_on_gpu(gens):
-    _, gpu = gens
-    solo = [gpu.latents(p, q) for p, q in REQUESTS]
+def run_batched(gen: Generator) -> list[torch.Tensor]:
     sinks = []
-    from cosmos3_core.generate import _CollectSink
-
     for prompt, params in REQUESTS:
-        p = gpu.prefill.validate(prompt, params, None)
+        p = gen.prefill.validate(prompt, params, None)
         sinks.append(_CollectSink(p.steps, False))
-        gpu.engine.submit(gpu.prefill.run(p, None), sinks[-1])
-    gpu.engine.run_until_idle()
-    assert gpu.engine.stats.max_requests_in_tick == 3
-    for s, ref in zip(sinks, solo):
-        assert rel_l2(s.latents.float(), ref.float()) < 1e-2
+        gen.engine.submit(gen.prefill.run(p, None), sinks[-1])
+    gen.engine.run_until_idle()
+    assert gen.engine.stats.max_requests_in_tick == len(REQUESTS)
+    return [s.latents.float().cpu() for s in sinks]
+
+
+@pytest.mark.parametrize("attention,cuda_graphs", VARIANTS)
+def test_bf16_gpu_matches_fp32_cpu_solo_and_batched(ckpt_and_reference, attention, cuda_graphs):
+    ckpt, reference = ckpt_and_reference
+    gen = gpu_generator(ckpt, attention, cuda_graphs)
+    assert gen.engine.step.attention.name == attention
+    solo = [gen.latents(p, q).float().cpu() for p, q in REQUESTS]
+    for (prompt, _), ours, ref in zip(REQUESTS, solo, reference):
+        assert rel_l2(ours, ref) < BF16_TOL, prompt
+    for ours, alone in zip(run_batched(gen), solo):
+        assert rel_l2(ours, alone) < 1e-2
+    assert (gen.engine.step.captures > 0) == cuda_graphs  # steps 2.. of each layout replayed a captured graph
+
+
+@pytest.mark.parametrize("attention", ["sdpa", pytest.param("flashinfer", marks=VARIANTS[2].marks)])
+def test_captured_equals_eager(ckpt_and_reference, attention):
+    ckpt, _ = ckpt_and_reference
+    eager, captured = gpu_generator(ckpt, attention, False), gpu_generator(ckpt, attention, True)
+    for prompt, params in REQUESTS:
+        a, b = eager.latents(prompt, params).float(), captured.latents(prompt, params).float()
+        assert rel_l2(b, a) < 1e-2, prompt
+    assert captured.engine.step.captures >= len(REQUESTS)
+
+
+@pytest.mark.skipif(not HAS_FLASHINFER, reason="needs flashinfer")
+def test_flashinfer_matches_sdpa(ckpt_and_reference):
+    ckpt, _ = ckpt_and_reference
+    fi, sd = gpu_generator(ckpt, "flashinfer", False), gpu_generator(ckpt, "sdpa", False)
+    for prompt, params in REQUESTS:
+        # each is within BF16_TOL of the fp32 reference (test above), so of each other within twice that
+        assert rel_l2(fi.latents(prompt, params).float(), sd.latents(prompt, params).float()) < 2 * BF16_TOL, prompt

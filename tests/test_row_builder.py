@@ -48,9 +48,9 @@ def test_step_reads_every_row_field(monkeypatch, nano_ckpt):
     branch = step.Branch((pages,), cos, sin)
     latents = torch.randn(1, cfg.latent_channel, 1, 4, 4)
     row = step.denoise_step_row(latents, 500.0, torch.arange(1), (branch,), cfg.latent_patch_size, torch.float32)
-    step.denoise_step(model, pool, [row])  # the builder's row runs
+    step.DenoiseStep(model, pool)([row])  # the builder's row runs
     for f in dataclasses.fields(step.Row):
         renamed = type("RenamedRow", (), {(f.name + "_renamed" if k == f.name else k): getattr(row, k)
                                           for k in (g.name for g in dataclasses.fields(step.Row))})  # fmt: skip
         with pytest.raises(AttributeError):
-            step.denoise_step(model, pool, [renamed])
+            step.DenoiseStep(model, pool)([renamed])

@@ -9,7 +9,7 @@ from cosmos3_core.checkpoint import Checkpoint
 from cosmos3_core.kv_pool import KVPool
 from cosmos3_core.layers import GEN, UND
 from cosmos3_core.rotary import rotary_tables, text_position_ids, vision_position_ids
-from cosmos3_core.step import Branch, denoise_step, denoise_step_row
+from cosmos3_core.step import Branch, DenoiseStep, denoise_step_row
 from cosmos3_core.towers import fused_reference, prefill_text_kv
 
 
@@ -45,8 +45,8 @@ def test_cache_once_equals_fused(tiny_ckpts, variant):
     specs = [(11, (3, 2, 3), 0, 1), (5, (1, 4, 2), 0, 2), (17, (2, 2, 2), 1, 3)]
     reqs = [make_request(ckpt, model, pool, *s) for s in specs]
     rows = [r for r, _ in reqs]
-    packed = denoise_step(model, pool, rows)
-    solo = [denoise_step(model, pool, [r])[0] for r in rows]
+    packed = DenoiseStep(model, pool)(rows)
+    solo = [DenoiseStep(model, pool)([r])[0] for r in rows]
     packed, solo = [o.velocity for o in packed], [o.velocity for o in solo]
     p = cfg.latent_patch_size
     for (row, refs), v_packed, v_solo in zip(reqs, packed, solo):

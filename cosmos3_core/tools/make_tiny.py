@@ -185,8 +185,9 @@ def _randomize_(model: nn.Module) -> None:
                     p.copy_(torch.randn_like(p) / math.sqrt(fan_in))
 
 
-def build_pipeline(variant: str = "nano", seed: int = 0) -> Any:
-    """Build the tiny random-weight ``Cosmos3OmniPipeline`` in memory (float32, CPU)."""
+def build_pipeline(variant: str = "nano", seed: int = 0, head_dim: int = 32) -> Any:
+    """Build the tiny random-weight ``Cosmos3OmniPipeline`` in memory (float32, CPU). ``head_dim`` 64 gives
+    GPU kernels with a fixed head-size menu (FlashInfer's fa3: 64/128/256) a shape they take."""
     from diffusers import AutoencoderKLWan, Cosmos3OmniPipeline, Cosmos3OmniTransformer, UniPCMultistepScheduler
 
     if variant not in VARIANTS:
@@ -197,6 +198,10 @@ def build_pipeline(variant: str = "nano", seed: int = 0) -> Any:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         tcfg = dict(spec["transformer"])
+        if head_dim != tcfg["head_dim"]:
+            scale = head_dim // tcfg["head_dim"]
+            tcfg["head_dim"] = head_dim
+            tcfg["rope_axes_dim"] = [a * scale for a in tcfg["rope_axes_dim"]]
         tcfg["rope_scaling"] = {
             "rope_type": "default",
             "mrope_section": list(tcfg["rope_axes_dim"]),
@@ -261,7 +266,9 @@ def _fix_metadata(out: Path, variant: str) -> None:
     path.write_text(json.dumps(dict(sorted(index.items())), indent=2) + "\n")
 
 
-def make_tiny(out: Path, variant: str = "nano", seed: int = 0, shard_size: int | None = None) -> Path:
+def make_tiny(
+    out: Path, variant: str = "nano", seed: int = 0, shard_size: int | None = None, head_dim: int = 32
+) -> Path:
     """Write the tiny checkpoint to ``out`` (created if needed) and return ``out``.
 
     Existing ``transformer/``, ``vae/``, ``scheduler/`` and ``text_tokenizer/`` subfolders of ``out`` are replaced.
@@ -274,7 +281,7 @@ def make_tiny(out: Path, variant: str = "nano", seed: int = 0, shard_size: int |
     for stale in _COMPONENT_DIRS:  # never mix in files from an earlier run (e.g. old shards)
         if (out / stale).is_dir():
             shutil.rmtree(out / stale)
-    pipe = build_pipeline(variant=variant, seed=seed)
+    pipe = build_pipeline(variant=variant, seed=seed, head_dim=head_dim)
     pipe.save_pretrained(out, safe_serialization=True)
     if shard_size is not None:
         if shard_size <= 0:

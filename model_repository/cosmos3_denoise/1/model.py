@@ -31,9 +31,7 @@ class TritonPythonModel:
     def initialize(self, args):
         d, device = deployment_from_args(args)
         ckpt = Checkpoint.open(resolve_checkpoint(d.checkpoint))
-        self.engine = DenoiseEngine(
-            ckpt, device, d.torch_dtype, d.pool_pages, d.page_size, d.max_queue, d.compile, d.decode_chunk_frames
-        )
+        self.engine = DenoiseEngine.from_deployment(ckpt, d, device)
         warmup = [
             validate(
                 "warmup", r, None, d.defaults, d.limits, ckpt.config.pixel_alignment, ckpt.config.vae_scale_temporal

@@ -1,0 +1,88 @@
+"""Step layouts: what a packed step of one shape owns, and its CUDA graph.
+
+A layout is fixed by the packed rows' sizes, branches and commit flags (plus whatever the attention backend's
+shapes depend on: SDPA's prefix lengths; nothing for FlashInfer, whose page tables are plan data). It owns:
+- the packed input buffers `[S, ...]` (tokens, timesteps, noisy mask, rotary cos/sin), zero padding included,
+  refilled each step by `fill` — no per-step allocation of the step's inputs;
+- the attention plan, updated by `fill` outside the graph (host work, buffer copies);
+- on CUDA with graphs on, the captured GEN forward: the first run of a layout is eager (compiles, autotuning,
+  allocator growth), the second captures and every later one replays. Layouts that return K/V (AR commit
+  passes) always run eager. Graphs share one memory pool: replays are serial and each step's outputs are
+  copied out (`DenoiseStep`) before the next replay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from .towers import gen_forward
+
+if TYPE_CHECKING:
+    from .step import DenoiseStep, Row, Segment
+
+
+@dataclass
+class PackedStep:
+    """A step's inputs; the tensors are buffers its layout owns (refilled every step, never reallocated)."""
+
+    tokens: torch.Tensor  # [S, patch_latent_dim]
+    timesteps: torch.Tensor  # [S]
+    noisy_mask: torch.Tensor  # [S]
+    cos: torch.Tensor  # [S, head_dim]
+    sin: torch.Tensor  # [S, head_dim]
+    segments: list[Segment]
+
+
+class StepLayout:
+    def __init__(self, step: DenoiseStep, total_rows: int, token_dim: int, segments: list[Segment]):
+        pool, cfg = step.pool, step.model.cfg
+        dev, dt = pool.k_pages.device, pool.k_pages.dtype
+        self.step = step
+        self.packed: PackedStep = PackedStep(
+            tokens=torch.zeros(total_rows, token_dim, dtype=dt, device=dev),
+            timesteps=torch.zeros(total_rows, dtype=torch.float32, device=dev),
+            noisy_mask=torch.zeros(total_rows, dtype=torch.bool, device=dev),
+            cos=torch.zeros(total_rows, cfg.head_dim, dtype=dt, device=dev),
+            sin=torch.zeros(total_rows, cfg.head_dim, dtype=dt, device=dev),
+            segments=segments,
+        )
+        self.plan = step.attention.make_plan(total_rows)
+        self.capturable = step.cuda_graphs and not any(s.collect_kv for s in segments)
+        self.runs = 0
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.graph_out: torch.Tensor | None = None
+
+    def fill(self, rows: list[Row], segments: list[Segment]) -> None:
+        p = self.packed
+        seg = iter(segments)
+        for row in rows:
+            for br in row.branches:
+                s = next(seg)
+                sl = slice(s.start, s.start + s.length)
+                p.tokens[sl].copy_(row.tokens)
+                p.timesteps[sl].copy_(row.timesteps)
+                p.noisy_mask[sl].copy_(row.noisy_mask)
+                p.cos[sl].copy_(br.cos)
+                p.sin[sl].copy_(br.sin)
+        p.segments = segments
+        self.plan.update(segments)
+
+    def _forward(self) -> tuple[torch.Tensor, dict]:
+        return gen_forward(self.step.model, self.packed, self.plan, self.step.kernels)
+
+    def run(self) -> tuple[torch.Tensor, dict]:
+        """→ (predictions [S, patch_latent_dim], K/V of collecting segments). With a graph, the predictions
+        are the graph's output buffer: valid until the next replay of any layout."""
+        self.runs += 1
+        if self.graph is None and self.capturable and self.runs >= 2:
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=self.step.graph_pool):
+                self.graph_out, _ = self._forward()
+            self.step.captures += 1
+        if self.graph is not None:
+            self.graph.replay()
+            return self.graph_out, {}
+        return self._forward()
