@@ -10,7 +10,10 @@ BASE_SITE=$(python3 -c "import site; print(site.getsitepackages()[0])")
 # the base env after the venv; its numpy-2 builds that diffusers/transformers import when present are hidden
 echo "import sys; sys.path.append('$BASE_SITE'); sys.modules.update(dict.fromkeys(['scipy', 'sklearn', 'pandas']))" \
   > /tmp/v/lib/python3.12/site-packages/zz_base.pth
-/tmp/v/bin/python -m pip install -q --no-index --no-deps .whl_env/*.whl .whl_fi/*.whl 2>&1 | grep -v -e "already exists" -e WARNING | tail -3 || true
+/tmp/v/bin/python -m pip install -q --no-index --no-deps .whl_env/*.whl 2>&1 | grep -v -e "already exists" -e WARNING | tail -3 || true
+# flashinfer where its JIT cache was built (/tmp/site): the cached ninja files name these paths, elsewhere it rebuilds
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl_fi/*.whl 2>&1 | tail -2
+echo /tmp/site > /tmp/v/lib/python3.12/site-packages/flashinfer_site.pth
 echo "$PWD" > /tmp/v/lib/python3.12/site-packages/cosmos3_repo.pth
 [ -d /tmp/fiws ] || tar xzf .ficache/ficache.tgz -C /tmp
 export FLASHINFER_WORKSPACE_BASE=/tmp/fiws COSMOS3_CACHE=/tmp/c3cache

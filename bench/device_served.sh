@@ -1,14 +1,21 @@
 #!/usr/bin/env bash
 # On the H200, right after `bench/device_env.sh` on the same (warm) machine, carrying .whl (nvidia-pytriton only):
-# the served benchmarks — Edge t2v single-shot at c=1 and c=4, then Nano AR chained streams at c=1 and c=4.
+# served benchmarks, each on a fresh server. Arguments pick them (default: edge nano_chained):
+#   edge          Edge t2v 832x480x121, 20 steps, single-shot at c=1 (3 requests) and c=4 (8 requests)
+#   nano_chained  Nano AR chained streams, 832x480, 45 frames (2 windows), config steps (35), c=1 and c=4
+#   nano_kv       the same with kv windows (context K/V kept in the pool)
 set -uo pipefail
 [ -x /tmp/v/bin/python ] || { echo "no /tmp/v: run bench/device_env.sh first on this machine"; exit 3; }
 /tmp/v/bin/python -m pip install -q --no-index --no-deps .whl/*.whl 2>&1 | grep -v -e "already exists" -e WARNING | tail -3
 export COSMOS3_CACHE=/tmp/c3cache FLASHINFER_WORKSPACE_BASE=/tmp/fiws
-timeout 240 /tmp/v/bin/python -m bench.served --config configs/bench_edge.yaml --c1 3 --c4 8 --json $OUT/served_edge.json \
-  > $OUT/served_edge.txt 2>&1
-tail -6 $OUT/served_edge.txt
-timeout 300 /tmp/v/bin/python -m bench.served --config configs/bench_nano_ar.yaml --c1 0 --c4 0 --ar 1 \
-  --ar-params "${NANO_AR:-{\"window_mode\": \"chained\", \"num_frames\": 45, \"steps\": 10}}" \
-  --json $OUT/served_nano_ar.json > $OUT/served_nano_ar.txt 2>&1
-tail -6 $OUT/served_nano_ar.txt
+for run in "${@:-edge nano_chained}"; do
+  case $run in
+    edge) args=(--config configs/bench_edge.yaml --c1 3 --c4 8) ;;
+    nano_chained) args=(--config configs/bench_nano_ar.yaml --c1 0 --c4 0 --ar 1 --ar-params '{"window_mode": "chained", "num_frames": 45}') ;;
+    nano_kv) args=(--config configs/bench_nano_ar.yaml --c1 0 --c4 0 --ar 1 --ar-params '{"window_mode": "kv", "num_frames": 45}') ;;
+    *) echo "unknown run $run"; exit 2 ;;
+  esac
+  echo "== $run: python -m bench.served ${args[*]}"
+  timeout 280 /tmp/v/bin/python -m bench.served "${args[@]}" --json $OUT/served_$run.json > $OUT/served_$run.txt 2>&1
+  tail -6 $OUT/served_$run.txt
+done

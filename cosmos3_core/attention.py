@@ -50,6 +50,9 @@ class SdpaAttention:
     def __init__(self, pool: KVPool):
         self.pool = pool
 
+    def supports(self, segments: list[Segment]) -> bool:
+        return True
+
     def shape_key(self, segments: list[Segment]) -> tuple:
         """What besides the segment lengths fixes this backend's tensor shapes: the prefix token counts."""
         return tuple(tuple(p.num_tokens for p in seg.prefix) for seg in segments)
@@ -90,8 +93,9 @@ class FlashInferAttention:
     """FlashInfer batch prefill: paged (prefix) + ragged (own tokens) + `merge_state`. fa3 on Hopper.
 
     The paged kernel reads a request's pages in order and only the last may be partly filled, so a prefix of
-    several page lists (text + AR context frames) is laid out full lists first, the partial one last; a step
-    where two lists are partial (frame tokens not a multiple of `page_size`) is an error that names the fix."""
+    several page lists (text + AR context frames) is laid out full lists first, the partial one last. A step
+    where some prefix has two partial lists (kv streams whose tokens per latent frame are not a multiple of
+    `page_size`) is not `supported`: `DenoiseStep` runs that layout with SDPA."""
 
     name = "flashinfer"
     WORKSPACE_BYTES = 256 << 20
@@ -105,6 +109,10 @@ class FlashInferAttention:
         major, _ = torch.cuda.get_device_capability(device)
         self.backend = "fa3" if major == 9 and head_dim in (64, 128, 256) else "fa2"
         self.workspace = torch.empty(self.WORKSPACE_BYTES, dtype=torch.uint8, device=device)  # shared: runs are serial
+
+    def supports(self, segments: list[Segment]) -> bool:
+        ps = self.pool.page_size
+        return all(sum(p.num_tokens % ps != 0 for p in seg.prefix) <= 1 for seg in segments)
 
     def shape_key(self, segments: list[Segment]) -> tuple:
         return ()  # prefix lengths are plan data, not shapes
@@ -148,13 +156,7 @@ class FlashInferPlan:
         qo, pages_indptr, indices, last_len = [0], [0], [], []
         for i, seg in enumerate(segments):
             end = segments[i + 1].start if i + 1 < len(segments) else None
-            lists = sorted(seg.prefix, key=lambda p: p.num_tokens % ps != 0)  # full lists first
-            if sum(p.num_tokens % ps != 0 for p in lists) > 1:
-                raise ValueError(
-                    f"flashinfer attention: a prefix of several page lists needs all but one to fill whole pages "
-                    f"(page_size {ps}; got token counts {[p.num_tokens for p in seg.prefix]}); use a page_size that "
-                    f"divides the tokens per latent frame, or attention: sdpa"
-                )
+            lists = sorted(seg.prefix, key=lambda p: p.num_tokens % ps != 0)  # full lists first (see `supports`)
             ids = [i for p in lists for i in p.pages]
             qo.append(seg.start + seg.length)
             indices += ids

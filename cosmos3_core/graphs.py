@@ -37,7 +37,7 @@ class PackedStep:
 
 
 class StepLayout:
-    def __init__(self, step: DenoiseStep, total_rows: int, token_dim: int, segments: list[Segment]):
+    def __init__(self, step: DenoiseStep, attention, total_rows: int, token_dim: int, segments: list[Segment]):
         pool, cfg = step.pool, step.model.cfg
         dev, dt = pool.k_pages.device, pool.k_pages.dtype
         self.step = step
@@ -49,7 +49,7 @@ class StepLayout:
             sin=torch.zeros(total_rows, cfg.head_dim, dtype=dt, device=dev),
             segments=segments,
         )
-        self.plan = step.attention.make_plan(total_rows)
+        self.plan = attention.make_plan(total_rows)
         self.capturable = step.cuda_graphs and not any(s.collect_kv for s in segments)
         self.runs = 0
         self.graph: torch.cuda.CUDAGraph | None = None

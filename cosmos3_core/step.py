@@ -144,6 +144,7 @@ class DenoiseStep:
         cfg = model.cfg
         self.model, self.pool, self.kernels = model, pool, kernels
         self.attention = make_attention(attention, pool, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        self.sdpa = make_attention("sdpa", pool, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         self.cuda_graphs = cuda_graphs and pool.k_pages.is_cuda
         self.graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None  # shared: replays are serial
         self.layouts: OrderedDict[tuple, StepLayout] = OrderedDict()
@@ -151,11 +152,13 @@ class DenoiseStep:
 
     def layout(self, rows: list[Row]) -> tuple[StepLayout, list[Segment]]:
         segments, total = segments_of(rows)
+        attention = self.attention if self.attention.supports(segments) else self.sdpa
         key = (
             tuple((r.tokens.shape[0], len(r.branches), r.commit) for r in rows),
-            self.attention.shape_key(segments),
+            attention.name,
+            attention.shape_key(segments),
         )
-        layout = self.layouts.pop(key, None) or StepLayout(self, total, rows[0].tokens.shape[1], segments)
+        layout = self.layouts.pop(key, None) or StepLayout(self, attention, total, rows[0].tokens.shape[1], segments)
         self.layouts[key] = layout
         while len(self.layouts) > self.MAX_LAYOUTS:
             self.layouts.popitem(last=False)

@@ -86,3 +86,28 @@ def test_flashinfer_matches_sdpa(ckpt_and_reference):
     for prompt, params in REQUESTS:
         # each is within BF16_TOL of the fp32 reference (test above), so of each other within twice that
         assert rel_l2(fi.latents(prompt, params).float(), sd.latents(prompt, params).float()) < 2 * BF16_TOL, prompt
+
+
+@pytest.mark.skipif(not HAS_FLASHINFER, reason="needs flashinfer")
+@pytest.mark.parametrize(
+    "params",
+    [
+        {
+            "window_mode": "kv",
+            "num_frames": 25,
+            "window_frames": 9,
+            "context_frames": 0,
+        },  # 6 tokens/frame: SDPA layouts
+        {"window_mode": "chained", "num_frames": 37, "window_frames": 17, "overlap_frames": 8},
+    ],
+)
+def test_ar_streams_with_flashinfer_match_sdpa(ckpt_and_reference, params):
+    """kv context frames that do not fill whole pages run their layouts on SDPA (FlashInfer cannot express them);
+    the stream's result equals the all-SDPA one within bf16."""
+    ckpt, _ = ckpt_and_reference
+    fi, sd = gpu_generator(ckpt, "flashinfer", True), gpu_generator(ckpt, "sdpa", False)
+    request = {"height": 64, "width": 96, "steps": 3, "seed": 5, "guidance_scale": 4.0, **params}
+    a, b = fi.latents("a train crosses a bridge", request), sd.latents("a train crosses a bridge", request)
+    assert rel_l2(a.float(), b.float()) < 2 * BF16_TOL
+    names = {key[1] for key in fi.engine.step.layouts}
+    assert "flashinfer" in names and (params["window_mode"] == "chained" or "sdpa" in names)
