@@ -8,7 +8,8 @@ set -uo pipefail
 [ -x /tmp/v/bin/python ] || { echo "no /tmp/v: run bench/device_env.sh first on this machine"; exit 3; }
 /tmp/v/bin/python -m pip install -q --no-index --no-deps .whl/*.whl 2>&1 | grep -v -e "already exists" -e WARNING | tail -3
 export COSMOS3_CACHE=/tmp/c3cache FLASHINFER_WORKSPACE_BASE=/tmp/fiws
-for run in "${@:-edge nano_chained}"; do
+runs=("$@"); [ ${#runs[@]} -gt 0 ] || runs=(edge nano_chained)
+for run in "${runs[@]}"; do
   case $run in
     edge) args=(--config configs/bench_edge.yaml --c1 3 --c4 8) ;;
     nano_chained) args=(--config configs/bench_nano_ar.yaml --c1 0 --c4 0 --ar 1 --ar-params '{"window_mode": "chained", "num_frames": 45}') ;;
