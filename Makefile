@@ -45,7 +45,8 @@ soak: setup
 
 bench: setup
 	$(PY) -m bench.served --config $(or $(BENCH_CONFIG),configs/bench_edge.yaml) --json out/bench_served.json
-	$(PY) -m bench.inprocess --preset edge --compile --json out/bench_inprocess.json
+	$(PY) -m bench.served --config configs/bench_nano_ar.yaml --c1 0 --c4 0 --ar 1 --json out/bench_nano_ar.json
+	$(PY) -m bench.inprocess --preset edge --compile --variants sdpa flashinfer+graphs --json out/bench_inprocess.json
 
 docker:
 	docker build -f docker/Dockerfile -t cosmos3-triton .

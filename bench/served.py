@@ -57,7 +57,7 @@ def main() -> int:
     ap.add_argument("--c4", type=int, default=8, help="single-shot requests at concurrency 4")
     ap.add_argument("--ar", type=int, default=0, help="AR streams at c=1 and at c=4 (×4)")
     ap.add_argument(
-        "--ar-params", default='{"window_mode": "chained", "num_frames": 61, "window_frames": 29, "overlap_frames": 8}'
+        "--ar-params", default='{"window_mode": "chained", "num_frames": 45}'
     )
     ap.add_argument("--params", default="{}", help="JSON request parameters for single-shot runs")
     ap.add_argument("--json", default="")

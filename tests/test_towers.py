@@ -79,3 +79,24 @@ def test_pool_accounting(nano_ckpt):
     assert pool.pages_used == 0
     with pytest.raises(RuntimeError):
         pool.alloc(41)
+
+
+def test_a_reused_layout_follows_each_requests_pages_and_inputs(nano_ckpt):
+    """One DenoiseStep serves two requests of the same layout (same sizes, same text length, different text K/V,
+    latents and timestep) one after the other: the layout's buffers and page-index buffers are refilled, not
+    re-made, and the second result equals that request on a fresh step."""
+    ckpt = Checkpoint.open(nano_ckpt)
+    model = ckpt.load_transformer({UND, GEN}, "cpu", torch.float32)
+    cfg = ckpt.config
+    pool = KVPool(64, 4, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, torch.float32, "cpu")
+    first, _ = make_request(ckpt, model, pool, 9, (2, 2, 3), 0, seed=1)
+    second, _ = make_request(ckpt, model, pool, 9, (2, 2, 3), 0, seed=2)
+    step = DenoiseStep(model, pool)
+    step([first])
+    (layout,) = step.layouts.values()
+    buffers = layout.packed.tokens.data_ptr()
+    reused = step([second])[0].velocity
+    assert len(step.layouts) == 1 and layout.packed.tokens.data_ptr() == buffers
+    fresh = DenoiseStep(model, pool)([second])[0].velocity
+    for a, b in zip(reused, fresh):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
