@@ -56,9 +56,7 @@ def main() -> int:
     ap.add_argument("--c1", type=int, default=3, help="sequential single-shot requests")
     ap.add_argument("--c4", type=int, default=8, help="single-shot requests at concurrency 4")
     ap.add_argument("--ar", type=int, default=0, help="AR streams at c=1 and at c=4 (×4)")
-    ap.add_argument(
-        "--ar-params", default='{"window_mode": "chained", "num_frames": 45}'
-    )
+    ap.add_argument("--ar-params", default='{"window_mode": "chained", "num_frames": 45}')
     ap.add_argument("--params", default="{}", help="JSON request parameters for single-shot runs")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
