@@ -18,12 +18,14 @@ Layouts: q `[rows, heads, d]`, k/v `[rows, kv_heads, d]`; output `[rows, heads *
 
 from __future__ import annotations
 
+import sys
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 
-from .kv_pool import KVPool
+from .kv_pool import KVPool, PageList
 
 if TYPE_CHECKING:
     from .step import Segment
@@ -110,6 +112,18 @@ class FlashInferAttention:
         self.backend = "fa3" if major == 9 and head_dim in (64, 128, 256) else "fa2"
         self.workspace = torch.empty(self.WORKSPACE_BYTES, dtype=torch.uint8, device=device)  # shared: runs are serial
 
+    def check(self) -> None:
+        """One tiny plan and call: JIT-compiles the kernels now (minutes the first time, then cached) so a
+        deployment that cannot build them (no nvcc, an unsupported GPU) fails at load, not on a request."""
+        dev, dt, rows = self.workspace.device, self.pool.k_pages.dtype, 64
+        prefix = PageList([0], 1, torch.zeros(1, dtype=torch.long, device=dev))
+        plan = self.make_plan(rows)
+        plan.update([SimpleNamespace(start=0, length=rows, prefix=(prefix,), collect_kv=False)])
+        q = torch.zeros(rows, self.heads, self.head_dim, dtype=dt, device=dev)
+        kv = torch.zeros(rows, self.kv_heads, self.head_dim, dtype=dt, device=dev)
+        plan(q, kv, kv, 0)
+        torch.cuda.synchronize(dev)
+
     def supports(self, segments: list[Segment]) -> bool:
         ps = self.pool.page_size
         return all(sum(p.num_tokens % ps != 0 for p in seg.prefix) <= 1 for seg in segments)
@@ -193,16 +207,21 @@ class FlashInferPlan:
 
 
 def make_attention(name: str, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int):
-    """`auto`: FlashInfer on CUDA when it is installed, else SDPA."""
+    """`auto`: FlashInfer on CUDA when it is installed and its kernels build and run here, else SDPA (saying
+    why on stderr). `flashinfer` asked for explicitly fails here instead."""
     if name not in BACKENDS:
         raise ValueError(f"attention must be one of {', '.join(BACKENDS)}; got {name!r}")
     on_cuda = pool.k_pages.is_cuda
-    if name == "auto":
-        import importlib.util
-
-        name = "flashinfer" if on_cuda and importlib.util.find_spec("flashinfer") else "sdpa"
-    if name == "flashinfer":
-        if not on_cuda:
-            raise ValueError("attention: flashinfer needs a CUDA device")
-        return FlashInferAttention(pool, num_heads, num_kv_heads, head_dim)
-    return SdpaAttention(pool)
+    if name == "sdpa" or (name == "auto" and not on_cuda):
+        return SdpaAttention(pool)
+    if not on_cuda:
+        raise ValueError("attention: flashinfer needs a CUDA device")
+    try:
+        attention = FlashInferAttention(pool, num_heads, num_kv_heads, head_dim)
+        attention.check()
+        return attention
+    except Exception as e:
+        if name == "flashinfer":
+            raise RuntimeError(f"attention: flashinfer does not run here: {e}") from e
+        print(f"cosmos3: attention auto → sdpa (flashinfer unavailable: {str(e)[:300]})", file=sys.stderr)
+        return SdpaAttention(pool)
