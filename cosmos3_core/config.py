@@ -66,8 +66,10 @@ class ModelConfig:
 
     @property
     def pixel_alignment(self) -> int:
-        """Height and width must be multiples of this (VAE spatial factor × latent patch)."""
-        return self.vae_scale_spatial * self.latent_patch_size
+        """Height and width must be multiples of this (the VAE's spatial factor, as the reference checks). A latent
+        grid that is not a multiple of the patch size (720p: 45 rows) is zero-padded for the transformer and the
+        prediction cropped back, as the reference does (`step.patchify` / `unpatchify`)."""
+        return self.vae_scale_spatial
 
     @classmethod
     def from_files(cls, transformer_config: Path, vae_config: Path) -> ModelConfig:

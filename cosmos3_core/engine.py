@@ -164,8 +164,9 @@ class DenoiseEngine:
 
     # ---- sizes ----
     def _grid(self, p: GenerationParams) -> tuple[int, int]:
+        """The token grid (patches per latent frame, rows × columns); odd latent sizes round up (padded)."""
         s, patch = self.cfg.vae_scale_spatial, self.cfg.latent_patch_size
-        return p.height // s // patch, p.width // s // patch
+        return -(-p.height // s // patch), -(-p.width // s // patch)
 
     def _plan(self, p: GenerationParams) -> WindowPlan:
         t = self.cfg.vae_scale_temporal
@@ -260,8 +261,8 @@ class DenoiseEngine:
     def _start_window(self, job: Job, previous: torch.Tensor | None) -> None:
         p, win = job.params, job.plan.windows[job.window]
         h, w = self._grid(p)
-        patch = self.cfg.latent_patch_size
-        shape = (1, self.cfg.latent_channel, win.length, h * patch, w * patch)
+        s = self.cfg.vae_scale_spatial
+        shape = (1, self.cfg.latent_channel, win.length, p.height // s, p.width // s)
         latents = initial_noise(shape, p.seed + win.index, self.device)
         clean = 0
         if win.pinned:  # chained: the previous window's tail, clean

@@ -9,7 +9,8 @@ to append to the stream's context.
 
 Layouts:
   latents     [1, C, T, H, W] fp32 (the scheduler's sample; H, W in latent pixels)
-  row tokens  [T*h*w, p*p*C] in the model dtype, token order (t, h, w), features (p_h, p_w, C)
+  row tokens  [T*h*w, p*p*C] in the model dtype, token order (t, h, w), features (p_h, p_w, C);
+              h = ceil(H/p), w = ceil(W/p): a grid that is not a patch multiple is zero-padded (and cropped back)
   velocity    [1, C, T, H, W] fp32, zero on clean (conditioning) frames
 """
 
@@ -43,6 +44,7 @@ class Row:
     timesteps: torch.Tensor  # [N] fp32: the step's timestep on noisy tokens, 0 on clean ones
     noisy_mask: torch.Tensor  # [N] bool
     token_shape: tuple[int, int, int]  # (T, h, w) patches
+    latent_hw: tuple[int, int]  # (H, W) latent pixels; h*p, w*p when the grid needed no padding
     noisy_frames: torch.Tensor  # [T_noisy] long
     branches: tuple[Branch, ...]  # (cond,) or (cond, uncond)
     commit: bool  # return the tokens' K/V instead of a velocity
@@ -63,17 +65,21 @@ class RowOutput:
 
 
 def patchify(latents: torch.Tensor, p: int) -> torch.Tensor:
-    """[1, C, T, H, W] → [T*(H/p)*(W/p), p*p*C]."""
+    """[1, C, T, H, W] → [T*ceil(H/p)*ceil(W/p), p*p*C], H and W zero-padded up to multiples of p."""
     _, c, t, h, w = latents.shape
-    x = latents.reshape(c, t, h // p, p, w // p, p)
+    x = torch.nn.functional.pad(latents[0], (0, -w % p, 0, -h % p))
+    x = x.reshape(c, t, x.shape[2] // p, p, x.shape[3] // p, p)
     return torch.einsum("cthpwq->thwpqc", x).reshape(-1, p * p * c)
 
 
-def unpatchify(tokens: torch.Tensor, token_shape: tuple[int, int, int], p: int) -> torch.Tensor:
-    """[T*h*w, p*p*C] → [1, C, T, h*p, w*p]."""
+def unpatchify(
+    tokens: torch.Tensor, token_shape: tuple[int, int, int], p: int, latent_hw: tuple[int, int]
+) -> torch.Tensor:
+    """[T*h*w, p*p*C] → [1, C, T, H, W]: the patch grid cropped back to the latent size."""
     t, h, w = token_shape
     x = tokens.reshape(t, h, w, p, p, -1)
-    return torch.einsum("thwpqc->cthpwq", x).reshape(1, -1, t, h * p, w * p)
+    x = torch.einsum("thwpqc->cthpwq", x).reshape(1, -1, t, h * p, w * p)
+    return x[..., : latent_hw[0], : latent_hw[1]]
 
 
 def denoise_step_row(
@@ -93,7 +99,7 @@ def denoise_step_row(
     if commit and len(noisy_frames):
         raise ValueError("a commit row has no noisy frames")
     _, _, t, h, w = latents.shape
-    token_shape = (t, h // patch, w // patch)
+    token_shape = (t, -(-h // patch), -(-w // patch))
     per_frame = token_shape[1] * token_shape[2]
     frame_is_noisy = torch.zeros(t, dtype=torch.bool, device=latents.device)
     frame_is_noisy[noisy_frames] = True
@@ -104,6 +110,7 @@ def denoise_step_row(
         timesteps=timesteps,
         noisy_mask=noisy_mask,
         token_shape=token_shape,
+        latent_hw=(h, w),
         noisy_frames=noisy_frames,
         branches=branches,
         commit=commit,
@@ -183,7 +190,7 @@ class DenoiseStep:
                     result.kv.append(collected[seg])
                 else:
                     start = segments[seg].start
-                    v = unpatchify(preds[start : start + n].float(), row.token_shape, p)
+                    v = unpatchify(preds[start : start + n].float(), row.token_shape, p, row.latent_hw)
                     result.velocity.append(v * frame_keep.view(1, 1, -1, 1, 1))  # a new tensor: preds is reused
                 seg += 1
             out.append(result)

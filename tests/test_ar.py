@@ -112,7 +112,7 @@ def reference_ar(ckpt, model, pre, mode: str, window_lat: int, overlap_lat: int,
             vel = []
             for b in range(len(pre.text_k)):
                 out, _, _ = reference_gen(model, patchify(lat, patch), float(t), noisy, rots[b], *prefix[b])
-                vel.append(unpatchify(out, (length, h, w), patch) * keep.view(1, 1, -1, 1, 1))
+                vel.append(unpatchify(out, (length, h, w), patch, (h * patch, w * patch)) * keep.view(1, 1, -1, 1, 1))
             lat = sched.step(
                 guided_velocity(vel, p.guidance_scale).unsqueeze(0), t, lat.unsqueeze(0), return_dict=False
             )[0].squeeze(0)

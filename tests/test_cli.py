@@ -16,7 +16,7 @@ SMALL = ["--height", "32", "--width", "32", "--num-frames", "5", "--steps", "2"]
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--height", "40"], "height: must be a multiple of 32"),
+        (["--height", "40"], "height: must be a multiple of 16"),
         (["--num-frames", "6"], "num_frames: must be 1 mod 4"),
         (["--steps", "0"], "steps: must be in [1,"),
         (["--guidance", "nan"], "guidance_scale: must be a finite number"),

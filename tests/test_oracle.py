@@ -14,6 +14,7 @@ CASES = {
     "t2i": dict(num_frames=1, height=64, width=32, steps=4, guidance_scale=4.0, shift=3.0, seed=1),
     "t2v": dict(num_frames=9, height=32, width=64, steps=4, guidance_scale=6.0, shift=10.0, seed=3, fps=16.0),
     "i2v": dict(num_frames=9, height=32, width=64, steps=4, guidance_scale=5.0, shift=8.0, seed=2),
+    "t2v_odd_grid": dict(num_frames=5, height=48, width=80, steps=3, guidance_scale=5.0, shift=5.0, seed=6),  # 3×5 latents
     "t2v_guidance1": dict(num_frames=5, height=32, width=32, steps=3, guidance_scale=1.0, shift=5.0, seed=4),
     "t2v_plain": dict(num_frames=5, height=32, width=32, steps=3, guidance_scale=3.0, shift=5.0, seed=5,
                       use_system_prompt=False, add_templates=False, negative_prompt="blurry, static"),

@@ -54,7 +54,7 @@ def test_cache_once_equals_fused(tiny_ckpts, variant):
             ref_tokens = fused_reference(model, ids, text_rot, row.tokens, row.timesteps, row.noisy_mask, gen_rot)
             from cosmos3_core.step import unpatchify
 
-            ref = unpatchify(ref_tokens, row.token_shape, p)
+            ref = unpatchify(ref_tokens, row.token_shape, p, row.latent_hw)
             keep = torch.zeros(row.token_shape[0])
             keep[row.noisy_frames] = 1
             ref = ref * keep.view(1, 1, -1, 1, 1)
