@@ -104,7 +104,7 @@ BAD = [
     ("ok", "{not json", None, "parameters: is not valid JSON"),
     ("ok", {"heigth": 64}, None, "heigth: unknown parameter"),
     ("ok", {"height": 40}, None, "height: must be a multiple of 16"),
-    ("ok", {"width": 4096}, None, "width: must be in [32, 256]"),
+    ("ok", {"width": 4096}, None, "width: must be in [16, 256]"),
     ("ok", {"num_frames": 8}, None, "num_frames: must be 1 mod 4"),
     ("ok", {"num_frames": 37}, None, "num_frames: must be in [1, 33]"),
     ("ok", {"steps": 0}, None, "steps: must be in [1, 60]"),
