@@ -44,9 +44,9 @@ soak: setup
 	$(PY) -m bench.soak --config $(CONFIG) --n $(or $(N),500) --c $(or $(C),8) --cancel 0.2
 
 bench: setup
-	$(PY) -m bench.served --config $(or $(BENCH_CONFIG),configs/bench_edge.yaml) --json out/bench_served.json
-	$(PY) -m bench.served --config configs/bench_nano_ar.yaml --c1 0 --c4 0 --ar 1 --json out/bench_nano_ar.json
-	$(PY) -m bench.inprocess --preset edge --compile --variants sdpa flashinfer+graphs --json out/bench_inprocess.json
+	$(PY) -m bench.served --config $(or $(BENCH_CONFIG),configs/bench_edge.yaml) --json out/bench_served.json --md BENCHMARKS.md
+	$(PY) -m bench.served --config configs/bench_nano_ar.yaml --c1 0 --c4 0 --ar 1 --json out/bench_nano_ar.json --md BENCHMARKS.md
+	$(PY) -m bench.inprocess --preset edge --compile --variants sdpa flashinfer+graphs --json out/bench_inprocess.json --md BENCHMARKS.md
 
 docker:
 	docker build -f docker/Dockerfile -t cosmos3-triton .

@@ -111,6 +111,7 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="torch.compile the GEN layer stack")
     ap.add_argument("--variants", nargs="+", default=["sdpa", "flashinfer+graphs"], help="attention[+graphs] ...")
     ap.add_argument("--json", default="")
+    ap.add_argument("--md", default="", help="append a row (date, GPU, command, figures) to this BENCHMARKS.md")
     args = ap.parse_args()
     params = {"height": args.height, "width": args.width, "num_frames": args.frames, "steps": args.steps,
               "guidance_scale": args.guidance, "shift": 5.0, "seed": 0}  # fmt: skip
@@ -145,6 +146,20 @@ def main() -> None:
         med = {k: statistics.median(v) for k, v in r["phases"].items()}
         print(f"{variant:22s} {med['e2e']:7.2f} {med['prefill']:8.2f} {med['denoise']:8.2f} {med['decode']:7.2f} "
               f"{med['denoise'] / result['floor_s']:9.2f} {diff / med['e2e']:9.2f}")  # fmt: skip
+    if args.md:
+        from .report import append_row
+
+        figures: dict = {
+            "floor s": result["floor_s"],
+            "diffusers e2e s": diff,
+            "peak mem GB": result["ours_peak_mem_gb"],
+        }
+        for variant, r in result["ours"].items():
+            med = {k: statistics.median(v) for k, v in r["phases"].items()}
+            figures |= {f"{variant} e2e s": med["e2e"], f"{variant} denoise s": med["denoise"],
+                        f"{variant} decode s": med["decode"], f"{variant} denoise/floor": med["denoise"] / result["floor_s"],
+                        f"{variant} diffusers/ours": diff / med["e2e"]}  # fmt: skip
+        print(append_row(args.md, result["gpu"], figures))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -59,6 +59,7 @@ def main() -> int:
     ap.add_argument("--ar-params", default='{"window_mode": "chained", "num_frames": 45}')
     ap.add_argument("--params", default="{}", help="JSON request parameters for single-shot runs")
     ap.add_argument("--json", default="")
+    ap.add_argument("--md", default="", help="append a row (date, GPU, command, figures) to this BENCHMARKS.md")
     args = ap.parse_args()
     deployment = Deployment.load(args.config)
     workdir = Path(tempfile.mkdtemp(prefix="cosmos3-bench-"))
@@ -96,6 +97,23 @@ def main() -> int:
     print(f"server startup (load + compile + warmup) {result['startup_s']:.0f}s")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
+    if args.md:
+        import torch
+
+        from .report import append_row
+
+        figures: dict = {}
+        for key in ("c1", "c4", "ar_c1", "ar_c4"):
+            if key in result:
+                r = result[key]
+                figures |= {f"{key} e2e p50 s": r["e2e_p50"], f"{key} videos/min": r["videos_per_min"],
+                            f"{key} TTFC p50 s": r["ttfc_p50"], f"{key} frames/s": r["frames_per_s"]}  # fmt: skip
+                if "chunk_gap_p50" in r:
+                    figures[f"{key} chunk gap p50 s"] = r["chunk_gap_p50"]
+                figures[f"{key} server denoise p50 s"] = r["server_p50"]["denoise_s"]
+        figures["startup s"] = result["startup_s"]
+        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+        print(append_row(args.md, gpu, figures))
     return 0
 
 

@@ -1,0 +1,31 @@
+"""Benchmark rows for BENCHMARKS.md: `append_row(path, gpu, figures)` adds one line — date, GPU, the command that
+produced it, each figure — to the "Runs appended by the benchmarks" table, the file's last section (made when
+missing)."""
+
+from __future__ import annotations
+
+import datetime
+import shlex
+import sys
+from pathlib import Path
+
+SECTION = "## Runs appended by the benchmarks (`--md BENCHMARKS.md`)"
+HEADER = "| date | GPU | command | figures |\n|---|---|---|---|"
+
+
+def append_row(path: str | Path, gpu: str, figures: dict[str, float | int | str]) -> str:
+    command = "python -m " + " ".join(shlex.quote(a) for a in [_module(), *sys.argv[1:]])
+    shown = ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in figures.items())
+    row = f"| {datetime.date.today().isoformat()} | {gpu} | `{command}` | {shown} |"
+    path = Path(path)
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    if SECTION not in text:
+        text = text.rstrip("\n") + f"\n\n{SECTION}\n\n{HEADER}\n"
+    path.write_text(text.rstrip("\n") + "\n" + row + "\n")  # the section is the file's last: rows go at the end
+    return row
+
+
+def _module() -> str:
+    main = sys.modules["__main__"]
+    spec = getattr(main, "__spec__", None)
+    return spec.name if spec else Path(sys.argv[0]).stem
