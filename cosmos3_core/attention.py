@@ -171,7 +171,7 @@ class FlashInferPlan:
         for i, seg in enumerate(segments):
             end = segments[i + 1].start if i + 1 < len(segments) else None
             lists = sorted(seg.prefix, key=lambda p: p.num_tokens % ps != 0)  # full lists first (see `supports`)
-            ids = [i for p in lists for i in p.pages]
+            ids = [page for p in lists for page in p.pages]
             qo.append(seg.start + seg.length)
             indices += ids
             pages_indptr.append(len(indices))
