@@ -4,7 +4,9 @@
 # run the GPU tests and the in-process benchmark; the JIT cache goes back out as $OUT/ficache.tgz.
 #   device run, carry [.whl_env, .whl_fi, .ficache]: bash bench/device_inprocess.sh "--compile --variants sdpa flashinfer+graphs"
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl_env/*.whl .whl_fi/*.whl 2>&1 | tail -2
+# not .whl_env's numpy 1.26 / grpc (the stub venv's): on PYTHONPATH they would shadow the base env's builds
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl_env/{diffusers,accelerate,pytest,pluggy,iniconfig}-*.whl \
+  .whl_fi/*.whl 2>&1 | tail -2
 export PYTHONPATH=/tmp/site:$PWD COSMOS3_CACHE=/tmp/c3cache FLASHINFER_WORKSPACE_BASE=/tmp/fiws
 [ -d /tmp/fiws ] || { [ -f .ficache/ficache.tgz ] && tar xzf .ficache/ficache.tgz -C /tmp; }
 python3 -c "import torch, diffusers, flashinfer; print(torch.__version__, diffusers.__version__, flashinfer.__version__, torch.cuda.get_device_name())"

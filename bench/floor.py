@@ -33,5 +33,5 @@ def denoise_flops(cfg: ModelConfig, tokens: int, text_tokens: int, steps: int, b
 
 def tokens_for(cfg: ModelConfig, height: int, width: int, frames: int) -> int:
     lat_t = 1 + (frames - 1) // cfg.vae_scale_temporal
-    s, p = cfg.vae_scale_spatial, cfg.latent_patch_size
-    return lat_t * -(-height // s // p) * -(-width // s // p)
+    rows, cols = cfg.token_grid(height, width)
+    return lat_t * rows * cols

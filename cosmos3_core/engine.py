@@ -118,8 +118,8 @@ class DenoiseEngine:
         max_queue: int,
         compile: bool = False,
         decode_chunk: int = 0,
-        attention: str = "sdpa",
-        cuda_graphs: bool = False,
+        attention: str = "auto",
+        cuda_graphs: bool = True,
     ):
         self.ckpt = ckpt
         self.decode_chunk = decode_chunk  # latent frames per emitted piece; 0: a window's frames at once
@@ -164,9 +164,7 @@ class DenoiseEngine:
 
     # ---- sizes ----
     def _grid(self, p: GenerationParams) -> tuple[int, int]:
-        """The token grid (patches per latent frame, rows × columns); odd latent sizes round up (padded)."""
-        s, patch = self.cfg.vae_scale_spatial, self.cfg.latent_patch_size
-        return -(-p.height // s // patch), -(-p.width // s // patch)
+        return self.cfg.token_grid(p.height, p.width)
 
     def _plan(self, p: GenerationParams) -> WindowPlan:
         t = self.cfg.vae_scale_temporal

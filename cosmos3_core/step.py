@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import make_attention
+from .attention import SdpaAttention, make_attention
 from .graphs import StepLayout
 from .kv_pool import KVPool, PageList
 from .layers import Cosmos3Transformer
@@ -45,7 +45,6 @@ class Row:
     noisy_mask: torch.Tensor  # [N] bool
     token_shape: tuple[int, int, int]  # (T, h, w) patches
     latent_hw: tuple[int, int]  # (H, W) latent pixels; h*p, w*p when the grid needed no padding
-    noisy_frames: torch.Tensor  # [T_noisy] long
     branches: tuple[Branch, ...]  # (cond,) or (cond, uncond)
     commit: bool  # return the tokens' K/V instead of a velocity
 
@@ -111,7 +110,6 @@ def denoise_step_row(
         noisy_mask=noisy_mask,
         token_shape=token_shape,
         latent_hw=(h, w),
-        noisy_frames=noisy_frames,
         branches=branches,
         commit=commit,
     )
@@ -145,13 +143,13 @@ class DenoiseStep:
         model: Cosmos3Transformer,
         pool: KVPool,
         kernels: GenKernels = EAGER,
-        attention: str = "sdpa",
-        cuda_graphs: bool = False,
+        attention: str = "auto",
+        cuda_graphs: bool = True,
     ):
         cfg = model.cfg
         self.model, self.pool, self.kernels = model, pool, kernels
         self.attention = make_attention(attention, pool, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
-        self.sdpa = make_attention("sdpa", pool, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        self.sdpa = self.attention if isinstance(self.attention, SdpaAttention) else SdpaAttention(pool)
         self.cuda_graphs = cuda_graphs and pool.k_pages.is_cuda
         self.graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None  # shared: replays are serial
         self.layouts: OrderedDict[tuple, StepLayout] = OrderedDict()
@@ -183,15 +181,14 @@ class DenoiseStep:
         for row in rows:
             n = row.tokens.shape[0]
             result = RowOutput([], [])
-            frame_keep = torch.zeros(row.token_shape[0], dtype=torch.float32, device=preds.device)
-            frame_keep[row.noisy_frames] = 1.0
             for _ in row.branches:
                 if row.commit:
                     result.kv.append(collected[seg])
                 else:
                     start = segments[seg].start
-                    v = unpatchify(preds[start : start + n].float(), row.token_shape, p, row.latent_hw)
-                    result.velocity.append(v * frame_keep.view(1, 1, -1, 1, 1))  # a new tensor: preds is reused
+                    # zero on clean tokens; the product is a new tensor (preds is the layout's, reused next step)
+                    v = preds[start : start + n].float() * row.noisy_mask[:, None]
+                    result.velocity.append(unpatchify(v, row.token_shape, p, row.latent_hw))
                 seg += 1
             out.append(result)
         return out
