@@ -64,11 +64,13 @@ class SdpaAttention:
 
 
 class SdpaPlan:
-    """Gathers each prefix page list through an index buffer the plan owns (a graph replays with new pages)."""
+    """Gathers each prefix page list through an index buffer the plan owns (a graph replays with new pages).
+    Keeps plain numbers, never the segments' `PageList`s: those are emptied when their request ends, and a plan
+    may outlive them (a later request on the same pages is not re-planned)."""
 
     def __init__(self, pool: KVPool):
         self.pool = pool
-        self.segments: list[Segment] = []
+        self.spans: list[tuple[slice, list[int]]] = []  # per segment: its rows, its prefix lists' token counts
         self.page_index: list[list[torch.Tensor]] = []
 
     def update(self, segments: list[Segment]) -> None:
@@ -78,15 +80,14 @@ class SdpaPlan:
             for bufs, seg in zip(self.page_index, segments):
                 for buf, p in zip(bufs, seg.prefix):
                     buf.copy_(p.index)
-        self.segments = segments
+        self.spans = [(slice(s.start, s.start + s.length), [p.num_tokens for p in s.prefix]) for s in segments]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         pool = self.pool
         out = torch.zeros(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
-        for seg, index in zip(self.segments, self.page_index):
-            rows = slice(seg.start, seg.start + seg.length)
-            keys = [pool.k_pages[layer, i].flatten(0, 1)[: p.num_tokens] for i, p in zip(index, seg.prefix)]
-            values = [pool.v_pages[layer, i].flatten(0, 1)[: p.num_tokens] for i, p in zip(index, seg.prefix)]
+        for (rows, counts), index in zip(self.spans, self.page_index):
+            keys = [pool.k_pages[layer, i].flatten(0, 1)[:n] for i, n in zip(index, counts)]
+            values = [pool.v_pages[layer, i].flatten(0, 1)[:n] for i, n in zip(index, counts)]
             out[rows] = sdpa(q[rows], torch.cat([*keys, k[rows]]), torch.cat([*values, v[rows]]), causal=False)
         return out
 

@@ -4,7 +4,8 @@ A layout is fixed by the packed rows' sizes, branches and commit flags (plus wha
 shapes depend on: SDPA's prefix lengths; nothing for FlashInfer, whose page tables are plan data). It owns:
 - the packed input buffers `[S, ...]` (tokens, timesteps, noisy mask, rotary cos/sin), zero padding included,
   refilled each step by `fill` — no per-step allocation of the step's inputs;
-- the attention plan, updated by `fill` outside the graph (host work, buffer copies);
+- the attention plan, updated by `fill` outside the graph (host work, buffer copies) when the segments' pages
+  differ from the last step's;
 - on CUDA with graphs on, the captured GEN forward: the first run of a layout is eager (compiles, autotuning,
   allocator growth), the second captures and every later one replays. Layouts that return K/V (AR commit
   passes) always run eager. Graphs share one memory pool: replays are serial and each step's outputs are
@@ -50,6 +51,7 @@ class StepLayout:
             segments=segments,
         )
         self.plan = attention.make_plan(total_rows)
+        self.planned_for: tuple | None = None  # the pages the plan was last updated with
         self.capturable = step.cuda_graphs and not any(s.collect_kv for s in segments)
         self.runs = 0
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -68,7 +70,11 @@ class StepLayout:
                 p.cos[sl].copy_(br.cos)
                 p.sin[sl].copy_(br.sin)
         p.segments = segments
-        self.plan.update(segments)
+        # the same requests' next step reads the same pages: re-planning (host work, copies) only when they change
+        pages = tuple(tuple((tuple(pl.pages), pl.num_tokens) for pl in s.prefix) for s in segments)
+        if pages != self.planned_for:
+            self.plan.update(segments)
+            self.planned_for = pages
 
     def _forward(self) -> tuple[torch.Tensor, dict]:
         return gen_forward(self.step.model, self.packed, self.plan, self.step.kernels)

@@ -49,19 +49,19 @@ def test_cache_once_equals_fused(tiny_ckpts, variant):
     solo = [DenoiseStep(model, pool)([r])[0] for r in rows]
     packed, solo = [o.velocity for o in packed], [o.velocity for o in solo]
     p = cfg.latent_patch_size
-    for (row, refs), v_packed, v_solo in zip(reqs, packed, solo):
+    for (_, _, first_noisy, _), (row, refs), v_packed, v_solo in zip(specs, reqs, packed, solo):
         for (ids, text_rot, gen_rot), vp, vs in zip(refs, v_packed, v_solo):
             ref_tokens = fused_reference(model, ids, text_rot, row.tokens, row.timesteps, row.noisy_mask, gen_rot)
             from cosmos3_core.step import unpatchify
 
             ref = unpatchify(ref_tokens, row.token_shape, p, row.latent_hw)
             keep = torch.zeros(row.token_shape[0])
-            keep[row.noisy_frames] = 1
+            keep[first_noisy:] = 1
             ref = ref * keep.view(1, 1, -1, 1, 1)
             assert (vp - ref).abs().max().item() <= 1e-6 * max(1.0, ref.abs().max().item())
             assert torch.allclose(vp, vs, atol=1e-6, rtol=0)
-            if row.noisy_frames[0] > 0:
-                assert vp[:, :, : row.noisy_frames[0]].abs().max() == 0  # clean frames get no velocity
+            if first_noisy > 0:
+                assert vp[:, :, :first_noisy].abs().max() == 0  # clean frames get no velocity
 
 
 def test_pool_accounting(nano_ckpt):
@@ -84,7 +84,8 @@ def test_pool_accounting(nano_ckpt):
 def test_a_reused_layout_follows_each_requests_pages_and_inputs(nano_ckpt):
     """One DenoiseStep serves two requests of the same layout (same sizes, same text length, different text K/V,
     latents and timestep) one after the other: the layout's buffers and page-index buffers are refilled, not
-    re-made, and the second result equals that request on a fresh step."""
+    re-made, and the second result equals that request on a fresh step. The plan is updated only when the pages
+    change: a request's next step re-plans nothing."""
     ckpt = Checkpoint.open(nano_ckpt)
     model = ckpt.load_transformer({UND, GEN}, "cpu", torch.float32)
     cfg = ckpt.config
@@ -95,8 +96,35 @@ def test_a_reused_layout_follows_each_requests_pages_and_inputs(nano_ckpt):
     step([first])
     (layout,) = step.layouts.values()
     buffers = layout.packed.tokens.data_ptr()
+    updates = []
+    plan_update = layout.plan.update
+    layout.plan.update = lambda segments: (updates.append(1), plan_update(segments))
     reused = step([second])[0].velocity
     assert len(step.layouts) == 1 and layout.packed.tokens.data_ptr() == buffers
+    assert len(updates) == 1
+    torch.testing.assert_close(step([second])[0].velocity, reused, rtol=0, atol=0)
+    assert len(updates) == 1  # same pages as the step before: no re-plan
+    fresh = DenoiseStep(model, pool)([second])[0].velocity
+    for a, b in zip(reused, fresh):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_request_on_a_finished_requests_pages_is_served_right(nano_ckpt):
+    """The next request reuses the freed pages (same ids, same text length, same layout) — no re-plan is needed,
+    and the plan must not hold on to the finished request's (emptied) page lists."""
+    ckpt = Checkpoint.open(nano_ckpt)
+    model = ckpt.load_transformer({UND, GEN}, "cpu", torch.float32)
+    cfg = ckpt.config
+    pool = KVPool(64, 4, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, torch.float32, "cpu")
+    step = DenoiseStep(model, pool)
+    first, _ = make_request(ckpt, model, pool, 9, (2, 2, 3), 0, seed=1)
+    step([first])
+    first_pages = [br.prefix[0].pages.copy() for br in first.branches]
+    for br in reversed(first.branches):  # so the pool hands the same ids back in the same order
+        pool.free(br.prefix[0])
+    second, _ = make_request(ckpt, model, pool, 9, (2, 2, 3), 0, seed=2)
+    assert [br.prefix[0].pages for br in second.branches] == first_pages
+    reused = step([second])[0].velocity
     fresh = DenoiseStep(model, pool)([second])[0].velocity
     for a, b in zip(reused, fresh):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
