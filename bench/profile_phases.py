@@ -1,7 +1,7 @@
 """Where the GPU time goes: kernel time by category for Edge denoise steps and for the Wan2.2 VAE decode, each
-against its compute floor, plus the decode's variants (eager, torch.compile, channels_last_3d) side by side.
+against its compute floor, with diffusers' decode and our decoder (eager, compiled kernels) side by side.
 
-  python -m bench.profile_phases [--steps 2] [--decode-variants eager compile]   (CUDA)
+  python -m bench.profile_phases [--steps 2] [--no-denoise] [--no-decode]   (CUDA)
 
 Categories come from kernel names: attention (FlashInfer/flash/cuDNN attention), gemm (cuBLAS/CUTLASS),
 conv (cuDNN convolutions), fused (Triton kernels from torch.compile), other (eager elementwise, copies).
@@ -17,15 +17,18 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from cosmos3_core.conditioning import StreamDecoder
 from cosmos3_core.deployment import Deployment
 from cosmos3_core.generate import Generator
+from cosmos3_core.wan_decoder import EAGER
 
 from .floor import H200_BF16_FLOPS, denoise_flops, tokens_for
 from .inprocess import PROMPT
 
 CATEGORIES = (
-    ("attention", ("flashinfer", "prefill", "fmha", "flash", "attn", "merge_state", "cudnn_generated_fort_native_sdpa")),
+    (
+        "attention",
+        ("flashinfer", "prefill", "fmha", "flash", "attn", "merge_state", "cudnn_generated_fort_native_sdpa"),
+    ),
     ("conv", ("conv", "implicit", "fprop", "dgrad", "winograd")),
     ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "matmul")),
     ("fused", ("triton",)),
@@ -56,7 +59,9 @@ def kernel_table(prof, per: float, top: int) -> dict[str, float]:
     for name, ms in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]:
         print(f"  {ms / per:9.2f} ms {counts[name] / per:7.0f}x  [{category(name):9s}] {name[:110]}")
     total = sum(cats.values())
-    print("  " + "  ".join(f"{c} {ms:.1f} ms ({ms / total:.0%})" for c, ms in sorted(cats.items(), key=lambda kv: -kv[1])))
+    print(
+        "  " + "  ".join(f"{c} {ms:.1f} ms ({ms / total:.0%})" for c, ms in sorted(cats.items(), key=lambda kv: -kv[1]))
+    )
     return {c: ms / 1e3 for c, ms in cats.items()}
 
 
@@ -77,18 +82,6 @@ def profile_denoise(gen: Generator, params: dict, top: int) -> None:
     print(f"  kernel time {step_s * 1e3:.1f} ms / step; floor {step_floor * 1e3:.1f} ms ({step_s / step_floor:.2f}x)")
 
 
-def decode_with(decoder_fn, codec, latents: torch.Tensor) -> torch.Tensor:
-    """StreamDecoder.decode with the decoder call swapped (eager or compiled)."""
-    dec = StreamDecoder(codec)
-    vae = codec.vae
-    original = vae.decoder.forward
-    vae.decoder.forward = decoder_fn
-    try:
-        return dec.decode(latents)
-    finally:
-        vae.decoder.forward = original
-
-
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -106,49 +99,50 @@ def timed(fn, repeat: int) -> tuple[torch.Tensor, float]:
     return out, min(ts)
 
 
-def decode_flops(codec, latents: torch.Tensor) -> float:
+def decode_flops(vae, latents: torch.Tensor) -> float:
     from torch.utils.flop_counter import FlopCounterMode
 
     with FlopCounterMode(display=False) as fc:
-        StreamDecoder(codec).decode(latents[:, :, :2])  # frame 0 (1 pixel frame) + one steady frame (4)
-    one = fc.get_total_flops()
+        vae.decode(latents[:, :, :2])  # frame 0 (1 pixel frame) + one steady frame (4)
+    two = fc.get_total_flops()
     with FlopCounterMode(display=False) as fc:
-        StreamDecoder(codec).decode(latents[:, :, :1])
+        vae.decode(latents[:, :, :1])
     first = fc.get_total_flops()
-    return first + (one - first) * (latents.shape[2] - 1)
+    return first + (two - first) * (latents.shape[2] - 1)
 
 
-def profile_decode(gen: Generator, params: dict, variants: list[str], top: int, repeat: int) -> None:
+def profile_decode(gen: Generator, params: dict, top: int, repeat: int) -> None:
+    """diffusers' decode (its module forward, a fresh copy of the VAE) vs ours eager vs ours compiled."""
     codec = gen.decode.codec
     cfg = gen.engine.model.cfg
     shape = (1, cfg.latent_channel, 1 + (params["num_frames"] - 1) // cfg.vae_scale_temporal,
              params["height"] // cfg.vae_scale_spatial, params["width"] // cfg.vae_scale_spatial)  # fmt: skip
     lat = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(codec.device)
-    flops = decode_flops(codec, lat)
+    theirs = gen.ckpt.load_vae(codec.device, codec.dtype)
+    flops = decode_flops(theirs, lat)
     floor = flops / H200_BF16_FLOPS
-    eager = codec.vae.decoder.forward
-    ref, t_eager = timed(lambda: decode_with(eager, codec, lat), repeat)
+    print(f"== decode {tuple(lat.shape)} latents, {flops:.3g} FLOP, floor {floor:.2f} s")
+    x = lat.to(codec.dtype) / codec.inv_std.to(lat.device) + codec.mean.to(lat.device)
+
+    def diffusers_decode() -> torch.Tensor:
+        video = theirs.decode(x).sample.clamp(-1, 1)[0].permute(1, 2, 3, 0)
+        return ((video.float() * 0.5 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8).cpu()
+
+    ref, t_ref = timed(diffusers_decode, repeat)
+    rows = [("diffusers AutoencoderKLWan.decode", t_ref, 0)]
+    compiled = codec.kernels
+    for name, kernels in (("ours, eager kernels", EAGER), ("ours, compiled kernels", compiled)):
+        codec.kernels = kernels
+        out, t = timed(lambda: codec.decode(lat), repeat)
+        rows.append((name, t, int((out.int() - ref.int()).abs().max())))
     with profile(activities=ACTIVITIES) as prof:
-        decode_with(eager, codec, lat)
+        codec.decode(lat)
         sync()
-    print(f"== decode {tuple(lat.shape)} latents → {tuple(ref.shape)}, {flops:.3g} FLOP, floor {floor:.2f} s")
+    print(f"  ours, {'compiled' if compiled is not EAGER else 'eager'} kernels, by kernel:")
     kernel_table(prof, 1, top)
-    rows = [("eager", t_eager, 0)]
-    for variant in variants:
-        if variant == "eager":
-            continue
-        if "channels_last" in variant:
-            for m in codec.vae.decoder.modules():
-                if isinstance(m, torch.nn.Conv3d | torch.nn.Conv2d):
-                    m.to(memory_format=torch.channels_last_3d if isinstance(m, torch.nn.Conv3d) else torch.channels_last)
-        fn = torch.compile(eager, dynamic=False) if "compile" in variant else eager
-        t0 = time.perf_counter()
-        out, t = timed(lambda fn=fn: decode_with(fn, codec, lat), repeat)
-        print(f"  {variant}: first call + timing took {time.perf_counter() - t0:.0f} s")
-        rows.append((variant, t, int((out.int() - ref.int()).abs().max())))
-    print(f"{'decode variant':28s} {'time':>7s} {'/floor':>7s} {'max|diff|':>9s}")
+    print(f"{'decode variant':36s} {'time':>7s} {'/floor':>7s} {'max|diff|':>9s}")
     for name, t, diff in rows:
-        print(f"{name:28s} {t:7.2f} {t / floor:7.2f} {diff:9d}")
+        print(f"{name:36s} {t:7.2f} {t / floor:7.2f} {diff:9d}")
 
 
 def main() -> None:
@@ -163,7 +157,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--attention", default="flashinfer")
     ap.add_argument("--no-denoise", action="store_true")
-    ap.add_argument("--decode-variants", nargs="*", default=["eager", "compile", "channels_last+compile"])
+    ap.add_argument("--no-decode", action="store_true")
     args = ap.parse_args()
     d = Deployment(checkpoint=args.checkpoint, device=args.device, pool_pages=1024, compile=True,
                    attention=args.attention, cuda_graphs=False)  # fmt: skip
@@ -172,8 +166,8 @@ def main() -> None:
               "guidance_scale": 6.0, "shift": 5.0, "seed": 0}  # fmt: skip
     if not args.no_denoise:
         profile_denoise(gen, params, args.top)
-    if args.decode_variants:
-        profile_decode(gen, params, args.decode_variants, args.top, args.repeat)
+    if not args.no_decode:
+        profile_decode(gen, params, args.top, args.repeat)
 
 
 if __name__ == "__main__":

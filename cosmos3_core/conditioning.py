@@ -4,9 +4,9 @@
   centre-crop, round — as the reference pipeline does for a conditioning image.
 - `VaeCodec.encode_first_frame`: the i2v conditioning latent [1, C, 1, h/16, w/16]. The Wan encoder is
   causal in time, so latent frame 0 of the reference's repeat-padded clip depends on pixel frame 0 only.
-- `StreamDecoder`: the same decode, chunk by chunk along time. The Wan decoder runs one latent frame at a
-  time with a causal cache, so carrying that cache across chunks makes the joined chunks identical to one
-  decode of the whole sequence. `VaeCodec.decode` is a one-chunk stream.
+- `StreamDecoder`: the decode, chunk by chunk along time, through our decoder forward (`wan_decoder.py`). The
+  Wan decoder is causal in time, so carrying its per-conv state across chunks makes the joined chunks equal
+  one decode of the whole sequence. `VaeCodec.decode` is a one-chunk stream.
   Output: uint8 [T', H, W, 3] (T' = 1 + 4(T-1) for the first chunk, 4T after); the reference's
   `output_type="np"` × 255, rounded.
 """
@@ -18,6 +18,8 @@ import math
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from .wan_decoder import EAGER, DecoderKernels, DecoderStream, prepare
 
 
 def preprocess_image(image: np.ndarray, height: int, width: int) -> torch.Tensor:
@@ -32,8 +34,10 @@ def preprocess_image(image: np.ndarray, height: int, width: int) -> torch.Tensor
 
 
 class VaeCodec:
-    def __init__(self, vae):
+    def __init__(self, vae, compile: bool = False):
         self.vae = vae
+        prepare(vae)
+        self.kernels = DecoderKernels.compiled() if compile else EAGER
         self.dtype = vae.dtype
         self.mean = torch.tensor(vae.config.latents_mean, dtype=vae.dtype).view(1, -1, 1, 1, 1)
         self.inv_std = (1.0 / torch.tensor(vae.config.latents_std, dtype=vae.dtype)).view(1, -1, 1, 1, 1)
@@ -58,26 +62,15 @@ class VaeCodec:
 class StreamDecoder:
     def __init__(self, codec: VaeCodec):
         self.codec = codec
-        self.cache: list = [None] * codec.vae._cached_conv_counts["decoder"]
-        self.first = True
+        self.stream = DecoderStream(codec.vae, codec.kernels)
 
     @torch.inference_mode()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """The next latent frames [1, C, T, h, w] of this stream → uint8 [T', H, W, 3] (CPU)."""
-        from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
-
-        c, vae = self.codec, self.codec.vae
+        c = self.codec
         z = latents.to(device=c.device, dtype=c.dtype)
-        x = z / c.inv_std.to(z.device) + c.mean.to(z.device)
-        outs = []
-        for i in range(x.shape[2]):  # one latent frame at a time, as AutoencoderKLWan._decode does
-            # post_quant_conv per frame too: then no op sees a shape that depends on how the stream was chunked
-            frame = vae.post_quant_conv(x[:, :, i : i + 1])
-            outs.append(vae.decoder(frame, feat_cache=self.cache, feat_idx=[0], first_chunk=self.first))
-            self.first = False
-        video = torch.cat(outs, 2)
-        if vae.config.patch_size is not None:
-            video = unpatchify(video, patch_size=vae.config.patch_size)
-        video = video.clamp(-1.0, 1.0).float()  # [1, 3, T', H, W]
-        frames = (video[0].permute(1, 2, 3, 0) * 0.5 + 0.5).clamp(0, 1)
-        return (frames * 255).round().to(torch.uint8).cpu()
+        frames = self.stream(z / c.inv_std.to(z.device) + c.mean.to(z.device))
+        if not frames.is_cuda:
+            return frames
+        host = torch.empty(frames.shape, dtype=frames.dtype, pin_memory=True)  # from torch's pinned-block cache
+        return host.copy_(frames)

@@ -38,7 +38,7 @@ class Generator:
         self.prefill = PrefillStage(self.ckpt, device, dtype, d.defaults, d.limits)
         self.engine = DenoiseEngine.from_deployment(self.ckpt, d)
         self.engine.warmup([self.prefill.validate("warmup", r, None) for r in d.warmup_requests])
-        self.decode = DecodeStage(self.ckpt, device, dtype)
+        self.decode = DecodeStage(self.ckpt, device, dtype, d.compile)
 
     def latents(
         self, prompt: str, params: dict, image: np.ndarray | None = None, progress: bool = False

@@ -89,11 +89,15 @@ class DecodeStage:
 
     STREAM_IDLE_S = 900.0  # a stream whose chunks stopped (its request failed upstream) is dropped after this
 
-    def __init__(self, ckpt: Checkpoint, device: str, dtype: torch.dtype):
-        if str(device).startswith("cuda"):
-            torch.backends.cudnn.benchmark = True  # the Wan decoder's conv3d shapes repeat every frame
-        self.codec = VaeCodec(ckpt.load_vae(device, dtype))
+    def __init__(self, ckpt: Checkpoint, device: str, dtype: torch.dtype, compile: bool = False):
+        cuda = str(device).startswith("cuda")
+        if cuda:
+            torch.backends.cudnn.benchmark = True  # the Wan decoder's conv3d shapes repeat every chunk
+        compile = compile and cuda  # the fused kernels save memory traffic on the GPU; on CPU, only compile time
+        self.codec = VaeCodec(ckpt.load_vae(device, dtype), compile)
         self.streams: dict[str, tuple[StreamDecoder, float]] = {}
+        if compile:  # compile the fused kernels now (dynamic shapes: one small video covers every size)
+            self.run(torch.zeros(1, ckpt.config.latent_channel, 4, 5, 7))  # distinct sizes: no duck-sized guards
 
     def run(self, latents: torch.Tensor) -> np.ndarray:
         """normalised latents [1, C, T, h, w] → uint8 [T', H, W, 3]."""

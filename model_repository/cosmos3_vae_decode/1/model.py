@@ -31,7 +31,7 @@ EMPTY_VIDEO = np.zeros((0, 0, 0, 3), dtype=np.uint8)
 class TritonPythonModel:
     def initialize(self, args):
         d, device = deployment_from_args(args)
-        self.stage = DecodeStage(Checkpoint.open(resolve_checkpoint(d.checkpoint)), device, d.torch_dtype)
+        self.stage = DecodeStage(Checkpoint.open(resolve_checkpoint(d.checkpoint)), device, d.torch_dtype, d.compile)
         self.marks = CancelMarks(d.cancel_dir)
         self.temporal = self.stage.codec.vae.config.scale_factor_temporal
         self.metrics = DecodeMetrics({"model": args["model_name"], "instance": args["model_instance_name"]})

@@ -1,0 +1,170 @@
+"""Our forward of the Wan2.2 VAE decoder over diffusers' `AutoencoderKLWan` weights (`post_quant_conv`, `decoder`).
+
+Contract: `DecoderStream(vae, kernels)` decodes one video's latents chunk by chunk along time; `stream(z)` takes
+the next un-normalised latents [1, C, T, h, w] and returns that chunk's frames, uint8 [T', 16h, 16w, 3] on the
+latents' device (T' = 1 + 4(T-1) for the stream's first chunk, 4T after). The joined chunks equal diffusers'
+`AutoencoderKLWan.decode` (which runs one latent frame per decoder call) within float rounding.
+
+Why our own forward: diffusers' decode is 60 % elementwise work (pads, concatenations, layout transposes for
+cuDNN, unfused norms) around 40 % convolutions. Here:
+- activations are channels-last, `[B, T, H, W, C]` contiguous: the RMS norms reduce over the contiguous axis and
+  cuDNN convolves the `[B, C, T, H, W]` view (channels_last_3d strides) with no transposes;
+- spatial padding is the convolution's own; causal time padding is a per-conv state (the last 2 frames of its
+  input, zeros at the stream's start) concatenated in the same kernel that normalises and activates the input;
+- after the first latent frame (which the temporal upsamplers do not double), up to `FRAMES_PER_CALL` latent
+  frames go through each call, so every kernel sees several frames.
+`DecoderKernels.compiled()` fuses the elementwise functions with torch.compile (dynamic shapes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+FRAMES_PER_CALL = 4  # latent frames per decoder call after the first: 16 output frames at full resolution
+
+
+def norm_silu_cat(x: torch.Tensor, weight: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+    """[B, T, H, W, C] → [prev | silu(rms_norm(x))] along time: a causal conv's input with its 2 context frames."""
+    return torch.cat([prev, F.silu(rms_norm(x, weight))], dim=1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Wan's RMS_norm over channels (last dim): F.normalize in fp32, × sqrt(C)·gamma (`weight`)."""
+    return (F.normalize(x.float(), dim=-1) * weight).to(x.dtype)
+
+
+def dup_up_add(x: torch.Tensor, shortcut: torch.Tensor, factor_t: int, drop: int) -> torch.Tensor:
+    """x [B, T·ft - drop, 2H, 2W, C] + DupUp3D(shortcut [B, T, H, W, Cin]): channels repeated, then unfolded into
+    (time, row, column) sub-positions as diffusers' DupUp3D does; the first `drop` frames are dropped."""
+    b, t, h, w, c_in = shortcut.shape
+    c = x.shape[-1]
+    up = shortcut.repeat_interleave(c * factor_t * 4 // c_in, dim=-1).view(b, t, h, w, c, factor_t, 2, 2)
+    up = up.permute(0, 1, 5, 2, 6, 3, 7, 4).reshape(b, t * factor_t, 2 * h, 2 * w, c)
+    return x + up[:, drop:]
+
+
+def to_frames(y: torch.Tensor, patch: int) -> torch.Tensor:
+    """decoder output [1, T, H, W, 3·p·p] (channel = (rgb, p_w, p_h)) → uint8 [T, pH, pW, 3]."""
+    _, t, h, w, _ = y.shape
+    y = y[0].view(t, h, w, 3, patch, patch).permute(0, 1, 5, 2, 4, 3).reshape(t, h * patch, w * patch, 3)
+    return ((y.float().clamp(-1.0, 1.0) * 0.5 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
+
+
+@dataclass(frozen=True)
+class DecoderKernels:
+    """The decoder's elementwise functions: eager, or compiled once for all sizes."""
+
+    norm_silu_cat: Callable = norm_silu_cat
+    rms_norm: Callable = rms_norm
+    dup_up_add: Callable = dup_up_add
+    to_frames: Callable = to_frames
+
+    @classmethod
+    def compiled(cls) -> DecoderKernels:
+        def c(fn: Callable) -> Callable:
+            return torch.compile(fn, dynamic=True)
+
+        return cls(c(norm_silu_cat), c(rms_norm), c(dup_up_add), c(to_frames))
+
+
+EAGER = DecoderKernels()
+
+
+def prepare(vae) -> None:
+    """Once per loaded VAE: conv weights channels-last (cuDNN then keeps activations channels-last)."""
+    for m in vae.decoder.modules():
+        if isinstance(m, torch.nn.Conv3d):
+            m.weight.data = m.weight.data.contiguous(memory_format=torch.channels_last_3d)
+        elif isinstance(m, torch.nn.Conv2d):
+            m.weight.data = m.weight.data.contiguous(memory_format=torch.channels_last)
+
+
+def _linear(conv: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A 1×1(×1) convolution over channels-last x: a GEMM."""
+    return F.linear(x, conv.weight.flatten(1), conv.bias)
+
+
+class DecoderStream:
+    def __init__(self, vae, kernels: DecoderKernels = EAGER):
+        self.vae, self.dec, self.k = vae, vae.decoder, kernels
+        self.state: dict[int, torch.Tensor] = {}  # id(conv) → its input's last 2 frames [B, 2, H, W, C]
+        self.first = True
+
+    @torch.inference_mode()
+    def __call__(self, z: torch.Tensor) -> torch.Tensor:
+        """un-normalised latents [1, C, T, h, w] → uint8 frames [T', 16h, 16w, 3] (same device)."""
+        x = z.to(self.vae.dtype).permute(0, 2, 3, 4, 1)  # [1, T, h, w, C]
+        x = _linear(self.vae.post_quant_conv, x)
+        outs = []
+        if self.first:
+            outs.append(self._forward(x[:, :1]))
+            self.first, x = False, x[:, 1:]
+        for a in range(0, x.shape[1], FRAMES_PER_CALL):
+            outs.append(self._forward(x[:, a : a + FRAMES_PER_CALL]))
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    def _causal(self, conv: torch.nn.Conv3d, inp: torch.Tensor) -> torch.Tensor:
+        """inp = [context (2 frames) | x] → conv over time without padding, over space with its own padding."""
+        self.state[id(conv)] = inp[:, -2:].clone()
+        pad = (0, conv._padding[2], conv._padding[0])  # WanCausalConv3d keeps (w, w, h, h, 2t, 0) in _padding
+        y = F.conv3d(inp.permute(0, 4, 1, 2, 3), conv.weight, conv.bias, padding=pad)
+        return y.permute(0, 2, 3, 4, 1)
+
+    def _context(self, conv: torch.nn.Conv3d, x: torch.Tensor) -> torch.Tensor:
+        prev = self.state.get(id(conv))
+        return prev if prev is not None else x.new_zeros((x.shape[0], 2, *x.shape[2:]))
+
+    def _norm_conv(self, norm, conv, x: torch.Tensor) -> torch.Tensor:
+        weight = norm.gamma.flatten() * norm.scale
+        return self._causal(conv, self.k.norm_silu_cat(x, weight, self._context(conv, x)))
+
+    def _plain_conv(self, conv, x: torch.Tensor) -> torch.Tensor:
+        return self._causal(conv, torch.cat([self._context(conv, x), x], dim=1))
+
+    def _resnet(self, block, x: torch.Tensor) -> torch.Tensor:
+        h = x if isinstance(block.conv_shortcut, torch.nn.Identity) else _linear(block.conv_shortcut, x)
+        x = self._norm_conv(block.norm1, block.conv1, x)
+        return self._norm_conv(block.norm2, block.conv2, x) + h
+
+    def _attention(self, attn, x: torch.Tensor) -> torch.Tensor:
+        """Single-head self-attention within each frame (head dim = channels)."""
+        b, t, h, w, c = x.shape
+        y = self.k.rms_norm(x, attn.norm.gamma.flatten() * attn.norm.scale).view(b * t, 1, h * w, c)
+        q, k, v = _linear(attn.to_qkv, y).chunk(3, dim=-1)
+        y = _linear(attn.proj, F.scaled_dot_product_attention(q, k, v))
+        return x + y.view(b, t, h, w, c)
+
+    def _upsample(self, resample, x: torch.Tensor) -> torch.Tensor:
+        b = x.shape[0]
+        if resample.mode == "upsample3d" and not self.first:  # frame 0 is not doubled in time
+            y = self._plain_conv(resample.time_conv, x)  # [B, T, H, W, 2C]: channel (s, c) → frame 2t + s
+            t, h, w, c2 = y.shape[1:]
+            x = y.view(b, t, h, w, 2, c2 // 2).permute(0, 1, 4, 2, 3, 5).reshape(b, 2 * t, h, w, c2 // 2)
+        t, h, w, c = x.shape[1:]
+        x = x.reshape(b * t, h, 1, w, 1, c).expand(b * t, h, 2, w, 2, c).reshape(b * t, 2 * h, 2 * w, c)
+        conv = resample.resample[1]
+        y = F.conv2d(x.permute(0, 3, 1, 2), conv.weight, conv.bias, padding=1).permute(0, 2, 3, 1)
+        return y.reshape(b, t, 2 * h, 2 * w, -1)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = self.dec
+        x = self._plain_conv(d.conv_in, x)
+        mid = d.mid_block
+        x = self._resnet(mid.resnets[0], x)
+        for attn, resnet in zip(mid.attentions, mid.resnets[1:], strict=True):
+            x = self._resnet(resnet, self._attention(attn, x))
+        for block in d.up_blocks:
+            shortcut = x
+            for resnet in block.resnets:
+                x = self._resnet(resnet, x)
+            if block.upsampler is not None:
+                x = self._upsample(block.upsampler, x)
+            if block.avg_shortcut is not None:
+                ft = block.avg_shortcut.factor_t
+                x = self.k.dup_up_add(x, shortcut, ft, ft - 1 if self.first else 0)
+        x = self._norm_conv(d.norm_out, d.conv_out, x)
+        return self.k.to_frames(x, self.vae.config.patch_size)
