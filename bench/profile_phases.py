@@ -119,10 +119,10 @@ def profile_decode(gen: Generator, params: dict, top: int, repeat: int) -> None:
              params["height"] // cfg.vae_scale_spatial, params["width"] // cfg.vae_scale_spatial)  # fmt: skip
     lat = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(codec.device)
     theirs = gen.ckpt.load_vae(codec.device, codec.dtype)
-    flops = decode_flops(theirs, lat)
+    x = lat.to(codec.dtype) / codec.inv_std.to(lat.device) + codec.mean.to(lat.device)
+    flops = decode_flops(theirs, x)
     floor = flops / H200_BF16_FLOPS
     print(f"== decode {tuple(lat.shape)} latents, {flops:.3g} FLOP, floor {floor:.2f} s")
-    x = lat.to(codec.dtype) / codec.inv_std.to(lat.device) + codec.mean.to(lat.device)
 
     def diffusers_decode() -> torch.Tensor:
         video = theirs.decode(x).sample.clamp(-1, 1)[0].permute(1, 2, 3, 0)

@@ -42,7 +42,7 @@ def dup_up_add(x: torch.Tensor, shortcut: torch.Tensor, factor_t: int, drop: int
     (time, row, column) sub-positions as diffusers' DupUp3D does; the first `drop` frames are dropped."""
     b, t, h, w, c_in = shortcut.shape
     c = x.shape[-1]
-    up = shortcut.repeat_interleave(c * factor_t * 4 // c_in, dim=-1).view(b, t, h, w, c, factor_t, 2, 2)
+    up = shortcut.repeat_interleave(c * factor_t * 4 // c_in, dim=-1).reshape(b, t, h, w, c, factor_t, 2, 2)
     up = up.permute(0, 1, 5, 2, 6, 3, 7, 4).reshape(b, t * factor_t, 2 * h, 2 * w, c)
     return x + up[:, drop:]
 
@@ -50,7 +50,7 @@ def dup_up_add(x: torch.Tensor, shortcut: torch.Tensor, factor_t: int, drop: int
 def to_frames(y: torch.Tensor, patch: int) -> torch.Tensor:
     """decoder output [1, T, H, W, 3·p·p] (channel = (rgb, p_w, p_h)) → uint8 [T, pH, pW, 3]."""
     _, t, h, w, _ = y.shape
-    y = y[0].view(t, h, w, 3, patch, patch).permute(0, 1, 5, 2, 4, 3).reshape(t, h * patch, w * patch, 3)
+    y = y[0].reshape(t, h, w, 3, patch, patch).permute(0, 1, 5, 2, 4, 3).reshape(t, h * patch, w * patch, 3)
     return ((y.float().clamp(-1.0, 1.0) * 0.5 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
 
 
@@ -133,17 +133,17 @@ class DecoderStream:
     def _attention(self, attn, x: torch.Tensor) -> torch.Tensor:
         """Single-head self-attention within each frame (head dim = channels)."""
         b, t, h, w, c = x.shape
-        y = self.k.rms_norm(x, attn.norm.gamma.flatten() * attn.norm.scale).view(b * t, 1, h * w, c)
+        y = self.k.rms_norm(x, attn.norm.gamma.flatten() * attn.norm.scale).reshape(b * t, 1, h * w, c)
         q, k, v = _linear(attn.to_qkv, y).chunk(3, dim=-1)
         y = _linear(attn.proj, F.scaled_dot_product_attention(q, k, v))
-        return x + y.view(b, t, h, w, c)
+        return x + y.reshape(b, t, h, w, c)
 
     def _upsample(self, resample, x: torch.Tensor) -> torch.Tensor:
         b = x.shape[0]
         if resample.mode == "upsample3d" and not self.first:  # frame 0 is not doubled in time
             y = self._plain_conv(resample.time_conv, x)  # [B, T, H, W, 2C]: channel (s, c) → frame 2t + s
             t, h, w, c2 = y.shape[1:]
-            x = y.view(b, t, h, w, 2, c2 // 2).permute(0, 1, 4, 2, 3, 5).reshape(b, 2 * t, h, w, c2 // 2)
+            x = y.reshape(b, t, h, w, 2, c2 // 2).permute(0, 1, 4, 2, 3, 5).reshape(b, 2 * t, h, w, c2 // 2)
         t, h, w, c = x.shape[1:]
         x = x.reshape(b * t, h, 1, w, 1, c).expand(b * t, h, 2, w, 2, c).reshape(b * t, 2 * h, 2 * w, c)
         conv = resample.resample[1]

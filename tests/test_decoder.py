@@ -63,11 +63,18 @@ def test_each_latent_frame_decodes_the_same_in_any_chunking(vae):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled decoder kernels: CUDA")
-def test_compiled_decoder_kernels_match_eager_on_gpu(nano_ckpt):
-    vae = Checkpoint.open(nano_ckpt).load_vae("cuda", torch.bfloat16)
-    codec = VaeCodec(vae)
-    latents = torch.randn(1, vae.config.z_dim, 6, 4, 6, generator=torch.Generator().manual_seed(3))
-    eager = codec.decode(latents)
+def test_compiled_decoder_kernels_in_bf16_on_gpu_are_as_close_to_fp32_as_eager(nano_ckpt):
+    """bf16 rounds differently when the norm, SiLU and concatenation are fused, so compiled and eager are each
+    held to the fp32 CPU decode (itself held to diffusers above)."""
+    ckpt = Checkpoint.open(nano_ckpt)
+    latents = torch.randn(1, ckpt.config.latent_channel, 6, 4, 6, generator=torch.Generator().manual_seed(3))
+    ref = VaeCodec(ckpt.load_vae("cpu", torch.float32)).decode(latents).float()
+    codec = VaeCodec(ckpt.load_vae("cuda", torch.bfloat16))
+    eager = (codec.decode(latents).float() - ref).abs()
     codec.kernels = DecoderKernels.compiled()
-    compiled = codec.decode(latents)
-    assert (eager.int() - compiled.int()).abs().max() <= 2
+    compiled = (codec.decode(latents).float() - ref).abs()
+    print(
+        f"vs fp32: eager mean {eager.mean():.3f} max {eager.max():.0f}; compiled mean {compiled.mean():.3f} max {compiled.max():.0f}"
+    )
+    assert eager.mean() < 2.0 and compiled.mean() < 2.0, (eager.mean(), compiled.mean())
+    assert compiled.mean() <= 1.5 * eager.mean() + 0.25, (eager.mean(), compiled.mean())
