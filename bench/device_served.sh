@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the H200, right after `bench/device_env.sh` on the same (warm) machine, carrying .whl (nvidia-pytriton only):
 # served benchmarks, each on a fresh server. Arguments pick them (default: edge nano_chained):
-#   edge          Edge t2v 832x480x121, 20 steps, single-shot at c=1 (3 requests) and c=4 (8 requests)
+#   edge          Edge t2v 832x480x121, 20 steps, single-shot at c=1 (3 requests) and c=4 (8 requests), then the
+#                 same request in-process (2) and through diffusers (2), in the same run
 #   nano_chained  Nano AR chained streams, 832x480, 45 frames (2 windows), config steps (35), c=1 and c=4
 #   nano_kv       the same with kv windows (context K/V kept in the pool)
 set -uo pipefail
@@ -11,12 +12,12 @@ export COSMOS3_CACHE=/tmp/c3cache FLASHINFER_WORKSPACE_BASE=/tmp/fiws
 runs=("$@"); [ ${#runs[@]} -gt 0 ] || runs=(edge nano_chained)
 for run in "${runs[@]}"; do
   case $run in
-    edge) args=(--config configs/bench_edge.yaml --c1 3 --c4 8) ;;
+    edge) args=(--config configs/bench_edge.yaml --c1 3 --c4 8 --inprocess 2 --diffusers 2) ;;
     nano_chained) args=(--config configs/bench_nano_ar.yaml --c1 0 --c4 0 --ar 1 --ar-params '{"window_mode": "chained", "num_frames": 45}') ;;
     nano_kv) args=(--config configs/bench_nano_ar.yaml --c1 0 --c4 0 --ar 1 --ar-params '{"window_mode": "kv", "num_frames": 45}') ;;
     *) echo "unknown run $run"; exit 2 ;;
   esac
   echo "== $run: python -m bench.served ${args[*]}"
-  timeout 280 /tmp/v/bin/python -m bench.served "${args[@]}" --json $OUT/served_$run.json > $OUT/served_$run.txt 2>&1
-  tail -6 $OUT/served_$run.txt
+  timeout 560 /tmp/v/bin/python -m bench.served "${args[@]}" --json $OUT/served_$run.json > $OUT/served_$run.txt 2>&1
+  grep -v -e Warning -e float32 $OUT/served_$run.txt | tail -12
 done

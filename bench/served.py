@@ -4,7 +4,9 @@
   python -m bench.served --config configs/bench_nano_ar.yaml --c1 0 --c4 0 --ar 1 --ar-params '{...}'
 
 Reports c=1 end-to-end p50, c=4 videos/min and e2e p50 (single-shot t2v), and for `--ar N` Nano-style AR
-streams (chained windows): TTFC, chunk gap and aggregate frames/s at c=1 and c=4.
+streams (chained windows): TTFC, chunk gap and aggregate frames/s at c=1 and c=4. `--inprocess N --diffusers N`
+then run the same single-shot request, in the same run, through our in-process engine and through diffusers'
+`Cosmos3OmniPipeline` on the same random weights (CUDA, `random:` checkpoints).
 """
 
 from __future__ import annotations
@@ -50,6 +52,34 @@ def drive(url: str, params: dict, count: int, concurrency: int) -> dict:
     return out
 
 
+def side_by_side(deployment: Deployment, overrides: dict, inprocess: int, diffusers: int) -> dict:
+    """The served single-shot request through our engine in this process and through diffusers."""
+    from types import SimpleNamespace
+
+    from .inprocess import ours, reference
+
+    t2v = deployment.defaults.t2v
+    params = {"height": deployment.defaults.height, "width": deployment.defaults.width,
+              "num_frames": deployment.defaults.num_frames, "steps": t2v.steps, "guidance_scale": t2v.guidance_scale,
+              "shift": t2v.shift, "seed": 0, **overrides}  # fmt: skip
+    preset = deployment.checkpoint.removeprefix("random:")
+    out = {}
+    if inprocess:
+        args = SimpleNamespace(preset=preset, repeat=inprocess, compile=deployment.compile,
+                               variants=[deployment.attention + ("+graphs" if deployment.cuda_graphs else "")])  # fmt: skip
+        phases = next(iter(ours(args, params).values()))["phases"]
+        out["inprocess"] = {"e2e": phases["e2e"], "phases": phases}
+    if diffusers:
+        import gc
+
+        import torch
+
+        gc.collect()
+        torch.cuda.empty_cache()
+        out["diffusers"] = reference(SimpleNamespace(preset=preset, repeat=diffusers), params)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="configs/bench_edge.yaml")
@@ -58,6 +88,12 @@ def main() -> int:
     ap.add_argument("--ar", type=int, default=0, help="AR streams at c=1 and at c=4 (×4)")
     ap.add_argument("--ar-params", default='{"window_mode": "chained", "num_frames": 45}')
     ap.add_argument("--params", default="{}", help="JSON request parameters for single-shot runs")
+    ap.add_argument(
+        "--inprocess", type=int, default=0, help="then N single-shot requests through our in-process engine"
+    )
+    ap.add_argument(
+        "--diffusers", type=int, default=0, help="then N through diffusers' Cosmos3OmniPipeline (same weights)"
+    )
     ap.add_argument("--json", default="")
     ap.add_argument("--md", default="", help="append a row (date, GPU, command, figures) to this BENCHMARKS.md")
     args = ap.parse_args()
@@ -85,6 +121,8 @@ def main() -> int:
         return 1
     finally:
         stop_server(proc)
+    if args.inprocess or args.diffusers:  # same run, same request, once the server has released the GPU
+        result |= side_by_side(deployment, json.loads(args.params), args.inprocess, args.diffusers)
     for key in ("c1", "c4", "ar_c1", "ar_c4"):
         if key in result:
             r = result[key]
@@ -95,6 +133,16 @@ def main() -> int:
                   f"frames/s {r['frames_per_s']:6.1f}{extra}")  # fmt: skip
             print("        server-side p50: " + "  ".join(f"{k} {v:.2f}" for k, v in r["server_p50"].items()))
     print(f"server startup (load + compile + warmup) {result['startup_s']:.0f}s")
+    for key in ("inprocess", "diffusers"):
+        if key in result:
+            print(f"{key:10s} e2e p50 {statistics.median(result[key]['e2e']):7.2f}s  (n={len(result[key]['e2e'])})")
+    if "c1" in result and "diffusers" in result:
+        served, theirs = result["c1"]["e2e_p50"], statistics.median(result["diffusers"]["e2e"])
+        print(f"diffusers / served c=1 e2e: {theirs / served:.2f}x")
+        if "inprocess" in result:
+            ours = statistics.median(result["inprocess"]["e2e"])
+            print(f"served / in-process e2e: {served / ours:.3f}  (server-side denoise {result['c1']['server_p50']['denoise_s']:.2f}s "
+                  f"vs in-process {statistics.median(result['inprocess']['phases']['denoise']):.2f}s)")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     if args.md:
