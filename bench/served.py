@@ -97,9 +97,9 @@ def main() -> int:
     ap.add_argument("--json", default="")
     ap.add_argument("--md", default="", help="append a row (date, GPU, command, figures) to this BENCHMARKS.md")
     args = ap.parse_args()
-    deployment = Deployment.load(args.config)
+    configured = Deployment.load(args.config)  # `start` resolves `random:` into a path; side_by_side needs the name
     workdir = Path(tempfile.mkdtemp(prefix="cosmos3-bench-"))
-    proc, ports, deployment = start(deployment, workdir)
+    proc, ports, deployment = start(configured, workdir)
     url = f"127.0.0.1:{ports[0]}"
     result: dict = {"config": args.config}
     try:
@@ -121,8 +121,10 @@ def main() -> int:
         return 1
     finally:
         stop_server(proc)
+    if args.json:  # the served figures are kept whatever happens next
+        Path(args.json).write_text(json.dumps(result, indent=1))
     if args.inprocess or args.diffusers:  # same run, same request, once the server has released the GPU
-        result |= side_by_side(deployment, json.loads(args.params), args.inprocess, args.diffusers)
+        result |= side_by_side(configured, json.loads(args.params), args.inprocess, args.diffusers)
     for key in ("c1", "c4", "ar_c1", "ar_c4"):
         if key in result:
             r = result[key]
