@@ -2,8 +2,8 @@
 
 A layout is fixed by the packed rows' sizes, branches and commit flags (plus whatever the attention backend's
 shapes depend on: SDPA's prefix lengths; nothing for FlashInfer, whose page tables are plan data). It owns:
-- the packed input buffers `[S, ...]` (tokens, timesteps, noisy mask, rotary cos/sin), zero padding included,
-  refilled each step by `fill` — no per-step allocation of the step's inputs;
+- the packed input buffers `[S, ...]` (tokens, noisy mask, rotary cos/sin), zero padding included, and the
+  per-segment timesteps, refilled each step by `fill` — no per-step allocation of the step's inputs;
 - the attention plan, updated by `fill` outside the graph (host work, buffer copies) when the segments' pages
   differ from the last step's;
 - on CUDA with graphs on, the captured GEN forward: the first run of a layout is eager (compiles, autotuning,
@@ -30,8 +30,9 @@ class PackedStep:
     """A step's inputs; the tensors are buffers its layout owns (refilled every step, never reallocated)."""
 
     tokens: torch.Tensor  # [S, patch_latent_dim]
-    timesteps: torch.Tensor  # [S]
     noisy_mask: torch.Tensor  # [S]
+    segment_timesteps: torch.Tensor  # [segments, padded to a multiple of 64] fp32
+    token_segment: torch.Tensor  # [S] int64: each row's segment (fixed by the layout; padding rows say 0)
     cos: torch.Tensor  # [S, head_dim]
     sin: torch.Tensor  # [S, head_dim]
     segments: list[Segment]
@@ -44,12 +45,17 @@ class StepLayout:
         self.step = step
         self.packed: PackedStep = PackedStep(
             tokens=torch.zeros(total_rows, token_dim, dtype=dt, device=dev),
-            timesteps=torch.zeros(total_rows, dtype=torch.float32, device=dev),
             noisy_mask=torch.zeros(total_rows, dtype=torch.bool, device=dev),
+            # rows padded to a multiple of 64, like the segments: the embedding GEMM then has the same shape
+            # whatever a request is packed with, so its result does not depend on its neighbours
+            segment_timesteps=torch.zeros(-(-len(segments) // 64) * 64, dtype=torch.float32, device=dev),
+            token_segment=torch.zeros(total_rows, dtype=torch.long, device=dev),
             cos=torch.zeros(total_rows, cfg.head_dim, dtype=dt, device=dev),
             sin=torch.zeros(total_rows, cfg.head_dim, dtype=dt, device=dev),
             segments=segments,
         )
+        for i, s in enumerate(segments):
+            self.packed.token_segment[s.start : s.start + s.length] = i
         self.plan = attention.make_plan(total_rows)
         self.planned_for: tuple | None = None  # the pages the plan was last updated with
         self.capturable = step.cuda_graphs and not any(s.collect_kv for s in segments)
@@ -59,13 +65,13 @@ class StepLayout:
 
     def fill(self, rows: list[Row], segments: list[Segment]) -> None:
         p = self.packed
-        seg = iter(segments)
+        seg = iter(enumerate(segments))
         for row in rows:
             for br in row.branches:
-                s = next(seg)
+                i, s = next(seg)
                 sl = slice(s.start, s.start + s.length)
                 p.tokens[sl].copy_(row.tokens)
-                p.timesteps[sl].copy_(row.timesteps)
+                p.segment_timesteps[i].fill_(row.timestep)  # a kernel argument: no host-to-device copy
                 p.noisy_mask[sl].copy_(row.noisy_mask)
                 p.cos[sl].copy_(br.cos)
                 p.sin[sl].copy_(br.sin)

@@ -41,7 +41,7 @@ class Branch:
 @dataclass(frozen=True)
 class Row:
     tokens: torch.Tensor  # [N, patch_latent_dim], model dtype
-    timesteps: torch.Tensor  # [N] fp32: the step's timestep on noisy tokens, 0 on clean ones
+    timestep: float  # the step's timestep; its embedding goes to noisy tokens only
     noisy_mask: torch.Tensor  # [N] bool
     token_shape: tuple[int, int, int]  # (T, h, w) patches
     latent_hw: tuple[int, int]  # (H, W) latent pixels; h*p, w*p when the grid needed no padding
@@ -103,10 +103,9 @@ def denoise_step_row(
     frame_is_noisy = torch.zeros(t, dtype=torch.bool, device=latents.device)
     frame_is_noisy[noisy_frames] = True
     noisy_mask = frame_is_noisy.repeat_interleave(per_frame)
-    timesteps = torch.where(noisy_mask, float(timestep), 0.0).to(torch.float32)
     return Row(
         tokens=patchify(latents.to(dtype), patch),
-        timesteps=timesteps,
+        timestep=0.0 if commit else float(timestep),
         noisy_mask=noisy_mask,
         token_shape=token_shape,
         latent_hw=(h, w),

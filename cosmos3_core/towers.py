@@ -59,13 +59,19 @@ def _gen_residual(layer: Layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Te
 
 
 def embed_latent_tokens(
-    model: Cosmos3Transformer, tokens: torch.Tensor, timesteps: torch.Tensor, noisy_mask: torch.Tensor
+    model: Cosmos3Transformer,
+    tokens: torch.Tensor,
+    noisy_mask: torch.Tensor,
+    timesteps: torch.Tensor,
+    token_group: torch.Tensor,
 ) -> torch.Tensor:
-    """tokens [N, patch_latent_dim], timesteps [N] fp32, noisy_mask [N] bool → [N, hidden].
+    """tokens [N, patch_latent_dim], noisy_mask [N] bool, timesteps [G] fp32 (one per group of tokens: a packed
+    segment), token_group [N] int64 (each token's group) → [N, hidden].
 
-    The timestep embedding is added to noisy tokens only; clean (conditioning) tokens get none."""
+    The timestep embedding is added to noisy tokens only; clean (conditioning) tokens get none. It is computed
+    once per group, not per token: its two fp32 linears would otherwise cost a GEMM over every token."""
     x = model.proj_in(tokens)
-    temb = model.time_embedder(timesteps * model.cfg.timestep_scale).to(x.dtype)
+    temb = model.time_embedder(timesteps * model.cfg.timestep_scale).to(x.dtype)[token_group]
     return x + torch.where(noisy_mask[:, None], temb, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
@@ -111,7 +117,7 @@ def gen_forward(
     collect = [i for i, seg in enumerate(packed.segments) if seg.collect_kv]
     ks: dict[int, list[torch.Tensor]] = {i: [] for i in collect}
     vs: dict[int, list[torch.Tensor]] = {i: [] for i in collect}
-    x = embed_latent_tokens(model, packed.tokens, packed.timesteps, packed.noisy_mask)
+    x = embed_latent_tokens(model, packed.tokens, packed.noisy_mask, packed.segment_timesteps, packed.token_segment)
     for i, layer in enumerate(model.layers):
         q, k, v = kernels.qkv(layer, x, packed.cos, packed.sin)
         for j in collect:
@@ -128,13 +134,16 @@ def fused_reference(
     input_ids: torch.Tensor,
     text_rotary: tuple[torch.Tensor, torch.Tensor],
     tokens: torch.Tensor,
-    timesteps: torch.Tensor,
+    timestep: float,
     noisy_mask: torch.Tensor,
     gen_rotary: tuple[torch.Tensor, torch.Tensor],
 ) -> torch.Tensor:
     """Both towers every layer for one branch, as the reference forward does → [N, patch_latent_dim]."""
     und = model.embed_tokens(input_ids)
-    gen = embed_latent_tokens(model, tokens, timesteps, noisy_mask)
+    one_group = torch.zeros(len(tokens), dtype=torch.long, device=tokens.device)
+    gen = embed_latent_tokens(
+        model, tokens, noisy_mask, torch.tensor([float(timestep)], device=tokens.device), one_group
+    )
     for layer in model.layers:
         q_u, k_u, k_for_gen, v_u = _und_qkv(layer, und, *text_rotary)
         q_g, k_g, v_g = _gen_qkv(layer, gen, *gen_rotary)

@@ -51,7 +51,7 @@ def test_cache_once_equals_fused(tiny_ckpts, variant):
     p = cfg.latent_patch_size
     for (_, _, first_noisy, _), (row, refs), v_packed, v_solo in zip(specs, reqs, packed, solo):
         for (ids, text_rot, gen_rot), vp, vs in zip(refs, v_packed, v_solo):
-            ref_tokens = fused_reference(model, ids, text_rot, row.tokens, row.timesteps, row.noisy_mask, gen_rot)
+            ref_tokens = fused_reference(model, ids, text_rot, row.tokens, row.timestep, row.noisy_mask, gen_rot)
             from cosmos3_core.step import unpatchify
 
             ref = unpatchify(ref_tokens, row.token_shape, p, row.latent_hw)
