@@ -38,13 +38,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def dup_up_add(x: torch.Tensor, shortcut: torch.Tensor, factor_t: int, drop: int) -> torch.Tensor:
-    """x [B, T·ft - drop, 2H, 2W, C] + DupUp3D(shortcut [B, T, H, W, Cin]): channels repeated, then unfolded into
-    (time, row, column) sub-positions as diffusers' DupUp3D does; the first `drop` frames are dropped."""
+    """x [B, T·ft - drop, 2H, 2W, C] + DupUp3D(shortcut [B, T, H, W, Cin]); `drop` (ft - 1 on a stream's first
+    frame, T = 1) leading frames are not in x.
+
+    DupUp3D repeats each input channel r = C·ft·4 / Cin times and unfolds the result into (channel, time, row,
+    column) sub-positions, so output channel o at sub-position s = (a, i, j) reads input channel
+    (o·ft·4 + s) // r = o·g + s // r with g = ft·4 / r: the g input channels of output channel o spread over the
+    outermost sub-position axes. Written as a broadcast add on views of x, the kernel walks x in order."""
     b, t, h, w, c_in = shortcut.shape
     c = x.shape[-1]
-    up = shortcut.repeat_interleave(c * factor_t * 4 // c_in, dim=-1).reshape(b, t, h, w, c, factor_t, 2, 2)
-    up = up.permute(0, 1, 5, 2, 6, 3, 7, 4).reshape(b, t * factor_t, 2 * h, 2 * w, c)
-    return x + up[:, drop:]
+    g = c_in // c  # input channels per output channel, spread over (a, i, j) from the outermost axis in
+    spread = []
+    for n in (factor_t, 2, 2):
+        spread.append(n if g > 1 else 1)
+        g //= spread[-1]
+    src = shortcut.reshape(b, t, h, w, c, *spread).permute(0, 1, 5, 2, 6, 3, 7, 4)  # [b, t, a, h, i, w, j, c]
+    if spread[0] > 1:
+        src = src[:, :, drop:]
+    xv = x.reshape(b, t, -1, h, 2, w, 2, c)
+    return (xv + src).reshape(x.shape)
 
 
 def to_frames(y: torch.Tensor, patch: int) -> torch.Tensor:
