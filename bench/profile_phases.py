@@ -130,9 +130,9 @@ def profile_decode(gen: Generator, params: dict, top: int, repeat: int) -> None:
 
     ref, t_ref = timed(diffusers_decode, repeat)
     rows = [("diffusers AutoencoderKLWan.decode", t_ref, 0)]
-    compiled = codec.kernels
+    compiled = codec.decoder.kernels
     for name, kernels in (("ours, eager kernels", EAGER), ("ours, compiled kernels", compiled)):
-        codec.kernels = kernels
+        codec.decoder.kernels = kernels
         out, t = timed(lambda: codec.decode(lat), repeat)
         rows.append((name, t, int((out.int() - ref.int()).abs().max())))
     with profile(activities=ACTIVITIES) as prof:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .wan_decoder import EAGER, DecoderKernels, DecoderStream, prepare
+from .wan_decoder import EAGER, DecoderKernels, WanDecoder
 
 
 def preprocess_image(image: np.ndarray, height: int, width: int) -> torch.Tensor:
@@ -36,8 +36,7 @@ def preprocess_image(image: np.ndarray, height: int, width: int) -> torch.Tensor
 class VaeCodec:
     def __init__(self, vae, compile: bool = False):
         self.vae = vae
-        prepare(vae)
-        self.kernels = DecoderKernels.compiled() if compile else EAGER
+        self.decoder = WanDecoder(vae, DecoderKernels.compiled() if compile else EAGER)
         self.dtype = vae.dtype
         self.mean = torch.tensor(vae.config.latents_mean, dtype=vae.dtype).view(1, -1, 1, 1, 1)
         self.inv_std = (1.0 / torch.tensor(vae.config.latents_std, dtype=vae.dtype)).view(1, -1, 1, 1, 1)
@@ -62,7 +61,7 @@ class VaeCodec:
 class StreamDecoder:
     def __init__(self, codec: VaeCodec):
         self.codec = codec
-        self.stream = DecoderStream(codec.vae, codec.kernels)
+        self.stream = codec.decoder.stream()
 
     @torch.inference_mode()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:

@@ -66,6 +66,25 @@ def to_frames(y: torch.Tensor, patch: int) -> torch.Tensor:
     return ((y.float().clamp(-1.0, 1.0) * 0.5 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
 
 
+def phase_weights(weight: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A 3×3 conv after a nearest 2× upsample → one 2×2 conv over the low-resolution input (padding 1) with 4×
+    the output channels, phase (a, b) = output pixel (2i+a, 2j+b) at conv position (i+a, j+b).
+
+    Output row 2i+a reads upsampled rows 2i+a-1 .. 2i+a+1 = input rows (i-1, i, i) for a = 0 and (i, i, i+1)
+    for a = 1, so the 3 kernel rows fold into 2 taps: [w0, w1+w2] or [w0+w1, w2]; columns likewise.
+    2.25× fewer FLOPs than the conv at full resolution, and no upsampled copy. Folded in fp32."""
+    fold = torch.tensor([[[1.0, 0, 0], [0, 1, 1]], [[1, 1, 0], [0, 0, 1]]], device=weight.device)  # [a, tap, row]
+    k = torch.einsum("ary,ocyx,bsx->abocrs", fold, weight.float(), fold)  # [a, b, out, in, 2, 2]
+    k = k.reshape(-1, *k.shape[3:]).to(weight.dtype).contiguous(memory_format=torch.channels_last)
+    return k, bias.repeat(4)
+
+
+def phases_to_pixels(y: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """phase conv output [N, h+1, w+1, 2, 2, C] → [N, 2h, 2w, C]."""
+    rows = [torch.stack([y[:, a : a + h, b : b + w, a, b] for b in (0, 1)], dim=3) for a in (0, 1)]
+    return torch.stack(rows, dim=2).reshape(y.shape[0], 2 * h, 2 * w, y.shape[-1])  # [N, h, a, w, b, C]
+
+
 @dataclass(frozen=True)
 class DecoderKernels:
     """The decoder's elementwise functions: eager, or compiled once for all sizes."""
@@ -73,6 +92,7 @@ class DecoderKernels:
     norm_silu_cat: Callable = norm_silu_cat
     rms_norm: Callable = rms_norm
     dup_up_add: Callable = dup_up_add
+    phases_to_pixels: Callable = phases_to_pixels
     to_frames: Callable = to_frames
 
     @classmethod
@@ -80,19 +100,10 @@ class DecoderKernels:
         def c(fn: Callable) -> Callable:
             return torch.compile(fn, dynamic=True)
 
-        return cls(c(norm_silu_cat), c(rms_norm), c(dup_up_add), c(to_frames))
+        return cls(c(norm_silu_cat), c(rms_norm), c(dup_up_add), c(phases_to_pixels), c(to_frames))
 
 
 EAGER = DecoderKernels()
-
-
-def prepare(vae) -> None:
-    """Once per loaded VAE: conv weights channels-last (cuDNN then keeps activations channels-last)."""
-    for m in vae.decoder.modules():
-        if isinstance(m, torch.nn.Conv3d):
-            m.weight.data = m.weight.data.contiguous(memory_format=torch.channels_last_3d)
-        elif isinstance(m, torch.nn.Conv2d):
-            m.weight.data = m.weight.data.contiguous(memory_format=torch.channels_last)
 
 
 def _linear(conv: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -100,9 +111,28 @@ def _linear(conv: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, conv.weight.flatten(1), conv.bias)
 
 
-class DecoderStream:
+class WanDecoder:
+    """One loaded VAE's decoder, prepared once: conv weights channels-last (cuDNN then keeps activations
+    channels-last), upsample convs folded into phase convs. `stream()` starts a video."""
+
     def __init__(self, vae, kernels: DecoderKernels = EAGER):
-        self.vae, self.dec, self.k = vae, vae.decoder, kernels
+        self.vae, self.kernels = vae, kernels
+        self.phases: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(upsample Conv2d) → phase_weights
+        with torch.no_grad():
+            for m in vae.decoder.modules():
+                if isinstance(m, torch.nn.Conv3d):
+                    m.weight.data = m.weight.data.contiguous(memory_format=torch.channels_last_3d)
+                elif hasattr(m, "resample") and isinstance(m.resample, torch.nn.Sequential):  # WanResample
+                    conv = m.resample[1]
+                    self.phases[id(conv)] = phase_weights(conv.weight, conv.bias)
+
+    def stream(self) -> DecoderStream:
+        return DecoderStream(self)
+
+
+class DecoderStream:
+    def __init__(self, decoder: WanDecoder):
+        self.vae, self.dec, self.k, self.phases = decoder.vae, decoder.vae.decoder, decoder.kernels, decoder.phases
         self.state: dict[int, torch.Tensor] = {}  # id(conv) → its input's last 2 frames [B, 2, H, W, C]
         self.first = True
 
@@ -157,9 +187,9 @@ class DecoderStream:
             t, h, w, c2 = y.shape[1:]
             x = y.reshape(b, t, h, w, 2, c2 // 2).permute(0, 1, 4, 2, 3, 5).reshape(b, 2 * t, h, w, c2 // 2)
         t, h, w, c = x.shape[1:]
-        x = x.reshape(b * t, h, 1, w, 1, c).expand(b * t, h, 2, w, 2, c).reshape(b * t, 2 * h, 2 * w, c)
-        conv = resample.resample[1]
-        y = F.conv2d(x.permute(0, 3, 1, 2), conv.weight, conv.bias, padding=1).permute(0, 2, 3, 1)
+        weight, bias = self.phases[id(resample.resample[1])]
+        y = F.conv2d(x.reshape(b * t, h, w, c).permute(0, 3, 1, 2), weight, bias, padding=1).permute(0, 2, 3, 1)
+        y = self.k.phases_to_pixels(y.unflatten(-1, (2, 2, -1)), h, w)  # [B·T, 2H, 2W, C']
         return y.reshape(b, t, 2 * h, 2 * w, -1)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ import torch
 
 from cosmos3_core.checkpoint import Checkpoint
 from cosmos3_core.conditioning import StreamDecoder, VaeCodec
-from cosmos3_core.wan_decoder import EAGER, DecoderKernels, DecoderStream
+from cosmos3_core.wan_decoder import DecoderKernels, WanDecoder
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +56,10 @@ def test_each_latent_frame_decodes_the_same_in_any_chunking(vae):
     """Frame-by-frame (diffusers' call pattern) vs FRAMES_PER_CALL chunks: the same per-conv causal state."""
     latents = torch.randn(1, vae.config.z_dim, 6, 4, 4, generator=torch.Generator().manual_seed(2))
     x = latents * torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
-    by_frame = DecoderStream(vae, EAGER)
+    decoder = WanDecoder(vae)
+    by_frame = decoder.stream()
     one = torch.cat([by_frame(x[:, :, i : i + 1]) for i in range(6)])
-    chunked = DecoderStream(vae, EAGER)(x)
+    chunked = decoder.stream()(x)
     assert torch.equal(one, chunked) or (one.int() - chunked.int()).abs().max() <= 1
 
 
@@ -71,7 +72,7 @@ def test_compiled_decoder_kernels_in_bf16_on_gpu_are_as_close_to_fp32_as_eager(n
     ref = VaeCodec(ckpt.load_vae("cpu", torch.float32)).decode(latents).float()
     codec = VaeCodec(ckpt.load_vae("cuda", torch.bfloat16))
     eager = (codec.decode(latents).float() - ref).abs()
-    codec.kernels = DecoderKernels.compiled()
+    codec.decoder.kernels = DecoderKernels.compiled()
     compiled = (codec.decode(latents).float() - ref).abs()
     print(
         f"vs fp32: eager mean {eager.mean():.3f} max {eager.max():.0f}; compiled mean {compiled.mean():.3f} max {compiled.max():.0f}"
