@@ -12,7 +12,7 @@ export COSMOS3_CACHE=/tmp/c3cache FLASHINFER_WORKSPACE_BASE=/tmp/fiws
 runs=("$@"); [ ${#runs[@]} -gt 0 ] || runs=(edge nano_chained)
 for run in "${runs[@]}"; do
   case $run in
-    edge) args=(--config configs/bench_edge.yaml --c1 3 --c4 8 --inprocess ${INPROCESS:-2} --diffusers 2) ;;
+    edge) args=(--config configs/bench_edge.yaml --c1 3 --c4 8 --inprocess ${INPROCESS:-2} --diffusers ${DIFFUSERS:-2}) ;;
     nano_chained) args=(--config configs/bench_nano_ar.yaml --c1 0 --c4 0 --ar 1 --ar-params '{"window_mode": "chained", "num_frames": 45}') ;;
     nano_kv) args=(--config configs/bench_nano_ar.yaml --c1 0 --c4 0 --ar 1 --ar-params '{"window_mode": "kv", "num_frames": 45}') ;;
     *) echo "unknown run $run"; exit 2 ;;
