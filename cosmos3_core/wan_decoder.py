@@ -11,8 +11,10 @@ cuDNN, unfused norms) around 40 % convolutions. Here:
   cuDNN convolves the `[B, C, T, H, W]` view (channels_last_3d strides) with no transposes;
 - spatial padding is the convolution's own; causal time padding is a per-conv state (the last 2 frames of its
   input, zeros at the stream's start) concatenated in the same kernel that normalises and activates the input;
-- after the first latent frame (which the temporal upsamplers do not double), up to `FRAMES_PER_CALL` latent
-  frames go through each call, so every kernel sees several frames.
+- after the first latent frame (which the temporal upsamplers do not double), up to `frames_per_call` latent
+  frames go through each call on CUDA, so every kernel sees several frames. On CPU it is one: a conv's
+  rounding depends on its input's length, and one frame per call decodes any chunking of a stream bit for bit
+  alike (the CPU tests compare served pieces with offline whole videos exactly).
 `DecoderKernels.compiled()` fuses the elementwise functions with torch.compile (dynamic shapes).
 """
 
@@ -23,8 +25,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-FRAMES_PER_CALL = 4  # latent frames per decoder call after the first: 16 output frames at full resolution
 
 
 def norm_silu_cat(x: torch.Tensor, weight: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
@@ -115,8 +115,10 @@ class WanDecoder:
     """One loaded VAE's decoder, prepared once: conv weights channels-last (cuDNN then keeps activations
     channels-last), upsample convs folded into phase convs. `stream()` starts a video."""
 
-    def __init__(self, vae, kernels: DecoderKernels = EAGER):
+    def __init__(self, vae, kernels: DecoderKernels = EAGER, frames_per_call: int | None = None):
         self.vae, self.kernels = vae, kernels
+        # on CUDA, 4 latent frames = 16 output frames at full resolution per call
+        self.frames_per_call = frames_per_call or (4 if next(vae.parameters()).is_cuda else 1)
         self.phases: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(upsample Conv2d) → phase_weights
         with torch.no_grad():
             for m in vae.decoder.modules():
@@ -133,6 +135,7 @@ class WanDecoder:
 class DecoderStream:
     def __init__(self, decoder: WanDecoder):
         self.vae, self.dec, self.k, self.phases = decoder.vae, decoder.vae.decoder, decoder.kernels, decoder.phases
+        self.frames_per_call = decoder.frames_per_call
         self.state: dict[int, torch.Tensor] = {}  # id(conv) → its input's last 2 frames [B, 2, H, W, C]
         self.first = True
 
@@ -145,8 +148,8 @@ class DecoderStream:
         if self.first:
             outs.append(self._forward(x[:, :1]))
             self.first, x = False, x[:, 1:]
-        for a in range(0, x.shape[1], FRAMES_PER_CALL):
-            outs.append(self._forward(x[:, a : a + FRAMES_PER_CALL]))
+        for a in range(0, x.shape[1], self.frames_per_call):
+            outs.append(self._forward(x[:, a : a + self.frames_per_call]))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     def _causal(self, conv: torch.nn.Conv3d, inp: torch.Tensor) -> torch.Tensor:
