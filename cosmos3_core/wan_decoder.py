@@ -1,7 +1,7 @@
 """Our forward of the Wan2.2 VAE decoder over diffusers' `AutoencoderKLWan` weights (`post_quant_conv`, `decoder`).
 
-Contract: `DecoderStream(vae, kernels)` decodes one video's latents chunk by chunk along time; `stream(z)` takes
-the next un-normalised latents [1, C, T, h, w] and returns that chunk's frames, uint8 [T', 16h, 16w, 3] on the
+Contract: `WanDecoder(vae, kernels)` prepares a loaded VAE once; `decoder.stream()` decodes one video's latents
+chunk by chunk along time: `stream(z)` takes the next un-normalised latents [1, C, T, h, w] and returns that chunk's frames, uint8 [T', 16h, 16w, 3] on the
 latents' device (T' = 1 + 4(T-1) for the stream's first chunk, 4T after). The joined chunks equal diffusers'
 `AutoencoderKLWan.decode` (which runs one latent frame per decoder call) within float rounding.
 
@@ -11,6 +11,7 @@ cuDNN, unfused norms) around 40 % convolutions. Here:
   cuDNN convolves the `[B, C, T, H, W]` view (channels_last_3d strides) with no transposes;
 - spatial padding is the convolution's own; causal time padding is a per-conv state (the last 2 frames of its
   input, zeros at the stream's start) concatenated in the same kernel that normalises and activates the input;
+- each nearest-2× upsample + 3×3 conv runs as one 2×2 conv at low resolution (`phase_weights`);
 - after the first latent frame (which the temporal upsamplers do not double), up to `frames_per_call` latent
   frames go through each call on CUDA, so every kernel sees several frames. On CPU it is one: a conv's
   rounding depends on its input's length, and one frame per call decodes any chunking of a stream bit for bit

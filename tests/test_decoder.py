@@ -63,6 +63,16 @@ def test_each_latent_frame_decodes_the_same_in_any_chunking(vae):
     assert torch.equal(one, chunked) or (one.int() - chunked.int()).abs().max() <= 1
 
 
+def test_compiled_decoder_kernels_equal_eager_on_cpu(vae):
+    """The kernels the GPU runs compiled (`compile: true`), compiled here on CPU in fp32, in 4-frame calls as
+    on CUDA, over two sizes: a fusion or a dynamic-shape guard that changes the result fails here."""
+    eager, compiled = WanDecoder(vae, frames_per_call=4), WanDecoder(vae, DecoderKernels.compiled(), frames_per_call=4)
+    for shape in ((6, 4, 6), (9, 3, 5)):
+        x = torch.randn(1, vae.config.z_dim, *shape, generator=torch.Generator().manual_seed(4))
+        diff = (eager.stream()(x).int() - compiled.stream()(x).int()).abs()
+        assert diff.max() <= 1 and diff.float().mean() < 0.01, (shape, diff.max(), diff.float().mean())
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled decoder kernels: CUDA")
 def test_compiled_decoder_kernels_in_bf16_on_gpu_are_as_close_to_fp32_as_eager(nano_ckpt):
     """bf16 rounds differently when the norm, SiLU and concatenation are fused, so compiled and eager are each
