@@ -114,16 +114,20 @@ def _linear(conv: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 class WanDecoder:
     """One loaded VAE's decoder, prepared once: conv weights channels-last (cuDNN then keeps activations
-    channels-last), upsample convs folded into phase convs. `stream()` starts a video."""
+    channels-last), upsample convs folded into phase convs, norm scales folded into their weights. `stream()`
+    starts a video."""
 
     def __init__(self, vae, kernels: DecoderKernels = EAGER, frames_per_call: int | None = None):
         self.vae, self.kernels = vae, kernels
         # on CUDA, 4 latent frames = 16 output frames at full resolution per call
         self.frames_per_call = frames_per_call or (4 if next(vae.parameters()).is_cuda else 1)
         self.phases: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(upsample Conv2d) → phase_weights
+        self.norm_weights: dict[int, torch.Tensor] = {}  # id(WanRMS_norm) → sqrt(C)·gamma [C]
         with torch.no_grad():
             for m in vae.decoder.modules():
-                if isinstance(m, torch.nn.Conv3d):
+                if hasattr(m, "gamma"):  # WanRMS_norm (no bias in the decoder)
+                    self.norm_weights[id(m)] = m.gamma.flatten() * m.scale
+                elif isinstance(m, torch.nn.Conv3d):
                     m.weight.data = m.weight.data.contiguous(memory_format=torch.channels_last_3d)
                 elif hasattr(m, "resample") and isinstance(m.resample, torch.nn.Sequential):  # WanResample
                     conv = m.resample[1]
@@ -135,8 +139,12 @@ class WanDecoder:
 
 class DecoderStream:
     def __init__(self, decoder: WanDecoder):
-        self.vae, self.dec, self.k, self.phases = decoder.vae, decoder.vae.decoder, decoder.kernels, decoder.phases
-        self.frames_per_call = decoder.frames_per_call
+        self.vae, self.dec, self.k = decoder.vae, decoder.vae.decoder, decoder.kernels
+        self.phases, self.norm_weights, self.frames_per_call = (
+            decoder.phases,
+            decoder.norm_weights,
+            decoder.frames_per_call,
+        )
         self.state: dict[int, torch.Tensor] = {}  # id(conv) → its input's last 2 frames [B, 2, H, W, C]
         self.first = True
 
@@ -165,7 +173,7 @@ class DecoderStream:
         return prev if prev is not None else x.new_zeros((x.shape[0], 2, *x.shape[2:]))
 
     def _norm_conv(self, norm, conv, x: torch.Tensor) -> torch.Tensor:
-        weight = norm.gamma.flatten() * norm.scale
+        weight = self.norm_weights[id(norm)]
         return self._causal(conv, self.k.norm_silu_cat(x, weight, self._context(conv, x)))
 
     def _plain_conv(self, conv, x: torch.Tensor) -> torch.Tensor:
@@ -179,7 +187,7 @@ class DecoderStream:
     def _attention(self, attn, x: torch.Tensor) -> torch.Tensor:
         """Single-head self-attention within each frame (head dim = channels)."""
         b, t, h, w, c = x.shape
-        y = self.k.rms_norm(x, attn.norm.gamma.flatten() * attn.norm.scale).reshape(b * t, 1, h * w, c)
+        y = self.k.rms_norm(x, self.norm_weights[id(attn.norm)]).reshape(b * t, 1, h * w, c)
         q, k, v = _linear(attn.to_qkv, y).chunk(3, dim=-1)
         y = _linear(attn.proj, F.scaled_dot_product_attention(q, k, v))
         return x + y.reshape(b, t, h, w, c)
