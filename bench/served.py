@@ -62,6 +62,10 @@ def side_by_side(deployment: Deployment, overrides: dict, inprocess: int, diffus
     params = {"height": deployment.defaults.height, "width": deployment.defaults.width,
               "num_frames": deployment.defaults.num_frames, "steps": t2v.steps, "guidance_scale": t2v.guidance_scale,
               "shift": t2v.shift, "seed": 0, **overrides}  # fmt: skip
+    if not deployment.checkpoint.startswith("random:"):
+        raise SystemExit(
+            f"--inprocess/--diffusers build random weights at a preset's shapes; {deployment.checkpoint!r} is not random:"
+        )
     preset = deployment.checkpoint.removeprefix("random:")
     out = {}
     if inprocess:

@@ -36,10 +36,19 @@ def preprocess_image(image: np.ndarray, height: int, width: int) -> torch.Tensor
 class VaeCodec:
     def __init__(self, vae, compile: bool = False):
         self.vae = vae
-        self.decoder = WanDecoder(vae, DecoderKernels.compiled() if compile else EAGER)
+        self.compile = compile
+        self._decoder: WanDecoder | None = None
         self.dtype = vae.dtype
-        self.mean = torch.tensor(vae.config.latents_mean, dtype=vae.dtype).view(1, -1, 1, 1, 1)
-        self.inv_std = (1.0 / torch.tensor(vae.config.latents_std, dtype=vae.dtype)).view(1, -1, 1, 1, 1)
+        dev = self.device
+        self.mean = torch.tensor(vae.config.latents_mean, dtype=vae.dtype, device=dev).view(1, -1, 1, 1, 1)
+        self.inv_std = (1.0 / torch.tensor(vae.config.latents_std, dtype=vae.dtype, device=dev)).view(1, -1, 1, 1, 1)
+
+    @property
+    def decoder(self) -> WanDecoder:
+        """Prepared on first use: the prefill stage's codec only encodes."""
+        if self._decoder is None:
+            self._decoder = WanDecoder(self.vae, DecoderKernels.compiled() if self.compile else EAGER)
+        return self._decoder
 
     @property
     def device(self) -> torch.device:
@@ -50,8 +59,7 @@ class VaeCodec:
         """uint8 [H, W, 3] → normalised latent [1, C, 1, height/16, width/16] fp32."""
         pixels = preprocess_image(image, height, width).to(self.device)  # [1, 3, h, w]
         mu = self.vae.encode(pixels.unsqueeze(2).to(self.dtype)).latent_dist.mode()
-        mean, inv_std = self.mean.to(mu.device), self.inv_std.to(mu.device)
-        return ((mu - mean) * inv_std).float()
+        return ((mu - self.mean) * self.inv_std).float()
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """normalised latents [1, C, T, h, w] → uint8 [T', H, W, 3] (CPU)."""
@@ -68,7 +76,7 @@ class StreamDecoder:
         """The next latent frames [1, C, T, h, w] of this stream → uint8 [T', H, W, 3] (CPU)."""
         c = self.codec
         z = latents.to(device=c.device, dtype=c.dtype)
-        frames = self.stream(z / c.inv_std.to(z.device) + c.mean.to(z.device))
+        frames = self.stream(z / c.inv_std + c.mean)
         if not frames.is_cuda:
             return frames
         host = torch.empty(frames.shape, dtype=frames.dtype, pin_memory=True)  # from torch's pinned-block cache

@@ -96,8 +96,10 @@ class DecodeStage:
         compile = compile and cuda  # the fused kernels save memory traffic on the GPU; on CPU, only compile time
         self.codec = VaeCodec(ckpt.load_vae(device, dtype), compile)
         self.streams: dict[str, tuple[StreamDecoder, float]] = {}
-        if compile:  # compile the fused kernels now (dynamic shapes: one small video covers every size)
-            self.run(torch.zeros(1, ckpt.config.latent_channel, 4, 5, 7))  # distinct sizes: no duck-sized guards
+        _ = self.codec.decoder  # prepared and checked at load, not on the first request
+        if compile:  # compile the fused kernels now, not mid-stream: 1 + 4 + 1 latent frames (size-1 dims compile
+            # apart from the dynamic ones) at distinct sizes (no duck-sized guards) cover every later size
+            self.run(torch.zeros(1, ckpt.config.latent_channel, 6, 5, 7))
 
     def run(self, latents: torch.Tensor) -> np.ndarray:
         """normalised latents [1, C, T, h, w] → uint8 [T', H, W, 3]."""

@@ -45,7 +45,8 @@ def dup_up_add(x: torch.Tensor, shortcut: torch.Tensor, factor_t: int, drop: int
     DupUp3D repeats each input channel r = C·ft·4 / Cin times and unfolds the result into (channel, time, row,
     column) sub-positions, so output channel o at sub-position s = (a, i, j) reads input channel
     (o·ft·4 + s) // r = o·g + s // r with g = ft·4 / r: the g input channels of output channel o spread over the
-    outermost sub-position axes. Written as a broadcast add on views of x, the kernel walks x in order."""
+    outermost sub-position axes. Written as a broadcast add on views of x, the kernel walks x in order.
+    Needs Cin to be a multiple of C (Wan2.2: 1 or 2); `WanDecoder` checks that at load."""
     b, t, h, w, c_in = shortcut.shape
     c = x.shape[-1]
     g = c_in // c  # input channels per output channel, spread over (a, i, j) from the outermost axis in
@@ -118,6 +119,13 @@ class WanDecoder:
     starts a video."""
 
     def __init__(self, vae, kernels: DecoderKernels = EAGER, frames_per_call: int | None = None):
+        cfg = vae.config
+        if not cfg.is_residual or cfg.patch_size != 2:
+            raise ValueError(f"the decoder forward is Wan2.2's (is_residual, patch_size 2); this VAE has {dict(cfg)}")
+        for block in vae.decoder.up_blocks:
+            if block.avg_shortcut is not None and block.avg_shortcut.in_channels % block.avg_shortcut.out_channels:
+                raise ValueError(f"DupUp3D {block.avg_shortcut.in_channels} → {block.avg_shortcut.out_channels} "
+                                 "channels: the broadcast form needs a whole number of input channels per output")  # fmt: skip
         self.vae, self.kernels = vae, kernels
         # on CUDA, 4 latent frames = 16 output frames at full resolution per call
         self.frames_per_call = frames_per_call or (4 if next(vae.parameters()).is_cuda else 1)
@@ -126,7 +134,7 @@ class WanDecoder:
         with torch.no_grad():
             for m in vae.decoder.modules():
                 if hasattr(m, "gamma"):  # WanRMS_norm (no bias in the decoder)
-                    self.norm_weights[id(m)] = m.gamma.flatten() * m.scale
+                    self.norm_weights[id(m)] = (m.gamma.float().flatten() * m.scale).to(m.gamma.dtype)
                 elif isinstance(m, torch.nn.Conv3d):
                     m.weight.data = m.weight.data.contiguous(memory_format=torch.channels_last_3d)
                 elif hasattr(m, "resample") and isinstance(m.resample, torch.nn.Sequential):  # WanResample

@@ -89,3 +89,11 @@ def test_compiled_decoder_kernels_in_bf16_on_gpu_are_as_close_to_fp32_as_eager(n
     )
     assert eager.mean() < 2.0 and compiled.mean() < 2.0, (eager.mean(), compiled.mean())
     assert compiled.mean() <= 1.5 * eager.mean() + 0.25, (eager.mean(), compiled.mean())
+
+
+def test_a_vae_other_than_wan22_is_refused_at_load():
+    from diffusers import AutoencoderKLWan
+
+    wan21 = AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2, 4, 4], num_res_blocks=1)  # no residual, no patch
+    with pytest.raises(ValueError, match="Wan2.2"):
+        WanDecoder(wan21)
