@@ -63,15 +63,16 @@ def embed_latent_tokens(
     tokens: torch.Tensor,
     noisy_mask: torch.Tensor,
     timesteps: torch.Tensor,
-    token_group: torch.Tensor,
+    token_group: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """tokens [N, patch_latent_dim], noisy_mask [N] bool, timesteps [G] fp32 (one per group of tokens: a packed
-    segment), token_group [N] int64 (each token's group) → [N, hidden].
+    segment), token_group [N] int64 (each token's group; None: one group) → [N, hidden].
 
     The timestep embedding is added to noisy tokens only; clean (conditioning) tokens get none. It is computed
     once per group, not per token: its two fp32 linears would otherwise cost a GEMM over every token."""
     x = model.proj_in(tokens)
-    temb = model.time_embedder(timesteps * model.cfg.timestep_scale).to(x.dtype)[token_group]
+    temb = model.time_embedder(timesteps * model.cfg.timestep_scale).to(x.dtype)
+    temb = temb if token_group is None else temb[token_group]
     return x + torch.where(noisy_mask[:, None], temb, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
@@ -140,10 +141,7 @@ def fused_reference(
 ) -> torch.Tensor:
     """Both towers every layer for one branch, as the reference forward does → [N, patch_latent_dim]."""
     und = model.embed_tokens(input_ids)
-    one_group = torch.zeros(len(tokens), dtype=torch.long, device=tokens.device)
-    gen = embed_latent_tokens(
-        model, tokens, noisy_mask, torch.tensor([float(timestep)], device=tokens.device), one_group
-    )
+    gen = embed_latent_tokens(model, tokens, noisy_mask, torch.tensor([float(timestep)], device=tokens.device))
     for layer in model.layers:
         q_u, k_u, k_for_gen, v_u = _und_qkv(layer, und, *text_rotary)
         q_g, k_g, v_g = _gen_qkv(layer, gen, *gen_rotary)

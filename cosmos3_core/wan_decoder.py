@@ -147,12 +147,7 @@ class WanDecoder:
 
 class DecoderStream:
     def __init__(self, decoder: WanDecoder):
-        self.vae, self.dec, self.k = decoder.vae, decoder.vae.decoder, decoder.kernels
-        self.phases, self.norm_weights, self.frames_per_call = (
-            decoder.phases,
-            decoder.norm_weights,
-            decoder.frames_per_call,
-        )
+        self.d, self.vae, self.dec, self.k = decoder, decoder.vae, decoder.vae.decoder, decoder.kernels
         self.state: dict[int, torch.Tensor] = {}  # id(conv) → its input's last 2 frames [B, 2, H, W, C]
         self.first = True
 
@@ -165,8 +160,9 @@ class DecoderStream:
         if self.first:
             outs.append(self._forward(x[:, :1]))
             self.first, x = False, x[:, 1:]
-        for a in range(0, x.shape[1], self.frames_per_call):
-            outs.append(self._forward(x[:, a : a + self.frames_per_call]))
+        n = self.d.frames_per_call
+        for a in range(0, x.shape[1], n):
+            outs.append(self._forward(x[:, a : a + n]))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     def _causal(self, conv: torch.nn.Conv3d, inp: torch.Tensor) -> torch.Tensor:
@@ -181,7 +177,7 @@ class DecoderStream:
         return prev if prev is not None else x.new_zeros((x.shape[0], 2, *x.shape[2:]))
 
     def _norm_conv(self, norm, conv, x: torch.Tensor) -> torch.Tensor:
-        weight = self.norm_weights[id(norm)]
+        weight = self.d.norm_weights[id(norm)]
         return self._causal(conv, self.k.norm_silu_cat(x, weight, self._context(conv, x)))
 
     def _plain_conv(self, conv, x: torch.Tensor) -> torch.Tensor:
@@ -195,7 +191,7 @@ class DecoderStream:
     def _attention(self, attn, x: torch.Tensor) -> torch.Tensor:
         """Single-head self-attention within each frame (head dim = channels)."""
         b, t, h, w, c = x.shape
-        y = self.k.rms_norm(x, self.norm_weights[id(attn.norm)]).reshape(b * t, 1, h * w, c)
+        y = self.k.rms_norm(x, self.d.norm_weights[id(attn.norm)]).reshape(b * t, 1, h * w, c)
         q, k, v = _linear(attn.to_qkv, y).chunk(3, dim=-1)
         y = _linear(attn.proj, F.scaled_dot_product_attention(q, k, v))
         return x + y.reshape(b, t, h, w, c)
@@ -207,7 +203,7 @@ class DecoderStream:
             t, h, w, c2 = y.shape[1:]
             x = y.reshape(b, t, h, w, 2, c2 // 2).permute(0, 1, 4, 2, 3, 5).reshape(b, 2 * t, h, w, c2 // 2)
         t, h, w, c = x.shape[1:]
-        weight, bias = self.phases[id(resample.resample[1])]
+        weight, bias = self.d.phases[id(resample.resample[1])]
         y = F.conv2d(x.reshape(b * t, h, w, c).permute(0, 3, 1, 2), weight, bias, padding=1).permute(0, 2, 3, 1)
         y = self.k.phases_to_pixels(y.unflatten(-1, (2, 2, -1)), h, w)  # [B·T, 2H, 2W, C']
         return y.reshape(b, t, 2 * h, 2 * w, -1)

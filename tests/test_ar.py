@@ -56,8 +56,7 @@ def setup(nano_ckpt):
 
 def reference_gen(model, tokens, timestep, noisy_mask, rot, prefix_k, prefix_v):
     """GEN tower for one branch over [prefix | own tokens], plain SDPA. → (prediction tokens, per-layer k, v)."""
-    one_group = torch.zeros(len(tokens), dtype=torch.long)
-    x = embed_latent_tokens(model, tokens, noisy_mask, torch.tensor([float(timestep)]), one_group)
+    x = embed_latent_tokens(model, tokens, noisy_mask, torch.tensor([float(timestep)]))
     ks, vs = [], []
     for i, layer in enumerate(model.layers):
         q, k, v = _gen_qkv(layer, x, *rot)
