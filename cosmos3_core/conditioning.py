@@ -8,12 +8,14 @@
   Wan decoder is causal in time, so carrying its per-conv state across chunks makes the joined chunks equal
   one decode of the whole sequence. `VaeCodec.decode` is a one-chunk stream.
   Output: uint8 [T', H, W, 3] (T' = 1 + 4(T-1) for the first chunk, 4T after); the reference's
-  `output_type="np"` × 255, rounded.
+  `output_type="np"` × 255, rounded. `StreamDecoder.start` returns before the frames reach the host (a
+  `HostFrames` to wait on), so a server can launch the next chunk while this one is copied and sent.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -71,13 +73,29 @@ class StreamDecoder:
         self.codec = codec
         self.stream = codec.decoder.stream()
 
-    @torch.inference_mode()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """The next latent frames [1, C, T, h, w] of this stream → uint8 [T', H, W, 3] (CPU)."""
+        return self.start(latents)()
+
+    @torch.inference_mode()
+    def start(self, latents: torch.Tensor) -> HostFrames:
+        """Launch the decode of the next latent frames and the copy of its frames to the host; on CUDA it
+        returns while both run (the caller's next chunk queues behind them on the same stream)."""
         c = self.codec
         z = latents.to(device=c.device, dtype=c.dtype)
         frames = self.stream(z / c.inv_std + c.mean)
         if not frames.is_cuda:
-            return frames
+            return lambda: frames
         host = torch.empty(frames.shape, dtype=frames.dtype, pin_memory=True)  # from torch's pinned-block cache
-        return host.copy_(frames)
+        host.copy_(frames, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+
+        def wait() -> torch.Tensor:
+            copied.synchronize()
+            return host
+
+        return wait
+
+
+HostFrames = Callable[[], torch.Tensor]  # waits for a chunk's frames on the host, uint8 [T', H, W, 3]

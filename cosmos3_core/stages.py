@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from .checkpoint import Checkpoint
-from .conditioning import StreamDecoder, VaeCodec
+from .conditioning import HostFrames, StreamDecoder, VaeCodec
 from .layers import UND
 from .prompts import PromptEncoder
 from .requests import Defaults, GenerationParams, Limits, RequestError, validate
@@ -106,14 +106,19 @@ class DecodeStage:
         return self.codec.decode(latents).numpy()
 
     def run_chunk(self, stream_id: str, latents: torch.Tensor, last: bool) -> np.ndarray:
+        return self.start_chunk(stream_id, latents, last)().numpy()
+
+    def start_chunk(self, stream_id: str, latents: torch.Tensor, last: bool) -> HostFrames:
+        """Launch one chunk of a stream (`run_chunk` without waiting for its frames): chunks of one stream must
+        be started in order, from one thread."""
         now = time.monotonic()
         for sid in [s for s, (_, t) in self.streams.items() if now - t > self.STREAM_IDLE_S]:
             del self.streams[sid]
         decoder = self.streams.pop(stream_id, (None, 0.0))[0] or StreamDecoder(self.codec)
-        frames = decoder.decode(latents).numpy()
+        pending = decoder.start(latents)
         if not last:
             self.streams[stream_id] = (decoder, now)
-        return frames
+        return pending
 
     def drop(self, stream_id: str) -> None:
         self.streams.pop(stream_id, None)

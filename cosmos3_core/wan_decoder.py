@@ -11,12 +11,16 @@ cuDNN, unfused norms) around 40 % convolutions. Here:
   cuDNN convolves the `[B, C, T, H, W]` view (channels_last_3d strides) with no transposes;
 - spatial padding is the convolution's own; causal time padding is a per-conv state (the last 2 frames of its
   input, zeros at the stream's start) concatenated in the same kernel that normalises and activates the input;
+- convolutions run without their bias; the kernel that reads the output next adds it (torch's own bias add is a
+  separate broadcast pass over the whole activation);
 - each nearest-2× upsample + 3×3 conv runs as one 2×2 conv at low resolution (`phase_weights`);
 - after the first latent frame (which the temporal upsamplers do not double), up to `frames_per_call` latent
   frames go through each call on CUDA, so every kernel sees several frames. On CPU it is one: a conv's
   rounding depends on its input's length, and one frame per call decodes any chunking of a stream bit for bit
   alike (the CPU tests compare served pieces with offline whole videos exactly).
-`DecoderKernels.compiled()` fuses the elementwise functions with torch.compile (dynamic shapes).
+`DecoderKernels.compiled()` fuses the elementwise functions with torch.compile: every axis but the channels is
+dynamic; channels stay static, so loads vectorise along them and the norms reduce over a known length (with
+symbolic channels the kernels ran at a fraction of the memory bandwidth).
 """
 
 from __future__ import annotations
@@ -28,14 +32,33 @@ import torch
 import torch.nn.functional as F
 
 
-def norm_silu_cat(x: torch.Tensor, weight: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
-    """[B, T, H, W, C] → [prev | silu(rms_norm(x))] along time: a causal conv's input with its 2 context frames."""
-    return torch.cat([prev, F.silu(rms_norm(x, weight))], dim=1)
+def norm_silu_cat(x: torch.Tensor, bias: torch.Tensor | None, weight: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+    """One video's frames as rows [T·H·W, C] (+ the producing conv's `bias`, if still to add) → [prev (its 2
+    context frames, [2·H·W, C]) | silu(rms_norm(x))]: a causal conv's input."""
+    if bias is not None:
+        x = x.float() + bias.float()
+    return torch.cat([prev, F.silu(rms_norm(x, weight)).to(prev.dtype)])
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Wan's RMS_norm over channels (last dim): F.normalize in fp32, × sqrt(C)·gamma (`weight`)."""
     return (F.normalize(x.float(), dim=-1) * weight).to(x.dtype)
+
+
+def add_bias(y: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """A conv's output as rows [N, C] + its bias [C] (+ the residual branch [N, C]), rounded once."""
+    out = y.float() + bias.float()
+    if residual is not None:
+        out = out + residual.float()
+    return out.to(y.dtype)
+
+
+def split_time(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """The temporal upsampler's conv output [B, T, H, W, 2C] (+ bias), channel (s, c) → frame 2t + s:
+    [B, 2T, H, W, C]."""
+    b, t, h, w, c2 = y.shape
+    y = (y.float() + bias.float()).to(y.dtype)
+    return y.reshape(b, t, h, w, 2, c2 // 2).permute(0, 1, 4, 2, 3, 5).reshape(b, 2 * t, h, w, c2 // 2)
 
 
 def dup_up_add(x: torch.Tensor, shortcut: torch.Tensor, factor_t: int, drop: int) -> torch.Tensor:
@@ -61,11 +84,12 @@ def dup_up_add(x: torch.Tensor, shortcut: torch.Tensor, factor_t: int, drop: int
     return (xv + src).reshape(x.shape)
 
 
-def to_frames(y: torch.Tensor, patch: int) -> torch.Tensor:
-    """decoder output [1, T, H, W, 3·p·p] (channel = (rgb, p_w, p_h)) → uint8 [T, pH, pW, 3]."""
+def to_frames(y: torch.Tensor, bias: torch.Tensor, patch: int) -> torch.Tensor:
+    """decoder output [1, T, H, W, 3·p·p] (channel = (rgb, p_w, p_h)) + conv_out's bias → uint8 [T, pH, pW, 3]."""
     _, t, h, w, _ = y.shape
-    y = y[0].reshape(t, h, w, 3, patch, patch).permute(0, 1, 5, 2, 4, 3).reshape(t, h * patch, w * patch, 3)
-    return ((y.float().clamp(-1.0, 1.0) * 0.5 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
+    y = y[0].float() + bias.float()
+    y = y.reshape(t, h, w, 3, patch, patch).permute(0, 1, 5, 2, 4, 3).reshape(t, h * patch, w * patch, 3)
+    return ((y.clamp(-1.0, 1.0) * 0.5 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
 
 
 def phase_weights(weight: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,10 +105,12 @@ def phase_weights(weight: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tenso
     return k, bias.repeat(4)
 
 
-def phases_to_pixels(y: torch.Tensor, h: int, w: int) -> torch.Tensor:
-    """phase conv output [N, h+1, w+1, 2, 2, C] → [N, 2h, 2w, C]."""
+def phases_to_pixels(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """phase conv output [N, h+1, w+1, 4C] (channel = (a, b, c)) + its bias [4C] → [N, 2h, 2w, C]."""
+    n, h, w, c = y.shape[0], y.shape[1] - 1, y.shape[2] - 1, y.shape[3] // 4
+    y = (y.float() + bias.float()).to(y.dtype).view(n, h + 1, w + 1, 2, 2, c)
     rows = [torch.stack([y[:, a : a + h, b : b + w, a, b] for b in (0, 1)], dim=3) for a in (0, 1)]
-    return torch.stack(rows, dim=2).reshape(y.shape[0], 2 * h, 2 * w, y.shape[-1])  # [N, h, a, w, b, C]
+    return torch.stack(rows, dim=2).reshape(n, 2 * h, 2 * w, c)  # [N, h, a, w, b, C]
 
 
 @dataclass(frozen=True)
@@ -93,6 +119,8 @@ class DecoderKernels:
 
     norm_silu_cat: Callable = norm_silu_cat
     rms_norm: Callable = rms_norm
+    add_bias: Callable = add_bias
+    split_time: Callable = split_time
     dup_up_add: Callable = dup_up_add
     phases_to_pixels: Callable = phases_to_pixels
     to_frames: Callable = to_frames
@@ -100,12 +128,28 @@ class DecoderKernels:
     @classmethod
     def compiled(cls) -> DecoderKernels:
         def c(fn: Callable) -> Callable:
-            return torch.compile(fn, dynamic=True)
+            static = torch.compile(fn, dynamic=False)  # one graph per channel count (and per int argument)
 
-        return cls(c(norm_silu_cat), c(rms_norm), c(dup_up_add), c(phases_to_pixels), c(to_frames))
+            def run(*args):
+                args = [a.contiguous() if isinstance(a, torch.Tensor) else a for a in args]  # one layout, one graph
+                for a in args:
+                    if isinstance(a, torch.Tensor):
+                        for dim in range(a.dim() - 1):  # sizes 0 and 1 still specialise
+                            torch._dynamo.maybe_mark_dynamic(a, dim)
+                return static(*args)
+
+            return run
+
+        fns = (norm_silu_cat, rms_norm, add_bias, split_time, dup_up_add, phases_to_pixels, to_frames)
+        return cls(*(c(fn) for fn in fns))
 
 
 EAGER = DecoderKernels()
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """[1, T, H, W, C] → [T·H·W, C] (a copy only for an output cuDNN left channels-first)."""
+    return x.reshape(-1, x.shape[-1])
 
 
 def _linear(conv: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -154,6 +198,8 @@ class DecoderStream:
     @torch.inference_mode()
     def __call__(self, z: torch.Tensor) -> torch.Tensor:
         """un-normalised latents [1, C, T, h, w] → uint8 frames [T', 16h, 16w, 3] (same device)."""
+        if z.shape[0] != 1:  # the kernels treat one video's frames as rows
+            raise ValueError(f"a decoder stream decodes one video, latents [1, C, T, h, w]; got {tuple(z.shape)}")
         x = z.to(self.vae.dtype).permute(0, 2, 3, 4, 1)  # [1, T, h, w, C]
         x = _linear(self.vae.post_quant_conv, x)
         outs = []
@@ -166,32 +212,36 @@ class DecoderStream:
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     def _causal(self, conv: torch.nn.Conv3d, inp: torch.Tensor) -> torch.Tensor:
-        """inp = [context (2 frames) | x] → conv over time without padding, over space with its own padding."""
+        """inp = [context (2 frames) | x] → conv over time without padding, over space with its own padding; the
+        caller's next kernel adds `conv.bias`."""
         self.state[id(conv)] = inp[:, -2:].clone()
         pad = (0, conv._padding[2], conv._padding[0])  # WanCausalConv3d keeps (w, w, h, h, 2t, 0) in _padding
-        y = F.conv3d(inp.permute(0, 4, 1, 2, 3), conv.weight, conv.bias, padding=pad)
+        y = F.conv3d(inp.permute(0, 4, 1, 2, 3), conv.weight, None, padding=pad)
         return y.permute(0, 2, 3, 4, 1)
 
     def _context(self, conv: torch.nn.Conv3d, x: torch.Tensor) -> torch.Tensor:
         prev = self.state.get(id(conv))
         return prev if prev is not None else x.new_zeros((x.shape[0], 2, *x.shape[2:]))
 
-    def _norm_conv(self, norm, conv, x: torch.Tensor) -> torch.Tensor:
+    def _norm_conv(self, norm, conv, x: torch.Tensor, x_bias: torch.Tensor | None = None) -> torch.Tensor:
         weight = self.d.norm_weights[id(norm)]
-        return self._causal(conv, self.k.norm_silu_cat(x, weight, self._context(conv, x)))
+        b, t, h, w, c = x.shape
+        inp = self.k.norm_silu_cat(_rows(x), x_bias, weight, _rows(self._context(conv, x)))
+        return self._causal(conv, inp.view(b, t + 2, h, w, c))
 
     def _plain_conv(self, conv, x: torch.Tensor) -> torch.Tensor:
         return self._causal(conv, torch.cat([self._context(conv, x), x], dim=1))
 
     def _resnet(self, block, x: torch.Tensor) -> torch.Tensor:
         h = x if isinstance(block.conv_shortcut, torch.nn.Identity) else _linear(block.conv_shortcut, x)
-        x = self._norm_conv(block.norm1, block.conv1, x)
-        return self._norm_conv(block.norm2, block.conv2, x) + h
+        y = self._norm_conv(block.norm1, block.conv1, x)
+        y = self._norm_conv(block.norm2, block.conv2, y, block.conv1.bias)
+        return self.k.add_bias(_rows(y), block.conv2.bias, _rows(h)).view(y.shape)
 
     def _attention(self, attn, x: torch.Tensor) -> torch.Tensor:
         """Single-head self-attention within each frame (head dim = channels)."""
         b, t, h, w, c = x.shape
-        y = self.k.rms_norm(x, self.d.norm_weights[id(attn.norm)]).reshape(b * t, 1, h * w, c)
+        y = self.k.rms_norm(_rows(x), self.d.norm_weights[id(attn.norm)]).view(b * t, 1, h * w, c)
         q, k, v = _linear(attn.to_qkv, y).chunk(3, dim=-1)
         y = _linear(attn.proj, F.scaled_dot_product_attention(q, k, v))
         return x + y.reshape(b, t, h, w, c)
@@ -199,18 +249,17 @@ class DecoderStream:
     def _upsample(self, resample, x: torch.Tensor) -> torch.Tensor:
         b = x.shape[0]
         if resample.mode == "upsample3d" and not self.first:  # frame 0 is not doubled in time
-            y = self._plain_conv(resample.time_conv, x)  # [B, T, H, W, 2C]: channel (s, c) → frame 2t + s
-            t, h, w, c2 = y.shape[1:]
-            x = y.reshape(b, t, h, w, 2, c2 // 2).permute(0, 1, 4, 2, 3, 5).reshape(b, 2 * t, h, w, c2 // 2)
+            x = self.k.split_time(self._plain_conv(resample.time_conv, x), resample.time_conv.bias)
         t, h, w, c = x.shape[1:]
         weight, bias = self.d.phases[id(resample.resample[1])]
-        y = F.conv2d(x.reshape(b * t, h, w, c).permute(0, 3, 1, 2), weight, bias, padding=1).permute(0, 2, 3, 1)
-        y = self.k.phases_to_pixels(y.unflatten(-1, (2, 2, -1)), h, w)  # [B·T, 2H, 2W, C']
+        y = F.conv2d(x.reshape(b * t, h, w, c).permute(0, 3, 1, 2), weight, None, padding=1).permute(0, 2, 3, 1)
+        y = self.k.phases_to_pixels(y, bias)  # [B·T, 2H, 2W, C']
         return y.reshape(b, t, 2 * h, 2 * w, -1)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         d = self.dec
-        x = self._plain_conv(d.conv_in, x)
+        y = self._plain_conv(d.conv_in, x)
+        x = self.k.add_bias(_rows(y), d.conv_in.bias, None).view(y.shape)
         mid = d.mid_block
         x = self._resnet(mid.resnets[0], x)
         for attn, resnet in zip(mid.attentions, mid.resnets[1:], strict=True):
@@ -225,4 +274,4 @@ class DecoderStream:
                 ft = block.avg_shortcut.factor_t
                 x = self.k.dup_up_add(x, shortcut, ft, ft - 1 if self.first else 0)
         x = self._norm_conv(d.norm_out, d.conv_out, x)
-        return self.k.to_frames(x, self.vae.config.patch_size)
+        return self.k.to_frames(x, d.conv_out.bias, self.vae.config.patch_size)
