@@ -82,14 +82,16 @@ class StreamDecoder:
         """Launch the decode of the next latent frames and the copy of its frames to the host; on CUDA it
         returns while both run (the caller's next chunk queues behind them on the same stream)."""
         c = self.codec
-        z = latents.to(device=c.device, dtype=c.dtype)
+        if c.device.type == "cuda" and latents.device.type == "cpu":
+            latents = latents.pin_memory()  # a blocking copy from pageable memory would wait for the previous chunk
+        z = latents.to(device=c.device, dtype=c.dtype, non_blocking=True)
         frames = self.stream(z / c.inv_std + c.mean)
         if not frames.is_cuda:
             return lambda: frames
         host = torch.empty(frames.shape, dtype=frames.dtype, pin_memory=True)  # from torch's pinned-block cache
         host.copy_(frames, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
+        copied = torch.cuda.Event(blocking=True)  # the waiting thread sleeps instead of spinning
+        copied.record(torch.cuda.current_stream(frames.device))
 
         def wait() -> torch.Tensor:
             copied.synchronize()

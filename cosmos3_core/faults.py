@@ -3,6 +3,7 @@
   step_delay_s=<float>    every engine tick first sleeps this long (tiny models step in milliseconds;
                           this gives served tests the step time of a real model)
   fail_step_seed=<int>    a request with this seed raises inside its denoise step (fails that request only)
+  fail_decode_seed=<int>  a request with this seed raises in vae_decode's send thread, on its last piece
 
 Read once at import; production servers never set it.
 """
@@ -20,6 +21,7 @@ def _parse(raw: str) -> dict[str, str]:
 FAULTS = _parse(os.environ.get("COSMOS3_FAULTS", ""))
 STEP_DELAY_S = float(FAULTS.get("step_delay_s", 0.0))
 FAIL_STEP_SEED = int(FAULTS["fail_step_seed"]) if "fail_step_seed" in FAULTS else None
+FAIL_DECODE_SEED = int(FAULTS["fail_decode_seed"]) if "fail_decode_seed" in FAULTS else None
 
 
 class InjectedFault(RuntimeError):

@@ -43,8 +43,15 @@ def deployment_from_args(args: dict[str, Any]) -> tuple[Deployment, str]:
     device = d.torch_device
     if device.startswith("cuda"):
         device = f"cuda:{args.get('model_instance_device_id', 0) or 0}"
-        torch.cuda.set_device(device)
+    use_device(device)
     return d, device
+
+
+def use_device(device: str | torch.device) -> None:
+    """Make the instance's GPU current in the calling thread (current devices are per thread: a worker thread
+    starts on GPU 0, whose streams its events and graph captures would otherwise use)."""
+    if str(device).startswith("cuda"):
+        torch.cuda.set_device(device)
 
 
 def input_array(request, name: str) -> np.ndarray | None:
@@ -275,6 +282,7 @@ class EngineThread:
         self.thread.start()
 
     def _run(self) -> None:
+        use_device(self.engine.device)
         while not self.stop.is_set():
             self.engine.wait_for_work(0.05)
             self._check_drain()

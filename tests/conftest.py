@@ -129,7 +129,10 @@ def server(served_deployment, tmp_path_factory):
     from cosmos3_core.launcher import server_env, stop_server, wait_until_ready
     from cosmos3_core.serve import start
 
-    env = {**server_env(), "COSMOS3_FAULTS": "step_delay_s=0.02,fail_step_seed=666"}  # see cosmos3_core/faults.py
+    env = {
+        **server_env(),
+        "COSMOS3_FAULTS": "step_delay_s=0.02,fail_step_seed=666,fail_decode_seed=667",
+    }  # see cosmos3_core/faults.py
     proc, ports, _ = start(served_deployment[1], tmp_path_factory.mktemp("serve"), env)
     try:
         wait_until_ready(ports[1], proc=proc, timeout_s=300)

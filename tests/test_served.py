@@ -97,6 +97,13 @@ def test_failing_request_fails_alone(server):
     assert wait_metric(server, "cosmos3_kv_pages_used", 0)["cosmos3_kv_pages_used"] == 0
 
 
+def test_failing_decode_answers_with_an_error_and_the_next_request_is_served(server):
+    """An exception in vae_decode's send thread becomes that request's final error; the thread lives on."""
+    with pytest.raises(ServerError, match="injected fault in the decode"):
+        generate(server.url, "bad decode", {"steps": 2, "seed": 667}, timeout_s=60)
+    assert generate(server.url, "next", {"steps": 2, "seed": 1}, timeout_s=60).video.shape == (9, 32, 64, 3)
+
+
 BAD = [
     ("", {}, None, "prompt: must not be empty"),
     (b"\xff\xfe bad", {}, None, "prompt: is not valid UTF-8"),

@@ -14,6 +14,7 @@ import time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from cosmos3_core import faults
 from cosmos3_core.cancel import CancelMarks
 from cosmos3_core.checkpoint import Checkpoint
 from cosmos3_core.deployment import resolve_checkpoint
@@ -26,6 +27,7 @@ from cosmos3_core.serving import (
     log_exception,
     output,
     text_output,
+    use_device,
 )
 from cosmos3_core.stages import DecodeStage
 from cosmos3_core.windows import pixel_frames_of_chunk
@@ -36,13 +38,16 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 class TritonPythonModel:
     def initialize(self, args):
-        d, device = deployment_from_args(args)
-        self.stage = DecodeStage(Checkpoint.open(resolve_checkpoint(d.checkpoint)), device, d.torch_dtype, d.compile)
+        d, self.device = deployment_from_args(args)
+        ckpt = Checkpoint.open(resolve_checkpoint(d.checkpoint))
+        self.stage = DecodeStage(ckpt, self.device, d.torch_dtype, d.compile)
         self.marks = CancelMarks(d.cancel_dir)
         self.temporal = self.stage.codec.vae.config.scale_factor_temporal
         self.metrics = DecodeMetrics({"model": args["model_name"], "instance": args["model_instance_name"]})
         self.inbox: queue.Queue = queue.Queue()  # (request, sender); None stops
-        self.outbox: queue.Queue = queue.Queue()  # (sender, finish() → response); None stops
+        # (sender, finish() → response); None stops. Bounded: the decode thread runs at most 2 chunks ahead of
+        # the sends, so launched chunks hold little pinned host memory
+        self.outbox: queue.Queue = queue.Queue(maxsize=2)
         self.decoding = threading.Thread(target=self._decode_loop, name="cosmos3-decode", daemon=True)
         self.sending = threading.Thread(target=self._send_loop, name="cosmos3-decode-send", daemon=True)
         self.decoding.start()
@@ -54,6 +59,7 @@ class TritonPythonModel:
         return None
 
     def _decode_loop(self):
+        use_device(self.device)
         while (item := self.inbox.get()) is not None:
             request, sender = item
             self.outbox.put((sender, self._start(request)))
@@ -78,8 +84,10 @@ class TritonPythonModel:
             message = log_exception("cosmos3_vae_decode", e)
             return lambda: error_response(message)
 
-        def finish():
+        def finish(_inputs=(request, latents)):  # the inputs outlive the GPU work that reads them
             video = frames().numpy()
+            if faults.FAIL_DECODE_SEED is not None and event.get("seed") == faults.FAIL_DECODE_SEED:
+                raise faults.InjectedFault(f"injected fault in the decode (seed {event['seed']})")
             event["frames"] = int(video.shape[0])
             event["frame_offset"] = pixel_frames_of_chunk(
                 event["latent_offset"], event["latent_frames"], self.temporal
@@ -103,6 +111,7 @@ class TritonPythonModel:
         )
 
     def _send_loop(self):
+        use_device(self.device)
         while (item := self.outbox.get()) is not None:
             sender, finish = item
             try:
@@ -112,7 +121,11 @@ class TritonPythonModel:
             try:
                 sender.send(response, flags=FINAL)
             except Exception as e:  # noqa: BLE001 - a client that went away must not stop the others
-                pb_utils.Logger.log_warn(f"cosmos3_vae_decode: send failed: {e}")
+                message = log_exception("cosmos3_vae_decode: send", e)
+                try:  # without a FINAL response the ensemble request would stay in flight forever
+                    sender.send(error_response(message), flags=FINAL)
+                except Exception:  # noqa: BLE001, S110 - the request is already gone
+                    pass
 
     def finalize(self):
         self.inbox.put(None)
