@@ -4,6 +4,8 @@ are ones, which would hide a norm applied over the wrong axis)."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -89,6 +91,26 @@ def test_compiled_decoder_kernels_in_bf16_on_gpu_are_as_close_to_fp32_as_eager(n
     )
     assert eager.mean() < 2.0 and compiled.mean() < 2.0, (eager.mean(), compiled.mean())
     assert compiled.mean() <= 1.5 * eager.mean() + 0.25, (eager.mean(), compiled.mean())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="asynchronous host copies: CUDA")
+def test_chunks_started_back_to_back_on_gpu_equal_the_whole_decode(nano_ckpt):
+    """`StreamDecoder.start` returns before a chunk's frames reach the host. Chunks launched back to back from
+    another thread (as vae_decode's decode thread does) and waited on afterwards equal one whole decode: a wait
+    that returned before its copy would hand over stale pinned memory."""
+    ckpt = Checkpoint.open(nano_ckpt)
+    codec = VaeCodec(ckpt.load_vae("cuda", torch.bfloat16))
+    latents = torch.randn(1, ckpt.config.latent_channel, 9, 4, 6, generator=torch.Generator().manual_seed(5))
+    whole = codec.decode(latents)
+    stream, pending = StreamDecoder(codec), []
+    launch = threading.Thread(
+        target=lambda: pending.extend(stream.start(latents[:, :, a:b]) for a, b in ((0, 1), (1, 5), (5, 9)))
+    )
+    launch.start()
+    launch.join()
+    joined = torch.cat([wait() for wait in pending])
+    assert joined.shape == whole.shape
+    assert (joined.int() - whole.int()).abs().max() <= 1
 
 
 def test_a_vae_other_than_wan22_is_refused_at_load():
