@@ -32,6 +32,8 @@ class Deployment:
     warmup_requests: list[dict[str, Any]] = field(default_factory=list)  # request parameters run at startup
     drain_timeout_s: float = 20.0  # on shutdown, live requests get this long to finish before they are ended
     cancel_dir: str = ""  # where the decode step marks cancelled requests for the engine (set by serve.render)
+    # per model, on the server's one GPU (CUDA_VISIBLE_DEVICES picks it: run one server per GPU). vae_decode is 1:
+    # the chunks of a stream must reach the instance that holds their decoder cache
     instances: dict[str, int] = field(default_factory=lambda: {"prefill": 1, "denoise": 1, "vae_decode": 1})
     defaults: Defaults = field(default_factory=Defaults)
     limits: Limits = field(default_factory=Limits)
@@ -60,7 +62,13 @@ class Deployment:
         if raw.get("dtype", "auto") not in (*DTYPES, "auto"):
             raise ValueError(f"{path}: dtype must be one of {', '.join(DTYPES)}, auto")
         limits = Limits(**(raw.pop("limits", None) or {}))
-        return cls(**raw, defaults=Defaults(**d, **tasks), limits=limits)
+        instances = {"prefill": 1, "denoise": 1, "vae_decode": 1}
+        given = raw.pop("instances", None) or {}
+        if set(given) - set(instances) or any(not isinstance(n, int) or n < 1 for n in given.values()):
+            raise ValueError(f"{path}: instances: counts ≥ 1 for {', '.join(instances)}; got {given}")
+        if given.get("vae_decode", 1) != 1:
+            raise ValueError(f"{path}: instances.vae_decode must be 1: a stream's chunks share one decoder cache")
+        return cls(**raw, instances={**instances, **given}, defaults=Defaults(**d, **tasks), limits=limits)
 
 
 def resolve_checkpoint(path: str | Path) -> Path:

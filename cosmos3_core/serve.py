@@ -49,6 +49,7 @@ def render(deployment: Deployment, workdir: Path) -> tuple[Path, Deployment]:
             str(deployment.torch_dtype).split(".")[1]
         ],
         "instance_kind": "KIND_GPU" if gpu else "KIND_CPU",
+        "instance_gpus": "gpus: [ 0 ]" if gpu else "",  # one GPU per server: all instances on the first visible
         "force_cpu_inputs": "no" if gpu else "yes",
         **{f"{k}_instances": str(v) for k, v in deployment.instances.items()},
     }

@@ -21,3 +21,16 @@ def test_config_defaults_and_warmup_requests_validate(path):
     for request in [{}, *d.warmup_requests]:
         p = validate("a prompt", request, None, d.defaults, d.limits, cfg.pixel_alignment, cfg.vae_scale_temporal)
         assert p.height * p.width * p.num_frames > 0
+
+
+@pytest.mark.parametrize(
+    "instances, message",
+    [({"vae_decode": 2}, "vae_decode must be 1"), ({"denoise": 0}, "counts ≥ 1"), ({"decoder": 1}, "counts ≥ 1")],
+)
+def test_instance_counts_are_checked_at_load(tmp_path, instances, message):
+    path = tmp_path / "d.yaml"
+    path.write_text(f"instances: {instances}\n")
+    with pytest.raises(ValueError, match=message):
+        Deployment.load(path)
+    path.write_text("instances: {denoise: 2}\n")
+    assert Deployment.load(path).instances == {"prefill": 1, "denoise": 2, "vae_decode": 1}
