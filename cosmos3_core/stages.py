@@ -96,6 +96,8 @@ class DecodeStage:
         compile = compile and cuda  # the fused kernels save memory traffic on the GPU; on CPU, only compile time
         self.codec = VaeCodec(ckpt.load_vae(device, dtype), compile)
         self.streams: dict[str, tuple[StreamDecoder, float]] = {}
+        # stream id → when one of its chunks failed: its later chunks fail too, rather than decode as a new stream
+        self.failed: dict[str, float] = {}
         _ = self.codec.decoder  # prepared and checked at load, not on the first request
         if compile:  # compile the fused kernels now, not mid-stream: 1 + 4 + 1 latent frames (size-1 dims compile
             # apart from the dynamic ones) at distinct sizes (no duck-sized guards) cover every later size
@@ -114,11 +116,23 @@ class DecodeStage:
         now = time.monotonic()
         for sid in [s for s, (_, t) in self.streams.items() if now - t > self.STREAM_IDLE_S]:
             del self.streams[sid]
+        for sid in [s for s, t in self.failed.items() if now - t > self.STREAM_IDLE_S]:
+            del self.failed[sid]
+        if stream_id in self.failed:
+            if last:
+                del self.failed[stream_id]
+            raise RuntimeError(f"an earlier chunk of stream {stream_id} failed to decode")
         decoder = self.streams.pop(stream_id, (None, 0.0))[0] or StreamDecoder(self.codec)
-        pending = decoder.start(latents)
+        try:
+            pending = decoder.start(latents)
+        except Exception:
+            if not last:
+                self.failed[stream_id] = now
+            raise
         if not last:
             self.streams[stream_id] = (decoder, now)
         return pending
 
     def drop(self, stream_id: str) -> None:
         self.streams.pop(stream_id, None)
+        self.failed.pop(stream_id, None)

@@ -185,6 +185,21 @@ def test_chained_single_window_equals_single_shot(setup):
     assert len(results[0]) == 1 and torch.equal(results[0][0], results[1][0])
 
 
+def test_a_stream_whose_chunk_failed_fails_its_later_chunks(setup):
+    """A chunk that fails to decode leaves its stream without its causal context: the stream's later chunks fail
+    instead of decoding as a new stream's start, and other streams decode as usual."""
+    ckpt, _, _ = setup
+    decode = DecodeStage(ckpt, "cpu", torch.float32)
+    good = torch.randn(1, ckpt.config.latent_channel, 2, H // 16, W // 16, generator=torch.Generator().manual_seed(0))
+    decode.run_chunk("s", good[:, :, :1], last=False)
+    with pytest.raises(RuntimeError):
+        decode.run_chunk("s", good[:, :3, 1:], last=False)  # wrong channel count
+    with pytest.raises(RuntimeError, match="an earlier chunk of stream s failed"):
+        decode.run_chunk("s", good[:, :, 1:], last=True)
+    assert decode.run_chunk("other", good, last=True).shape == (5, H, W, 3)
+    assert not decode.streams and not decode.failed
+
+
 def test_stream_decode_joins_like_one_decode(setup):
     ckpt, _, _ = setup
     decode = DecodeStage(ckpt, "cpu", torch.float32)
