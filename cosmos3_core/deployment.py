@@ -14,6 +14,7 @@ import yaml
 from .requests import Defaults, Limits, TaskDefaults
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+INSTANCES = {"prefill": 1, "denoise": 1, "vae_decode": 1}  # the default instance count of each model
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class Deployment:
     cancel_dir: str = ""  # where the decode step marks cancelled requests for the engine (set by serve.render)
     # per model, on the server's one GPU (CUDA_VISIBLE_DEVICES picks it: run one server per GPU). vae_decode is 1:
     # the chunks of a stream must reach the instance that holds their decoder cache
-    instances: dict[str, int] = field(default_factory=lambda: {"prefill": 1, "denoise": 1, "vae_decode": 1})
+    instances: dict[str, int] = field(default_factory=lambda: dict(INSTANCES))
     defaults: Defaults = field(default_factory=Defaults)
     limits: Limits = field(default_factory=Limits)
 
@@ -62,13 +63,12 @@ class Deployment:
         if raw.get("dtype", "auto") not in (*DTYPES, "auto"):
             raise ValueError(f"{path}: dtype must be one of {', '.join(DTYPES)}, auto")
         limits = Limits(**(raw.pop("limits", None) or {}))
-        instances = {"prefill": 1, "denoise": 1, "vae_decode": 1}
         given = raw.pop("instances", None) or {}
-        if set(given) - set(instances) or any(not isinstance(n, int) or n < 1 for n in given.values()):
-            raise ValueError(f"{path}: instances: counts ≥ 1 for {', '.join(instances)}; got {given}")
+        if set(given) - set(INSTANCES) or any(not isinstance(n, int) or n < 1 for n in given.values()):
+            raise ValueError(f"{path}: instances: counts ≥ 1 for {', '.join(INSTANCES)}; got {given}")
         if given.get("vae_decode", 1) != 1:
             raise ValueError(f"{path}: instances.vae_decode must be 1: a stream's chunks share one decoder cache")
-        return cls(**raw, instances={**instances, **given}, defaults=Defaults(**d, **tasks), limits=limits)
+        return cls(**raw, instances={**INSTANCES, **given}, defaults=Defaults(**d, **tasks), limits=limits)
 
 
 def resolve_checkpoint(path: str | Path) -> Path:

@@ -95,9 +95,9 @@ class DecodeStage:
             torch.backends.cudnn.benchmark = True  # the Wan decoder's conv3d shapes repeat every chunk
         compile = compile and cuda  # the fused kernels save memory traffic on the GPU; on CPU, only compile time
         self.codec = VaeCodec(ckpt.load_vae(device, dtype), compile)
-        self.streams: dict[str, tuple[StreamDecoder, float]] = {}
-        # stream id → when one of its chunks failed: its later chunks fail too, rather than decode as a new stream
-        self.failed: dict[str, float] = {}
+        # stream id → (its decoder, last chunk's time); decoder None: a chunk of it failed, and its later chunks
+        # fail too rather than decode as a new stream's start
+        self.streams: dict[str, tuple[StreamDecoder | None, float]] = {}
         _ = self.codec.decoder  # prepared and checked at load, not on the first request
         if compile:  # compile the fused kernels now, not mid-stream: 1 + 4 + 1 latent frames (size-1 dims compile
             # apart from the dynamic ones) at distinct sizes (no duck-sized guards) cover every later size
@@ -107,27 +107,23 @@ class DecodeStage:
         """normalised latents [1, C, T, h, w] → uint8 [T', H, W, 3]."""
         return self.codec.decode(latents).numpy()
 
-    def run_chunk(self, stream_id: str, latents: torch.Tensor, last: bool) -> np.ndarray:
-        return self.start_chunk(stream_id, latents, last)().numpy()
-
     def start_chunk(self, stream_id: str, latents: torch.Tensor, last: bool) -> HostFrames:
-        """Launch one chunk of a stream (`run_chunk` without waiting for its frames): chunks of one stream must
+        """Launch one chunk of a stream; the result waits for its frames on the host. Chunks of one stream must
         be started in order, from one thread."""
         now = time.monotonic()
         for sid in [s for s, (_, t) in self.streams.items() if now - t > self.STREAM_IDLE_S]:
             del self.streams[sid]
-        for sid in [s for s, t in self.failed.items() if now - t > self.STREAM_IDLE_S]:
-            del self.failed[sid]
-        if stream_id in self.failed:
-            if last:
-                del self.failed[stream_id]
+        if stream_id not in self.streams:
+            decoder = StreamDecoder(self.codec)
+        elif (decoder := self.streams.pop(stream_id)[0]) is None:
+            if not last:
+                self.streams[stream_id] = (None, now)
             raise RuntimeError(f"an earlier chunk of stream {stream_id} failed to decode")
-        decoder = self.streams.pop(stream_id, (None, 0.0))[0] or StreamDecoder(self.codec)
         try:
             pending = decoder.start(latents)
         except Exception:
             if not last:
-                self.failed[stream_id] = now
+                self.streams[stream_id] = (None, now)
             raise
         if not last:
             self.streams[stream_id] = (decoder, now)
@@ -135,4 +131,3 @@ class DecodeStage:
 
     def drop(self, stream_id: str) -> None:
         self.streams.pop(stream_id, None)
-        self.failed.pop(stream_id, None)

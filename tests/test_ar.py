@@ -191,13 +191,13 @@ def test_a_stream_whose_chunk_failed_fails_its_later_chunks(setup):
     ckpt, _, _ = setup
     decode = DecodeStage(ckpt, "cpu", torch.float32)
     good = torch.randn(1, ckpt.config.latent_channel, 2, H // 16, W // 16, generator=torch.Generator().manual_seed(0))
-    decode.run_chunk("s", good[:, :, :1], last=False)
+    decode.start_chunk("s", good[:, :, :1], last=False)().numpy()
     with pytest.raises(RuntimeError):
-        decode.run_chunk("s", good[:, :3, 1:], last=False)  # wrong channel count
+        decode.start_chunk("s", good[:, :3, 1:], last=False)().numpy()  # wrong channel count
     with pytest.raises(RuntimeError, match="an earlier chunk of stream s failed"):
-        decode.run_chunk("s", good[:, :, 1:], last=True)
-    assert decode.run_chunk("other", good, last=True).shape == (5, H, W, 3)
-    assert not decode.streams and not decode.failed
+        decode.start_chunk("s", good[:, :, 1:], last=True)().numpy()
+    assert decode.start_chunk("other", good, last=True)().numpy().shape == (5, H, W, 3)
+    assert not decode.streams
 
 
 def test_stream_decode_joins_like_one_decode(setup):
@@ -206,7 +206,7 @@ def test_stream_decode_joins_like_one_decode(setup):
     g = torch.Generator().manual_seed(0)
     latents = torch.randn(1, ckpt.config.latent_channel, 7, H // 16, W // 16, generator=g)
     whole = decode.run(latents)
-    parts = [decode.run_chunk("s1", latents[:, :, a:b], last=b == 7) for a, b in ((0, 3), (3, 5), (5, 7))]
+    parts = [decode.start_chunk("s1", latents[:, :, a:b], last=b == 7)().numpy() for a, b in ((0, 3), (3, 5), (5, 7))]
     joined = torch.cat([torch.from_numpy(x) for x in parts]).numpy()
     assert joined.shape == whole.shape == (25, H, W, 3)
     mse = ((joined.astype("float64") - whole.astype("float64")) ** 2).mean()
