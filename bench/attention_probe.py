@@ -137,6 +137,29 @@ def main() -> None:
 
                 ms = timed(fi_ragged_only)
                 results[f"  ragged part {backend}"] = (ms, 4 * s * n * n * d * h / ms / 1e9, 0.0)
+
+                # one ragged call per layer over [text | own] K/V copied into one buffer (the copy timed too)
+                m = n + args.text
+                cat_k = torch.empty(s * m, hk, d, device=dev, dtype=dt)
+                cat_v = torch.empty_like(cat_k)
+                joint = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
+                    torch.empty(256 << 20, dtype=torch.uint8, device=dev), "NHD", backend=backend
+                )
+                joint.plan(qo_indptr, torch.arange(0, s + 1, dtype=torch.int32) * m, h, hk, d, causal=False,
+                           q_data_type=dt, kv_data_type=dt)  # fmt: skip
+
+                def fi_joint(joint=joint, cat_k=cat_k, cat_v=cat_v, m=m):
+                    for i in range(s):
+                        for src, pages, dst in ((k, k_pages, cat_k), (v, v_pages, cat_v)):
+                            dst[i * m : i * m + args.text] = pages[page_ids[i]].flatten(0, 1)[: args.text]
+                            dst[i * m + args.text : (i + 1) * m] = src[i * n : (i + 1) * n]
+                    return joint.run(q, cat_k, cat_v).flatten(-2)
+
+                err = (fi_joint().float() - ref).abs().max().item()
+                ms = timed(fi_joint)
+                results[f"joint ragged {backend}"] = (ms, flops / ms / 1e9, err)
+                ms = timed(lambda joint=joint, ck=cat_k, cv=cat_v: joint.run(q, ck, cv))
+                results[f"  joint, no copy {backend}"] = (ms, flops / ms / 1e9, 0.0)
             except Exception as e:  # noqa: BLE001
                 results[f"flashinfer {backend}"] = (float("nan"), 0.0, repr(e)[:300])
     except ImportError as e:

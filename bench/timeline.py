@@ -1,0 +1,145 @@
+"""Where the wall time goes that no kernel fills. One request of the deployment's default shape runs in-process
+(prefill, denoise as served: compiled, graphs, the configured attention; whole-video decode) under the profiler.
+Per phase it prints the wall time, the GPU's busy time (union of kernel, copy and memset intervals), the idle
+time, the largest idle gaps with the host op that was running when each began and ended, and the host calls
+that waited on the GPU (synchronise, blocking copies), by the op that made them.
+
+  python -m bench.timeline --config configs/bench_edge.yaml [--trace OUT.json] [--analyze OUT.json]
+
+`--analyze` reads a trace written earlier (no GPU needed). Needs CUDA otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+from collections import defaultdict
+
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+WAITS = ("Synchronize", "cudaMemcpy", "cuMemcpy")  # host calls that can block on the GPU
+
+
+def record(args) -> str:
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from cosmos3_core.deployment import Deployment
+    from cosmos3_core.generate import Generator
+
+    from .inprocess import PROMPT
+
+    def sync() -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    gen = Generator(Deployment.load(args.config))
+    p = gen.prefill.validate(PROMPT, {}, None)
+
+    def request() -> None:
+        with record_function("phase:prefill"):
+            pre = gen.prefill.run(p, None)
+            sync()
+        with record_function("phase:denoise"):
+            lat = gen.latents_from(pre)
+            sync()
+        with record_function("phase:decode"):
+            gen.decode.run(lat)
+            sync()
+
+    request()  # warm: the decoder's compiles, this prompt's layout
+    with profile(
+        activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]
+        if torch.cuda.is_available()
+        else [ProfilerActivity.CPU]
+    ) as prof:
+        request()
+    prof.export_chrome_trace(args.trace)
+    return args.trace
+
+
+def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+class HostOps:
+    """Host ops per thread, to name the innermost one running at a time."""
+
+    def __init__(self, events: list[dict]):
+        self.by_tid: dict = defaultdict(list)
+        for e in events:
+            if e.get("cat") in ("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver"):
+                self.by_tid[e["tid"]].append((e["ts"], e["ts"] + e.get("dur", 0), e["name"]))
+        for ops in self.by_tid.values():
+            ops.sort()
+        self.starts = {tid: [o[0] for o in ops] for tid, ops in self.by_tid.items()}
+
+    def stack_at(self, t: float, tid) -> list[str]:
+        ops = self.by_tid.get(tid, [])
+        i = bisect.bisect_right(self.starts.get(tid, []), t)
+        covering = [o for o in ops[max(0, i - 4000) : i] if o[1] >= t]
+        return [name for _, _, name in sorted(covering, key=lambda o: o[1] - o[0])]
+
+    def main_tid(self, t0: float, t1: float):
+        """The thread that launched the most work in [t0, t1]."""
+        counts = {
+            tid: sum(1 for a, _, n in ops if t0 <= a <= t1 and n.startswith("cuda")) for tid, ops in self.by_tid.items()
+        }
+        return max(counts, key=counts.get)
+
+
+def analyze(path: str, top: int) -> None:
+    with open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    gpu = [(e["ts"], e["ts"] + e.get("dur", 0)) for e in events if e.get("cat") in GPU_CATS]
+    host = HostOps(events)
+    phases = sorted((e["ts"], e["ts"] + e["dur"], e["name"][6:]) for e in events if e["name"].startswith("phase:"))
+    rows = []
+    for t0, t1, name in phases:
+        busy = merged([(max(a, t0), min(b, t1)) for a, b in gpu if b > t0 and a < t1])
+        busy_us = sum(b - a for a, b in busy)
+        edges = [t0] + [x for iv in busy for x in iv] + [t1]
+        gaps = [(edges[i + 1] - edges[i], edges[i], edges[i + 1]) for i in range(0, len(edges), 2)]
+        tid = host.main_tid(t0, t1)
+        print(f"== {name}: wall {(t1 - t0) / 1e3:.1f} ms, GPU busy {busy_us / 1e3:.1f} ms, idle {(t1 - t0 - busy_us) / 1e3:.1f} ms "
+              f"in {sum(g[0] > 20 for g in gaps)} gaps > 20 us")  # fmt: skip
+        for length, a, b in sorted(gaps, reverse=True)[:top]:
+            began = " < ".join(host.stack_at(a, tid)[:3])
+            ended = " < ".join(host.stack_at(b, tid)[:3])
+            print(f"  gap {length / 1e3:7.2f} ms at +{(a - t0) / 1e3:8.1f} ms  began in [{began}]  ended in [{ended}]")
+        waits: dict[tuple[str, str], list[float]] = defaultdict(list)
+        for e in events:
+            if (
+                e.get("cat") in ("cuda_runtime", "cuda_driver")
+                and t0 <= e["ts"] <= t1
+                and any(w in e["name"] for w in WAITS)
+            ):
+                stack = host.stack_at(e["ts"] + e.get("dur", 0) / 2, e["tid"])
+                caller = next((s for s in stack if not s.startswith("cu")), "?")
+                waits[(e["name"], caller)].append(e.get("dur", 0))
+        for (call, caller), durs in sorted(waits.items(), key=lambda kv: -sum(kv[1]))[:top]:
+            print(f"  host wait {sum(durs) / 1e3:7.2f} ms in {len(durs):4d} x {call} from {caller}")
+        rows.append((name, (t1 - t0) / 1e3, busy_us / 1e3))
+    print(f"{'phase':10s} {'wall ms':>9s} {'busy ms':>9s} {'idle ms':>9s}")
+    for name, wall, busy in rows:
+        print(f"{name:10s} {wall:9.1f} {busy:9.1f} {wall - busy:9.1f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default="configs/bench_edge.yaml")
+    ap.add_argument("--trace", default="timeline.json")
+    ap.add_argument("--analyze", default="", help="a trace written earlier: analyze it, run nothing")
+    ap.add_argument("--top", type=int, default=12)
+    args = ap.parse_args()
+    analyze(args.analyze or record(args), args.top)
+
+
+if __name__ == "__main__":
+    main()
