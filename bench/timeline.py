@@ -99,7 +99,11 @@ def analyze(path: str, top: int) -> None:
         events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
     gpu = [(e["ts"], e["ts"] + e.get("dur", 0)) for e in events if e.get("cat") in GPU_CATS]
     host = HostOps(events)
-    phases = sorted((e["ts"], e["ts"] + e["dur"], e["name"][6:]) for e in events if e["name"].startswith("phase:"))
+    phases = sorted(
+        (e["ts"], e["ts"] + e["dur"], e["name"][6:])
+        for e in events
+        if e.get("cat") == "user_annotation" and e["name"].startswith("phase:")
+    )
     rows = []
     for t0, t1, name in phases:
         busy = merged([(max(a, t0), min(b, t1)) for a, b in gpu if b > t0 and a < t1])

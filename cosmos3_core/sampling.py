@@ -2,7 +2,9 @@
 
 Noise is drawn on the CPU from `torch.Generator().manual_seed(seed)` in fp32 (so a seed gives the same
 latents on any device, and the same as the reference pipeline given a CPU generator), then moved.
-Each request owns its scheduler (UniPC keeps multistep history on the instance).
+Each request owns its scheduler (UniPC keeps multistep history on the instance). Its sigmas live on the
+latents' device: UniPC moves each sigma it reads with `.to(device)`, and from the CPU that is a blocking copy,
+six per step, each leaving the GPU idle while the host catches up.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ def make_scheduler(
         sched.set_timesteps(steps, device=device, sigmas=sigmas)
     else:
         sched.set_timesteps(steps, device=device)
+    sched.sigmas = sched.sigmas.to(device)  # the same values; UniPC's `.to(device)` of each becomes a no-op
+    sched.set_begin_index(0)  # else the first step looks its timestep up with `nonzero` (a host sync)
     return sched
 
 

@@ -111,3 +111,30 @@ def test_ar_streams_with_flashinfer_match_sdpa(ckpt_and_reference, params):
     assert rel_l2(a.float(), b.float()) < 2 * BF16_TOL
     names = {key[1] for key in fi.engine.step.layouts}
     assert "flashinfer" in names and (params["window_mode"] == "chained" or "sdpa" in names)
+
+
+def test_a_denoise_step_syncs_the_host_at_most_once(ckpt_and_reference):
+    """A synchronising call leaves the GPU idle while the host launches what follows. A step may make one:
+    UniPC's corrector solve (`torch.linalg.solve` checks its result on the host)."""
+    import warnings
+
+    ckpt, _ = ckpt_and_reference
+    gen = gpu_generator(ckpt, "sdpa", True)
+    prompt, params = REQUESTS[0]
+    p = gen.prefill.validate(prompt, params, None)
+    gen.latents_from(gen.prefill.run(p, None))  # this layout: compiled, captured
+    gen.engine.submit(gen.prefill.run(p, None), _CollectSink(p.steps, False))
+    gen.engine.tick()  # admission (the noise and text K/V reach the GPU) and the first step
+    torch.cuda.synchronize()
+    syncs = []
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        while gen.engine.has_work():
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                gen.engine.tick()
+            syncs.append(sum("synchroniz" in str(w.message) for w in caught))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert len(syncs) == p.steps - 1
+    assert max(syncs) <= 1, syncs
