@@ -26,7 +26,7 @@ class Deployment:
     page_size: int = 16
     max_queue: int = 16
     decode_chunk_frames: int = 4  # latent frames per streamed piece (decode + transfer overlap); 0: whole windows
-    # torch.compile the GEN and UND layer stacks and (on CUDA) the VAE decoder's fused kernels; dynamic shapes
+    # torch.compile the GEN layer stack and (on CUDA) the VAE decoder's fused kernels; dynamic shapes
     compile: bool = False
     attention: str = "auto"  # sdpa | flashinfer | auto (flashinfer on CUDA when installed, else sdpa)
     cuda_graphs: bool = True  # CUDA only: capture each step layout's forward on its second use, then replay

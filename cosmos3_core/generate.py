@@ -35,7 +35,7 @@ class Generator:
         self.deployment = d = deployment
         self.ckpt = checkpoint or Checkpoint.open(resolve_checkpoint(d.checkpoint))
         device, dtype = d.torch_device, d.torch_dtype
-        self.prefill = PrefillStage(self.ckpt, device, dtype, d.defaults, d.limits, d.compile)
+        self.prefill = PrefillStage(self.ckpt, device, dtype, d.defaults, d.limits)
         self.engine = DenoiseEngine.from_deployment(self.ckpt, d)
         self.engine.warmup([self.prefill.validate("warmup", r, None) for r in d.warmup_requests])
         self.decode = DecodeStage(self.ckpt, device, dtype, d.compile)

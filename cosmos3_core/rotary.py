@@ -3,7 +3,7 @@
 Text tokens: the same id on all three axes, 0..n-1. Latent tokens: temporal ids start at
 `text_len + temporal_modality_margin` and are fps-modulated for video (`t * base_fps / fps` per latent
 frame); spatial ids restart at 0. Tables are `[tokens, head_dim]` (cos, sin), computed in fp32 and cast
-to the model dtype, exactly as the reference does.
+to the model dtype, exactly as the reference does, on the device that uses them.
 """
 
 from __future__ import annotations
@@ -43,15 +43,16 @@ def rotary_tables(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """position_ids [3, N] → (cos, sin), each [N, head_dim] in `dtype`."""
     d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))  # [d/2]
-    freqs = position_ids.float()[:, :, None] * inv_freq[None, None, :]  # [3, N, d/2]
+    # on `device`: a video's tables are ~1.5 M cos/sin, tens of ms on the host while the GPU waits
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))  # [d/2]
+    freqs = position_ids.to(device).float()[:, :, None] * inv_freq[None, None, :]  # [3, N, d/2]
     # interleave: frequency j takes its position from axis H (j%3==1), W (j%3==2) within the mRoPE sections
     mixed = freqs[0].clone()
     for axis, start in ((1, 1), (2, 2)):
         idx = slice(start, cfg.rope_axes_dim[axis] * 3, 3)
         mixed[:, idx] = freqs[axis, :, idx]
     emb = torch.cat([mixed, mixed], dim=-1)  # [N, d]
-    return emb.cos().to(device=device, dtype=dtype), emb.sin().to(device=device, dtype=dtype)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ from .layers import UND
 from .prompts import PromptEncoder
 from .requests import Defaults, GenerationParams, Limits, RequestError, validate
 from .rotary import rotary_tables, text_position_ids
-from .towers import UND_EAGER, UndKernels, prefill_text_kv
+from .towers import prefill_text_kv
 
 
 @dataclass
@@ -50,24 +50,13 @@ class PrefillResult:
 
 
 class PrefillStage:
-    def __init__(
-        self,
-        ckpt: Checkpoint,
-        device: str,
-        dtype: torch.dtype,
-        defaults: Defaults,
-        limits: Limits,
-        compile: bool = False,
-    ):
+    def __init__(self, ckpt: Checkpoint, device: str, dtype: torch.dtype, defaults: Defaults, limits: Limits):
         self.cfg = ckpt.config
         self.device, self.dtype = device, dtype
         self.defaults, self.limits = defaults, limits
         self.model = ckpt.load_transformer({UND}, device, dtype)
         self.prompts = PromptEncoder(ckpt.load_tokenizer(), ckpt.default_use_system_prompt)
         self.codec = VaeCodec(ckpt.load_vae(device, dtype))
-        self.kernels = UndKernels.compiled() if compile else UND_EAGER
-        if compile:  # compile now, not on the first request; 37 tokens: a size no model dimension shares
-            self._text_kv(list(range(37)))
 
     def validate(self, prompt: bytes | str, params: dict, image: np.ndarray | None) -> GenerationParams:
         return validate(
@@ -87,16 +76,12 @@ class PrefillStage:
                 raise RequestError(name, f"is {len(ids)} tokens with templates, limit {self.limits.max_prompt_tokens}")
         text_k, text_v = [], []
         for ids in branches:
-            k, v = self._text_kv(ids)
+            cos, sin = rotary_tables(self.cfg, text_position_ids(len(ids)), self.dtype, self.device)
+            k, v = prefill_text_kv(self.model, torch.tensor(ids, device=self.device), cos, sin)
             text_k.append(k)
             text_v.append(v)
         cond = self.codec.encode_first_frame(image, p.height, p.width) if image is not None else None
         return PrefillResult(p, text_k, text_v, cond)
-
-    @torch.inference_mode()
-    def _text_kv(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = rotary_tables(self.cfg, text_position_ids(len(ids)), self.dtype, self.device)
-        return prefill_text_kv(self.model, torch.tensor(ids, device=self.device), cos, sin, self.kernels)
 
 
 class DecodeStage:

@@ -101,7 +101,7 @@ def denoise_step_row(
     token_shape = (t, -(-h // patch), -(-w // patch))
     per_frame = token_shape[1] * token_shape[2]
     frame_is_noisy = torch.zeros(t, dtype=torch.bool, device=latents.device)
-    frame_is_noisy[noisy_frames] = True
+    frame_is_noisy.index_fill_(0, noisy_frames, True)  # a Python value: no host-to-device copy (a sync)
     noisy_mask = frame_is_noisy.repeat_interleave(per_frame)
     return Row(
         tokens=patchify(latents.to(dtype), patch),

@@ -76,53 +76,20 @@ def embed_latent_tokens(
     return x + torch.where(noisy_mask[:, None], temb, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
-def _token_dynamic(fn: Callable) -> Callable:
-    """torch.compile `fn(layer, *tensors)` with static feature sizes and a dynamic token axis (dim 0): one graph
-    for every prompt length, kernels specialised to the hidden size."""
-    static = torch.compile(fn, dynamic=False)
-
-    def run(layer: Layer, *tensors: torch.Tensor):
-        for t in tensors:
-            torch._dynamo.maybe_mark_dynamic(t, 0)
-        return static(layer, *tensors)
-
-    return run
-
-
-@dataclass(frozen=True)
-class UndKernels:
-    """The per-layer UND computations around attention: eager, or compiled (`_token_dynamic`). A prompt is a few
-    hundred tokens, so eager prefill is bound by the host launching ~60 kernels per layer and branch."""
-
-    qkv: Callable = _und_qkv
-    residual: Callable = _und_residual
-
-    @classmethod
-    def compiled(cls) -> UndKernels:
-        return cls(_token_dynamic(_und_qkv), _token_dynamic(_und_residual))
-
-
-UND_EAGER = UndKernels()
-
-
 @torch.inference_mode()
 def prefill_text_kv(
-    model: Cosmos3Transformer,
-    input_ids: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    kernels: UndKernels = UND_EAGER,
+    model: Cosmos3Transformer, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """input_ids [T], cos/sin [T, d] → (k, v) [layers, T, kv_heads, d] in the model dtype."""
     x = model.embed_tokens(input_ids)
     ks, vs = [], []
     last = len(model.layers) - 1
     for i, layer in enumerate(model.layers):
-        q, k, k_for_gen, v = kernels.qkv(layer, x, cos, sin)
+        q, k, k_for_gen, v = _und_qkv(layer, x, cos, sin)
         ks.append(k_for_gen)
         vs.append(v)
         if i < last:  # the last layer's UND output feeds only the LM head, which generation never reads
-            x = kernels.residual(layer, x, sdpa(q, k, v, causal=True))
+            x = _und_residual(layer, x, sdpa(q, k, v, causal=True))
     return torch.stack(ks), torch.stack(vs)
 
 

@@ -20,7 +20,7 @@ class TritonPythonModel:
     def initialize(self, args):
         d, device = deployment_from_args(args)
         self.stage = PrefillStage(
-            Checkpoint.open(resolve_checkpoint(d.checkpoint)), device, d.torch_dtype, d.defaults, d.limits, d.compile
+            Checkpoint.open(resolve_checkpoint(d.checkpoint)), device, d.torch_dtype, d.defaults, d.limits
         )
 
     def execute(self, requests):
