@@ -113,9 +113,9 @@ def test_ar_streams_with_flashinfer_match_sdpa(ckpt_and_reference, params):
     assert "flashinfer" in names and (params["window_mode"] == "chained" or "sdpa" in names)
 
 
-def test_a_denoise_step_syncs_the_host_at_most_once(ckpt_and_reference):
-    """A synchronising call leaves the GPU idle while the host launches what follows. A step may make one:
-    UniPC's corrector solve (`torch.linalg.solve` checks its result on the host)."""
+def test_denoise_steps_never_sync_the_host(ckpt_and_reference):
+    """A synchronising call leaves the GPU idle while the host launches what follows (the scheduler's small
+    kernels, the next row, the graph launch): ~4 ms a step at Edge's size."""
     import warnings
 
     ckpt, _ = ckpt_and_reference
@@ -137,4 +137,4 @@ def test_a_denoise_step_syncs_the_host_at_most_once(ckpt_and_reference):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert len(syncs) == p.steps - 1
-    assert max(syncs) <= 1, syncs
+    assert max(syncs) == 0, syncs
