@@ -9,8 +9,6 @@ six per step, each leaving the GPU idle while the host catches up.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -18,25 +16,19 @@ import torch
 from diffusers import UniPCMultistepScheduler
 
 
-@contextmanager
-def _solve_without_host_check() -> Iterator[None]:
-    """`torch.linalg.solve` reads its error flag back to the host, a sync that leaves the GPU idle while the host
-    launches the rest of the step; `solve_ex` leaves the flag on the device. UniPC's corrector matrix has distinct
-    nodes, so it is never singular."""
-    solve = torch.linalg.solve
-    torch.linalg.solve = lambda a, b: torch.linalg.solve_ex(a, b)[0]
-    try:
-        yield
-    finally:
-        torch.linalg.solve = solve
-
-
 class Scheduler(UniPCMultistepScheduler):
-    """diffusers' UniPC, with its corrector's solve made sync-free."""
+    """diffusers' UniPC, with its corrector's solve made sync-free: `torch.linalg.solve` reads its error flag back
+    to the host, a sync that leaves the GPU idle while the host launches the rest of the step; `solve_ex` leaves
+    the flag on the device. The corrector's matrix has distinct nodes, so it is never singular. The swap is
+    process-wide for the call's duration: in a process, only the engine thread steps schedulers."""
 
     def multistep_uni_c_bh_update(self, *args, **kwargs) -> torch.Tensor:
-        with _solve_without_host_check():
+        solve = torch.linalg.solve
+        torch.linalg.solve = lambda a, b: torch.linalg.solve_ex(a, b)[0]
+        try:
             return super().multistep_uni_c_bh_update(*args, **kwargs)
+        finally:
+            torch.linalg.solve = solve
 
 
 def initial_noise(shape: tuple[int, ...], seed: int, device: torch.device | str) -> torch.Tensor:

@@ -106,3 +106,25 @@ def test_final_latents_stream_in_pieces(parts):
     assert len(whole) == 1 and len(pieces) == 3
     assert [i["latent_offset"] for _, i in pieces] == [0, 2, 4] and all(i["latent_frames"] == 2 for _, i in pieces)
     assert torch.equal(torch.cat([lat for lat, _ in pieces], dim=2), whole[0][0])
+
+
+def test_sync_free_scheduler_steps_like_diffusers_unipc(nano_ckpt):
+    """Our UniPC (its corrector solve without the host check) steps exactly like diffusers', and leaves
+    `torch.linalg.solve` as it found it."""
+    from diffusers import UniPCMultistepScheduler
+
+    from cosmos3_core.sampling import make_scheduler
+
+    config = Checkpoint.open(nano_ckpt).scheduler_config
+    ours = make_scheduler(config, 6, 5.0, False, "cpu")
+    theirs = UniPCMultistepScheduler.from_config(config, flow_shift=5.0)
+    theirs.set_timesteps(6, device="cpu")
+    solve = torch.linalg.solve
+    g = torch.Generator().manual_seed(0)
+    x = y = torch.randn(1, 4, 3, 8, 8, generator=g)
+    for t in theirs.timesteps:
+        v = torch.randn(x.shape, generator=g)
+        x = ours.step(v, t, x, return_dict=False)[0]
+        y = theirs.step(v, t, y, return_dict=False)[0]
+        assert torch.equal(x, y)
+    assert torch.linalg.solve is solve
