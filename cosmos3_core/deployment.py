@@ -15,6 +15,8 @@ from .requests import Defaults, Limits, TaskDefaults
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 INSTANCES = {"prefill": 1, "denoise": 1, "vae_decode": 1}  # the default instance count of each model
+# the embedded default of both the server and the offline CLI, so the same flags give the same video from either
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import torch
 
 from .checkpoint import Checkpoint
 from .config import CheckpointError
-from .deployment import Deployment, resolve_checkpoint
+from .deployment import DEFAULT_CONFIG, Deployment, resolve_checkpoint
 from .engine import DenoiseEngine
 from .media import FRAME_SUFFIXES, write_frames
 from .requests import RequestError, add_request_arguments, params_from_arguments
@@ -94,7 +95,10 @@ class _CollectSink:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m cosmos3_core.generate", description=__doc__.split("\n")[0])
     ap.add_argument("--checkpoint", default="", help="checkpoint dir (diffusers layout); default: the tiny one")
-    ap.add_argument("--config", default=None, help="deployment YAML (defaults, limits, device, dtype)")
+    ap.add_argument(
+        "--config", default=str(DEFAULT_CONFIG), help="deployment YAML (defaults, limits, device, dtype); default: "
+        "the server's default, configs/tiny.yaml"
+    )  # fmt: skip
     add_request_arguments(ap)
     ap.add_argument("--device")
     ap.add_argument("--dtype")
@@ -128,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         params = params_from_arguments(args)
         gen = Generator(deployment, ckpt)
         p = gen.prefill.validate(args.prompt, params, image)  # fail fast, before any work
+        print(f"parameters {json.dumps(p.resolved())}", file=sys.stderr)
         latents = gen.latents(args.prompt, params, image, progress=True)
     except (RequestError, CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -36,20 +36,26 @@ class Limits:
 
 @dataclass(frozen=True)
 class TaskDefaults:
-    steps: int
-    guidance_scale: float
-    shift: float | None  # None: the checkpoint scheduler's flow_shift
+    """Built-in values are `Cosmos3OmniPipeline.__call__`'s own (one set for every task); a deployment config may
+    set its own per task."""
+
+    steps: int = 35
+    guidance_scale: float = 6.0
+    shift: float | None = None  # None: the checkpoint scheduler's flow_shift, as the pipeline samples
 
 
 @dataclass(frozen=True)
 class Defaults:
-    height: int = 480
-    width: int = 832
-    num_frames: int = 121
+    """A request's unset parameters. Built-in values are the reference pipeline's defaults, so a request with no
+    parameters means the same thing here as `pipe(prompt)` does."""
+
+    height: int = 720
+    width: int = 1280
+    num_frames: int = 189
     fps: float = 24.0
-    t2i: TaskDefaults = field(default_factory=lambda: TaskDefaults(50, 4.0, 3.0))
-    t2v: TaskDefaults = field(default_factory=lambda: TaskDefaults(35, 6.0, 10.0))
-    i2v: TaskDefaults = field(default_factory=lambda: TaskDefaults(35, 6.0, 10.0))
+    t2i: TaskDefaults = field(default_factory=TaskDefaults)
+    t2v: TaskDefaults = field(default_factory=TaskDefaults)
+    i2v: TaskDefaults = field(default_factory=TaskDefaults)
     window_frames: int = 29  # AR window, pixel frames (8 latent)
     overlap_frames: int = 8  # chained overlap, pixel frames (2 latent; the minimum)
     context_frames: int = 61  # kv context horizon, pixel frames (16 latent); 0 keeps everything
@@ -65,7 +71,7 @@ class GenerationParams:
     fps: float
     steps: int
     guidance_scale: float
-    shift: float | None
+    shift: float  # resolved: the request's, the deployment's, or the checkpoint scheduler's flow_shift
     seed: int
     use_system_prompt: bool | None
     add_templates: bool
@@ -82,6 +88,10 @@ class GenerationParams:
     @property
     def cfg_branches(self) -> int:
         return 1 if self.guidance_scale == 1.0 else 2
+
+    def resolved(self) -> dict[str, Any]:
+        """Every parameter as sampled (defaults filled in), echoed with `done` so any result can be reproduced."""
+        return {k: v for k, v in asdict(self).items() if k not in ("prompt", "negative_prompt", "has_image")}
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -102,7 +112,8 @@ MIN_CHAINED_OVERLAP_LATENT = 2
 
 def _int(params: dict[str, Any], key: str, default: int, lo: int, hi: int) -> int:
     value = params.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+    # int() of inf / NaN (JSON Infinity, NaN, 1e400) raises: reject non-finite floats first
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value) or value != int(value):
         raise RequestError(key, f"must be an integer in [{lo}, {hi}], got {value!r}")
     value = int(value)
     if not lo <= value <= hi:
@@ -114,11 +125,16 @@ def _float(params: dict[str, Any], key: str, default: float | None, lo: float, h
     value = params.get(key, default)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
         raise RequestError(key, f"must be a finite number in [{lo}, {hi}], got {value!r}")
     if not lo <= value <= hi:
         raise RequestError(key, f"must be in [{lo}, {hi}], got {value}")
     return float(value)
+
+
+def _finite(value: int | float) -> bool:
+    """math.isfinite converts to float, which overflows on an int beyond 1e308: ints are finite, so no cast."""
+    return isinstance(value, int) or math.isfinite(value)
 
 
 def _bool(params: dict[str, Any], key: str, default: bool | None) -> bool | None:
@@ -129,8 +145,8 @@ def _bool(params: dict[str, Any], key: str, default: bool | None) -> bool | None
 
 
 def decode_text(raw: bytes | str, field_name: str, limits: Limits) -> str:
-    if isinstance(raw, str):
-        raw = raw.encode()
+    if isinstance(raw, str):  # a JSON string may hold lone surrogates ("\ud800"): the decode below rejects them
+        raw = raw.encode("utf-8", "surrogatepass")
     if len(raw) > limits.max_prompt_bytes:
         raise RequestError(field_name, f"is {len(raw)} bytes, limit {limits.max_prompt_bytes}")
     try:
@@ -144,6 +160,7 @@ def parse_parameters_json(raw: bytes | str | None) -> dict[str, Any]:
         return {}
     try:
         params = json.loads(raw)
+    # ValueError: also an int of more digits than Python converts (4300); RecursionError: deep nesting
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise RequestError("parameters", f"is not valid JSON ({e})") from e
     if not isinstance(params, dict):
@@ -159,11 +176,17 @@ def validate(
     limits: Limits,
     alignment: int,
     temporal_factor: int,
+    checkpoint_shift: float,
 ) -> GenerationParams:
-    """Check a request against the limits; fill defaults. `alignment`: H, W multiple; frames ≡ 1 mod temporal."""
+    """Check a request against the limits; fill defaults. `alignment`: H, W multiple; frames ≡ 1 mod temporal;
+    `checkpoint_shift`: the scheduler config's flow_shift, the shift when neither request nor deployment sets one."""
     unknown = sorted(set(params) - set(PARAMETER_KEYS))
     if unknown:
-        raise RequestError(unknown[0], f"unknown parameter; known: {', '.join(PARAMETER_KEYS)}")
+        key = unknown[0]  # a key that is no name ("", "a: b") could not lead the error text: name `parameters`
+        field_name, what = (
+            (key, "unknown parameter") if key.isidentifier() else ("parameters", f"unknown key {key[:64]!r}")
+        )
+        raise RequestError(field_name, f"{what}; known: {', '.join(PARAMETER_KEYS)}")
     text = decode_text(prompt, "prompt", limits)
     if not text.strip():
         raise RequestError("prompt", "must not be empty")
@@ -197,7 +220,7 @@ def validate(
     if image is not None:
         if num_frames == 1:
             raise RequestError("image", "an image conditions video only (i2v); num_frames must be > 1")
-        check_image(image, limits)
+        check_image(image, limits, height, width)
     td: TaskDefaults = getattr(defaults, task)
     seed = params.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
@@ -211,7 +234,7 @@ def validate(
         fps=_float(params, "fps", defaults.fps, 1.0, 120.0),  # type: ignore[arg-type]
         steps=_int(params, "steps", td.steps, 1, limits.max_steps),
         guidance_scale=_float(params, "guidance_scale", td.guidance_scale, 0.0, limits.max_guidance),  # type: ignore[arg-type]
-        shift=_float(params, "shift", td.shift, 0.01, 100.0),
+        shift=_float(params, "shift", td.shift if td.shift is not None else checkpoint_shift, 0.01, 100.0),  # type: ignore[arg-type]
         seed=seed,
         use_system_prompt=_bool(params, "use_system_prompt", None),
         add_templates=bool(_bool(params, "add_templates", True)),
@@ -267,7 +290,7 @@ def _validate_windows(
     return window, overlap, context
 
 
-def check_image(image: np.ndarray, limits: Limits) -> None:
+def check_image(image: np.ndarray, limits: Limits, height: int = 0, width: int = 0) -> None:
     if image.dtype != np.uint8:
         raise RequestError("image", f"must be UINT8, got {image.dtype}")
     if image.ndim != 3 or image.shape[2] != 3:
@@ -275,6 +298,16 @@ def check_image(image: np.ndarray, limits: Limits) -> None:
     h, w = image.shape[:2]
     if h < 1 or w < 1 or h * w > limits.max_image_pixels:
         raise RequestError("image", f"has {h}x{w} pixels, allowed 1..{limits.max_image_pixels}")
+    if height and width:
+        # the image is resized to cover height x width before the centre crop (conditioning.preprocess_image): a
+        # far-off aspect ratio makes that intermediate huge (1x65536 → 256x256: 256x16.7M pixels)
+        scale = max(width / w, height / h)
+        cover = math.ceil(scale * h) * math.ceil(scale * w)
+        if cover > max(limits.max_image_pixels, 4 * height * width):
+            raise RequestError(
+                "image",
+                f"aspect {w}:{h} is too far from the output's {width}:{height} (resize to cover: {cover} pixels)",
+            )
 
 
 # Command-line options for the request parameters, shared by the offline CLI and the client (one spelling).

@@ -36,6 +36,11 @@ def initial_noise(shape: tuple[int, ...], seed: int, device: torch.device | str)
     return torch.randn(shape, generator=gen, dtype=torch.float32).to(device)
 
 
+def checkpoint_shift(base_config: dict[str, Any]) -> float:
+    """The flow_shift the reference pipeline samples with: the scheduler config's (or the class default)."""
+    return float(Scheduler.from_config(base_config).config.flow_shift)
+
+
 def make_scheduler(
     base_config: dict[str, Any], steps: int, shift: float | None, native_flow_schedule: bool, device: torch.device | str
 ) -> Scheduler:

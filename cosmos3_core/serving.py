@@ -9,7 +9,9 @@ Wire contract between the models (all per request, max_batch_size 0):
                       request BYTES [1] JSON {"params": GenerationParams, "t0": epoch s, "prefill_s": s}
   denoise → decode:   latents FP32 [1, C, T, h, w] (empty [0,0,0,0,0] for a progress event), event BYTES [1]
   decode → client:    video UINT8 [T, H, W, 3] (empty [0,0,0,3] unless the event carries frames), event BYTES [1]
-Events: {"type": "progress", "step", "steps"} | {"type": "done", "timings": {...}, "frames", "seed"}.
+Events: {"type": "progress", "step", "steps"} | {"type": "done", "timings": {...}, "frames", "seed",
+"params": every sampling parameter as resolved (GenerationParams.resolved: sizes, fps, steps, guidance, shift, seed,
+windows)}.
 Errors travel as Triton errors whose text is "<field>: <what is allowed>".
 """
 
@@ -109,7 +111,8 @@ class TritonSink:
 
     def done(self, latents: torch.Tensor, info: dict[str, Any]) -> None:
         info["timings"] = {"prefill_s": self.meta["prefill_s"], **info["timings"]}
-        event = {"type": "done", "id": self.id, "seed": self.meta["params"]["seed"], "t0": self.meta["t0"], **info}
+        resolved = GenerationParams(**self.meta["params"]).resolved()
+        event = {"type": "done", "id": self.id, "seed": resolved["seed"], "params": resolved, "t0": self.meta["t0"], **info}
         self._put(latents.float().cpu(), event, final=True)  # the last chunk rides in the final response
         self._forget()
 

@@ -19,6 +19,7 @@ from .layers import UND
 from .prompts import PromptEncoder
 from .requests import Defaults, GenerationParams, Limits, RequestError, validate
 from .rotary import rotary_tables, text_position_ids
+from .sampling import checkpoint_shift
 from .towers import prefill_text_kv
 
 
@@ -54,14 +55,16 @@ class PrefillStage:
         self.cfg = ckpt.config
         self.device, self.dtype = device, dtype
         self.defaults, self.limits = defaults, limits
+        self.shift = checkpoint_shift(ckpt.scheduler_config)
         self.model = ckpt.load_transformer({UND}, device, dtype)
         self.prompts = PromptEncoder(ckpt.load_tokenizer(), ckpt.default_use_system_prompt)
         self.codec = VaeCodec(ckpt.load_vae(device, dtype))
 
     def validate(self, prompt: bytes | str, params: dict, image: np.ndarray | None) -> GenerationParams:
         return validate(
-            prompt, params, image, self.defaults, self.limits, self.cfg.pixel_alignment, self.cfg.vae_scale_temporal
-        )
+            prompt, params, image, self.defaults, self.limits, self.cfg.pixel_alignment, self.cfg.vae_scale_temporal,
+            self.shift,
+        )  # fmt: skip
 
     @torch.inference_mode()
     def run(self, p: GenerationParams, image: np.ndarray | None) -> PrefillResult:

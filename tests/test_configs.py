@@ -19,7 +19,7 @@ def test_config_defaults_and_warmup_requests_validate(path):
     cfg = Checkpoint.open(resolve_checkpoint("random:nano")).config
     d = Deployment.load(path)
     for request in [{}, *d.warmup_requests]:
-        p = validate("a prompt", request, None, d.defaults, d.limits, cfg.pixel_alignment, cfg.vae_scale_temporal)
+        p = validate("a prompt", request, None, d.defaults, d.limits, cfg.pixel_alignment, cfg.vae_scale_temporal, 5.0)
         assert p.height * p.width * p.num_frames > 0
 
 

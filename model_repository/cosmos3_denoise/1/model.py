@@ -13,6 +13,7 @@ from cosmos3_core.checkpoint import Checkpoint
 from cosmos3_core.deployment import resolve_checkpoint
 from cosmos3_core.engine import DenoiseEngine, QueueFull
 from cosmos3_core.requests import RequestError, validate
+from cosmos3_core.sampling import checkpoint_shift
 from cosmos3_core.serving import (
     EngineMetrics,
     EngineThread,
@@ -34,8 +35,9 @@ class TritonPythonModel:
         self.engine = DenoiseEngine.from_deployment(ckpt, d, device)
         warmup = [
             validate(
-                "warmup", r, None, d.defaults, d.limits, ckpt.config.pixel_alignment, ckpt.config.vae_scale_temporal
-            )
+                "warmup", r, None, d.defaults, d.limits, ckpt.config.pixel_alignment, ckpt.config.vae_scale_temporal,
+                checkpoint_shift(ckpt.scheduler_config),
+            )  # fmt: skip
             for r in d.warmup_requests
         ]
         pb_utils.Logger.log_info(
