@@ -2,11 +2,14 @@
 
 - `preprocess_image`: uint8 [H, W, 3] → [1, 3, h, w] in [-1, 1]: resize to cover (bilinear, antialias),
   centre-crop, round — as the reference pipeline does for a conditioning image.
-- `VaeCodec.encode_first_frame`: the i2v conditioning latent [1, C, 1, h/16, w/16]. The Wan encoder is
-  causal in time, so latent frame 0 of the reference's repeat-padded clip depends on pixel frame 0 only.
-- `StreamDecoder`: the decode, chunk by chunk along time, through our decoder forward (`wan_decoder.py`). The
-  Wan decoder is causal in time, so carrying its per-conv state across chunks makes the joined chunks equal
-  one decode of the whole sequence. `VaeCodec.decode` is a one-chunk stream.
+- `VaeCodec.encode_first_frame`: the i2v conditioning latent [1, C, 1, h/s, w/s] (s: the VAE's spatial factor)
+  through diffusers' encoder. The Wan encoder is causal in time, so latent frame 0 of the reference's
+  repeat-padded clip depends on pixel frame 0 only.
+- `StreamDecoder`: the decode, chunk by chunk along time, through our decoder forward (`wan_decoder.py`), or, for
+  a VAE that forward does not cover (Wan2.1: no residual blocks, no patchify), through diffusers' own decoder
+  (`DiffusersDecoder`; one log line at load says so). The Wan decoder is causal in time, so carrying its
+  per-conv state across chunks makes the joined chunks equal one decode of the whole sequence.
+  `VaeCodec.decode` is a one-chunk stream.
   Output: uint8 [T', H, W, 3] (T' = 1 + 4(T-1) for the first chunk, 4T after); the reference's
   `output_type="np"` × 255, rounded. `StreamDecoder.start` returns before the frames reach the host (a
   `HostFrames` to wait on), so a server can launch the next chunk while this one is copied and sent.
@@ -14,6 +17,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 
@@ -21,7 +25,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .wan_decoder import EAGER, DecoderKernels, WanDecoder
+from .wan_decoder import EAGER, DecoderKernels, WanDecoder, unsupported
+
+log = logging.getLogger(__name__)
 
 
 def preprocess_image(image: np.ndarray, height: int, width: int) -> torch.Tensor:
@@ -39,17 +45,21 @@ class VaeCodec:
     def __init__(self, vae, compile: bool = False):
         self.vae = vae
         self.compile = compile
-        self._decoder: WanDecoder | None = None
+        self._decoder: WanDecoder | DiffusersDecoder | None = None
         self.dtype = vae.dtype
         dev = self.device
         self.mean = torch.tensor(vae.config.latents_mean, dtype=vae.dtype, device=dev).view(1, -1, 1, 1, 1)
         self.inv_std = (1.0 / torch.tensor(vae.config.latents_std, dtype=vae.dtype, device=dev)).view(1, -1, 1, 1, 1)
 
     @property
-    def decoder(self) -> WanDecoder:
+    def decoder(self) -> WanDecoder | DiffusersDecoder:
         """Prepared on first use: the prefill stage's codec only encodes."""
         if self._decoder is None:
-            self._decoder = WanDecoder(self.vae, DecoderKernels.compiled() if self.compile else EAGER)
+            if (reason := unsupported(self.vae)) is None:
+                self._decoder = WanDecoder(self.vae, DecoderKernels.compiled() if self.compile else EAGER)
+            else:  # a checkpoint diffusers runs is served, only slower
+                log.warning("VAE decode falls back to diffusers' AutoencoderKLWan decoder (slower): %s", reason)
+                self._decoder = DiffusersDecoder(self.vae)
         return self._decoder
 
     @property
@@ -98,6 +108,44 @@ class StreamDecoder:
             return host
 
         return wait
+
+
+class DiffusersDecoder:
+    """diffusers' own decoder, for a VAE `WanDecoder` does not cover: `AutoencoderKLWan._decode`'s loop (one latent
+    frame per `decoder` call, a causal feature cache between calls), with the cache held by each stream instead of
+    on the shared module (`vae._feat_map`), so streams never clear or read each other's."""
+
+    def __init__(self, vae):
+        self.vae = vae
+
+    def stream(self) -> DiffusersStream:
+        return DiffusersStream(self.vae)
+
+
+class DiffusersStream:
+    def __init__(self, vae):
+        self.vae = vae
+        self.cache: list = [None] * vae._cached_conv_counts["decoder"]  # the list `clear_cache` gives `_feat_map`
+        self.first = True
+
+    @torch.inference_mode()
+    def __call__(self, z: torch.Tensor) -> torch.Tensor:
+        """un-normalised latents [1, C, T, h, w] → uint8 frames [T', H, W, 3] (same device)."""
+        if z.shape[0] != 1:
+            raise ValueError(f"a decoder stream decodes one video, latents [1, C, T, h, w]; got {tuple(z.shape)}")
+        vae, outs = self.vae, []
+        for i in range(z.shape[2]):
+            # post_quant_conv too one frame at a time: then a frame's arithmetic is the same in any chunking
+            x = vae.post_quant_conv(z[:, :, i : i + 1])
+            outs.append(vae.decoder(x, feat_cache=self.cache, feat_idx=[0], first_chunk=self.first))
+            self.first = False
+        video = torch.cat(outs, dim=2)
+        if vae.config.patch_size is not None:
+            from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
+
+            video = unpatchify(video, vae.config.patch_size)
+        frames = (video[0].float().clamp(-1.0, 1.0) * 0.5 + 0.5).clamp(0, 1).permute(1, 2, 3, 0)
+        return (frames * 255).round().to(torch.uint8)  # the pipeline's output_type="np" × 255, rounded
 
 
 HostFrames = Callable[[], torch.Tensor]  # waits for a chunk's frames on the host, uint8 [T', H, W, 3]

@@ -103,7 +103,9 @@ class ModelConfig:
                 f"{transformer_config}: key 'patch_latent_dim' is {patch_latent_dim}, expected "
                 f"latent_channel*latent_patch_size^2 = {latent_channel * patch * patch}"
             )
-        z_dim = int(get(v, "z_dim", vae_config))
+        # a VAE key's default is AutoencoderKLWan's registered one, which diffusers fills in for a config that
+        # lacks it (Wan2.1's released configs predate scale_factor_*)
+        z_dim = int(get(v, "z_dim", vae_config, 16))
         if z_dim != latent_channel:
             raise CheckpointError(
                 f"{vae_config}: key 'z_dim' is {z_dim}, transformer latent_channel is {latent_channel}"
@@ -133,6 +135,6 @@ class ModelConfig:
                 get(t, "unified_3d_mrope_temporal_modality_margin", transformer_config, 15000)
             ),
             reset_spatial_ids=bool(get(t, "unified_3d_mrope_reset_spatial_ids", transformer_config, True)),
-            vae_scale_spatial=int(get(v, "scale_factor_spatial", vae_config, 16)),
+            vae_scale_spatial=int(get(v, "scale_factor_spatial", vae_config, 8)),
             vae_scale_temporal=int(get(v, "scale_factor_temporal", vae_config, 4)),
         )

@@ -157,19 +157,31 @@ def _linear(conv: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, conv.weight.flatten(1), conv.bias)
 
 
+def unsupported(vae) -> str | None:
+    """Why `WanDecoder` cannot decode this `AutoencoderKLWan` (None: it can)."""
+    cfg = vae.config
+    if not cfg.is_residual or cfg.patch_size != 2 or cfg.out_channels != 12:
+        return (
+            "the decoder forward is Wan2.2's (is_residual, patch_size 2, out_channels 12 = RGB × 2 × 2); this VAE "
+            f"has is_residual={cfg.is_residual}, patch_size={cfg.patch_size}, out_channels={cfg.out_channels}"
+        )
+    for block in vae.decoder.up_blocks:
+        if block.avg_shortcut is not None and block.avg_shortcut.in_channels % block.avg_shortcut.out_channels:
+            return (
+                f"DupUp3D {block.avg_shortcut.in_channels} → {block.avg_shortcut.out_channels} channels: the "
+                "broadcast form needs a whole number of input channels per output"
+            )
+    return None
+
+
 class WanDecoder:
     """One loaded VAE's decoder, prepared once: conv weights channels-last (cuDNN then keeps activations
     channels-last), upsample convs folded into phase convs, norm scales folded into their weights. `stream()`
     starts a video."""
 
     def __init__(self, vae, kernels: DecoderKernels = EAGER, frames_per_call: int | None = None):
-        cfg = vae.config
-        if not cfg.is_residual or cfg.patch_size != 2:
-            raise ValueError(f"the decoder forward is Wan2.2's (is_residual, patch_size 2); this VAE has {dict(cfg)}")
-        for block in vae.decoder.up_blocks:
-            if block.avg_shortcut is not None and block.avg_shortcut.in_channels % block.avg_shortcut.out_channels:
-                raise ValueError(f"DupUp3D {block.avg_shortcut.in_channels} → {block.avg_shortcut.out_channels} "
-                                 "channels: the broadcast form needs a whole number of input channels per output")  # fmt: skip
+        if (reason := unsupported(vae)) is not None:
+            raise ValueError(reason)
         self.vae, self.kernels = vae, kernels
         # on CUDA, 4 latent frames = 16 output frames at full resolution per call
         self.frames_per_call = frames_per_call or (4 if next(vae.parameters()).is_cuda else 1)

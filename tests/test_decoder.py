@@ -113,7 +113,7 @@ def test_chunks_started_back_to_back_on_gpu_equal_the_whole_decode(nano_ckpt):
     assert (joined.int() - whole.int()).abs().max() <= 1
 
 
-def test_a_vae_other_than_wan22_is_refused_at_load():
+def test_our_decoder_refuses_a_vae_other_than_wan22():  # VaeCodec then falls back (test_vae_fallback.py)
     from diffusers import AutoencoderKLWan
 
     wan21 = AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2, 4, 4], num_res_blocks=1)  # no residual, no patch

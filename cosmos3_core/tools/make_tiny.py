@@ -185,11 +185,15 @@ def _randomize_(model: nn.Module) -> None:
                     p.copy_(torch.randn_like(p) / math.sqrt(fan_in))
 
 
-def build_pipeline(variant: str = "nano", seed: int = 0, head_dim: int = 32) -> Any:
+def build_pipeline(
+    variant: str = "nano", seed: int = 0, head_dim: int = 32, vae_config: dict[str, Any] | None = None
+) -> Any:
     """Build the tiny random-weight ``Cosmos3OmniPipeline`` in memory (float32, CPU). ``head_dim`` 64 gives
-    GPU kernels with a fixed head-size menu (FlashInfer's fa3: 64/128/256) a shape they take."""
+    GPU kernels with a fixed head-size menu (FlashInfer's fa3: 64/128/256) a shape they take. ``vae_config``
+    replaces ``VAE_CONFIG`` (e.g. a Wan2.1-style VAE; its ``z_dim`` must stay the transformer's 16)."""
     from diffusers import AutoencoderKLWan, Cosmos3OmniPipeline, Cosmos3OmniTransformer, UniPCMultistepScheduler
 
+    vae_config = VAE_CONFIG if vae_config is None else vae_config
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; expected one of {sorted(VARIANTS)}")
     spec = VARIANTS[variant]
@@ -211,10 +215,10 @@ def build_pipeline(variant: str = "nano", seed: int = 0, head_dim: int = 32) -> 
         transformer = Cosmos3OmniTransformer(**tcfg)
         _randomize_(transformer)
 
-        z_dim = VAE_CONFIG["z_dim"]
+        z_dim = vae_config["z_dim"]
         latents_mean = [round(v, 4) for v in (0.5 * torch.randn(z_dim)).tolist()]
         latents_std = [round(v, 4) for v in (0.5 + torch.rand(z_dim)).tolist()]
-        vae = AutoencoderKLWan(**VAE_CONFIG, latents_mean=latents_mean, latents_std=latents_std)
+        vae = AutoencoderKLWan(**vae_config, latents_mean=latents_mean, latents_std=latents_std)
         _randomize_(vae)
 
     scheduler = UniPCMultistepScheduler(
@@ -267,21 +271,27 @@ def _fix_metadata(out: Path, variant: str) -> None:
 
 
 def make_tiny(
-    out: Path, variant: str = "nano", seed: int = 0, shard_size: int | None = None, head_dim: int = 32
+    out: Path,
+    variant: str = "nano",
+    seed: int = 0,
+    shard_size: int | None = None,
+    head_dim: int = 32,
+    vae_config: dict[str, Any] | None = None,
 ) -> Path:
     """Write the tiny checkpoint to ``out`` (created if needed) and return ``out``.
 
     Existing ``transformer/``, ``vae/``, ``scheduler/`` and ``text_tokenizer/`` subfolders of ``out`` are replaced.
 
     ``shard_size`` (bytes), when given, writes the transformer as safetensors shards plus
-    ``diffusion_pytorch_model.safetensors.index.json`` instead of a single file.
+    ``diffusion_pytorch_model.safetensors.index.json`` instead of a single file. ``vae_config``: see
+    :func:`build_pipeline`.
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     for stale in _COMPONENT_DIRS:  # never mix in files from an earlier run (e.g. old shards)
         if (out / stale).is_dir():
             shutil.rmtree(out / stale)
-    pipe = build_pipeline(variant=variant, seed=seed, head_dim=head_dim)
+    pipe = build_pipeline(variant=variant, seed=seed, head_dim=head_dim, vae_config=vae_config)
     pipe.save_pretrained(out, safe_serialization=True)
     if shard_size is not None:
         if shard_size <= 0:
