@@ -12,7 +12,7 @@ ADDRESS ?= 127.0.0.1
 PROMPT ?= A robot arm stacks red and blue cubes on a wooden table, soft daylight.
 OUT ?= out/demo.mp4
 
-.PHONY: setup serve demo stop test lint bench soak docker clean
+.PHONY: setup serve demo stop test lint bench soak fuzz conformance docker clean
 
 setup: $(VENV)/.installed
 
@@ -31,8 +31,9 @@ serve: setup
 demo: setup
 	$(PY) -m client generate --url 127.0.0.1:$(GRPC_PORT) --wait-ready 600 --prompt "$(PROMPT)" --out $(OUT)
 
+# SIGINT drains, then stops tritonserver. Every server of this user, or with GRPC_PORT=… given only that one.
 stop:
-	-pkill -INT -f "cosmos3_core.serve" || true
+	-pkill -INT -f -- '-m cosmos3_core\.serve$(if $(filter file,$(origin GRPC_PORT)),( |$$), .*--grpc-port $(GRPC_PORT)( |$$))' || true
 
 test: setup
 	$(PY) -m pytest -q
@@ -40,8 +41,16 @@ test: setup
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
+# drawn checkpoints and requests against Cosmos3OmniPipeline (CI runs the first 6, 2 of them served)
+conformance: setup
+	CONFORMANCE_N=$(or $(N),40) CONFORMANCE_SERVED=$(or $(SERVED),8) $(PY) -m pytest -q tests/test_conformance.py
+
 soak: setup
 	$(PY) -m bench.soak --config $(CONFIG) --n $(or $(N),500) --c $(or $(C),8) --cancel 0.2
+
+# mutated requests through a server with small limits (configs/fuzz.yaml): no crash, hang or unnamed error
+fuzz: setup
+	$(PY) -m bench.fuzz --config $(or $(FUZZ_CONFIG),configs/fuzz.yaml) --n $(or $(N),1000)
 
 bench: setup
 	$(PY) -m bench.served --config $(or $(BENCH_CONFIG),configs/bench_edge.yaml) --json out/bench_served.json --md BENCHMARKS.md

@@ -4,7 +4,7 @@ Checkpoints are written here with diffusers' and tokenizers' own classes and `sa
 `cosmos3_core.tools.make_tiny` (whose choices our other tests share): hidden size, heads / KV heads, head_dim,
 layers, `rope_axes_dim`, `hidden_act` and the Edge switches, fps modulation, the tokenizer (byte-level BPE or
 word-level, with its own chat template), the scheduler (flow UniPC at several shifts and orders, the native flow
-schedule, epsilon UniPC) and the Wan2.2 VAE's dimensions. Requests: steps 1–8, guidance 1 or > 1, fps, sizes with
+schedule, epsilon UniPC) and the VAE (Wan2.2 widths; one draw in five a Wan2.1-style VAE). Requests: steps 1–8, guidance 1 or > 1, fps, sizes with
 odd latent grids, prompt and negative-prompt lengths from one token up to the deployment's limit.
 
 `draw(seed)` → `Case`; `Case.write(dir)` → the checkpoint; `Case.deployment` the served config (its sizes are the
@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -50,6 +51,17 @@ class Case:
     prompt: str
     request: dict[str, Any]  # every parameter given explicitly
     sizes: dict[str, int] = field(default_factory=dict)  # the deployment's size defaults (= request's sizes)
+    image_hw: tuple[int, int] | None = None  # i2v: the conditioning image's size (any aspect; resized and cropped)
+
+    @property
+    def image(self) -> np.ndarray | None:
+        if self.image_hw is None:
+            return None
+        h, w = self.image_hw
+        g = torch.Generator().manual_seed(self.seed)
+        coarse = torch.rand(1, 3, 4, 4, generator=g)  # smooth, so resize and crop matter but stay well defined
+        img = torch.nn.functional.interpolate(coarse, size=(h, w), mode="bilinear", align_corners=False)
+        return (img[0].permute(1, 2, 0) * 255).round().to(torch.uint8).numpy()
 
     @property
     def deployment(self) -> dict[str, Any]:
@@ -65,10 +77,13 @@ class Case:
     def label(self) -> str:
         t, s = self.transformer, self.scheduler
         sched = "native" if self.native_schedule else s["prediction_type"].split("_")[0]
+        task = "t2i" if self.sizes["num_frames"] == 1 else ("i2v" if self.image_hw else "t2v")
         return (
+            f"{task}-"
             f"seed{self.seed}-{t['hidden_act']}-h{t['hidden_size']}x{t['num_hidden_layers']}-"
             f"{t['num_attention_heads']}q{t['num_key_value_heads']}kv{t['head_dim']}d-{self.tokenizer}-{sched}"
-            f"{s.get('flow_shift', '')}-{self.sizes['height']}x{self.sizes['width']}x{self.sizes['num_frames']}"
+            f"{s.get('flow_shift', '')}-{'wan22' if self.vae.get('is_residual') else 'wan21'}-"
+            f"{self.sizes['height']}x{self.sizes['width']}x{self.sizes['num_frames']}"
         )
 
     def write(self, out: Path) -> Path:
@@ -215,6 +230,9 @@ def draw(seed: int) -> Case:
         "seed": r.randrange(2**31),
         "negative_prompt": _text(r, tokenizer, r.choice([0, 1, 3, 40])),
     }
+    if r.random() < 0.2:  # Wan2.1-style (no residual blocks, no patchify, x8): diffusers' decoder serves it
+        vae = {"base_dim": r.choice([8, 16]), "z_dim": latent_channel, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 1,
+               "attn_scales": [], "temperal_downsample": [False, True, True], "dropout": 0.0}  # fmt: skip
     return Case(
         seed=seed,
         transformer=transformer,
@@ -226,6 +244,7 @@ def draw(seed: int) -> Case:
         prompt=_text(r, tokenizer, _prompt_words(r, tokenizer)),
         request=request,
         sizes=sizes,
+        image_hw=(r.randint(8, 96), r.randint(8, 96)) if frames > 1 and r.random() < 0.4 else None,
     )
 
 
@@ -254,7 +273,7 @@ class Reference:
         self.pipe.set_progress_bar_config(disable=True)
         self.scheduler = self.pipe.scheduler
 
-    def latents(self, params: dict[str, Any], prompt: str | None = None) -> torch.Tensor:
+    def latents(self, params: dict[str, Any]) -> torch.Tensor:
         kwargs: dict[str, Any] = {**self.case.sizes}
         names = {"steps": "num_inference_steps", "height": "height", "width": "width", "num_frames": "num_frames",
                  "guidance_scale": "guidance_scale", "fps": "fps", "negative_prompt": "negative_prompt"}  # fmt: skip
@@ -262,7 +281,8 @@ class Reference:
         shift = {"flow_shift": params["shift"]} if "shift" in params else {}
         self.pipe.scheduler = self.scheduler.from_config(self.scheduler.config, **shift)
         out = self.pipe(
-            prompt=prompt or self.case.prompt,
+            prompt=self.case.prompt,
+            image=self.case.image,
             generator=torch.Generator().manual_seed(params.get("seed", 0)),
             output_type="latent",
             enable_safety_check=False,

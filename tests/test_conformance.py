@@ -39,10 +39,15 @@ def checkpoints(tmp_path_factory):
     return get
 
 
-def cli(config: Path, prompt: str, params: dict, out: Path) -> torch.Tensor:
+def cli(config: Path, case: Case, params: dict, out: Path) -> torch.Tensor:
+    import imageio.v2 as imageio
+
     from cosmos3_core.generate import main
 
-    args = ["--config", str(config), "--prompt", prompt, "--out", str(out)]
+    args = ["--config", str(config), "--prompt", case.prompt, "--out", str(out)]
+    if case.image is not None:
+        imageio.imwrite(out.with_suffix(".png"), case.image)
+        args += ["--image", str(out.with_suffix(".png"))]
     for k, v in params.items():
         args += [FLAGS.get(k, f"--{k}"), str(v)]
     assert main(args) == 0
@@ -55,7 +60,7 @@ def test_offline_equals_pipeline(seed, checkpoints, tmp_path):
     ckpt, config = checkpoints(case)
     ref = Reference(ckpt, case)
     for name, params in (("explicit", case.request), ("defaults", {})):
-        ours = cli(config, case.prompt, params, tmp_path / f"{name}.pt")
+        ours = cli(config, case, params, tmp_path / f"{name}.pt")
         theirs = ref.latents(params)
         assert torch.isfinite(theirs).all(), f"the draw is degenerate: the reference is not finite on {case.label()}"
         assert ours.shape == theirs.shape, (name, case.label())
@@ -80,10 +85,10 @@ def test_served_equals_offline(seed, checkpoints, tmp_path):
     try:
         wait_until_ready(ports[1], proc=proc, timeout_s=300)
         for params in (case.request, {}):
-            served = generate(f"127.0.0.1:{ports[0]}", case.prompt, params)
-            expected = offline.frames(case.prompt, params)
+            served = generate(f"127.0.0.1:{ports[0]}", case.prompt, params, case.image)
+            expected = offline.frames(case.prompt, params, case.image)
             assert np.array_equal(served.video, expected), case.label()
             done = next(e for e in served.events if e["type"] == "done")
-            assert done["params"] == offline.prefill.validate(case.prompt, params, None).resolved()
+            assert done["params"] == offline.prefill.validate(case.prompt, params, case.image).resolved()
     finally:
         stop_server(proc)
