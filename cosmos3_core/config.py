@@ -71,11 +71,16 @@ class ModelConfig:
         prediction cropped back, as the reference does (`step.patchify` / `unpatchify`)."""
         return self.vae_scale_spatial
 
+    def latent_hw(self, height: int, width: int) -> tuple[int, int]:
+        """The latent grid (rows, columns) of a height × width pixel frame: the one definition of it."""
+        return height // self.vae_scale_spatial, width // self.vae_scale_spatial
+
     def token_grid(self, height: int, width: int) -> tuple[int, int]:
         """Patches per latent frame (rows, columns) for a video of height × width pixels; odd latent grids round
         up (zero-padded, see `pixel_alignment`)."""
-        s, p = self.vae_scale_spatial, self.latent_patch_size
-        return -(-height // s // p), -(-width // s // p)
+        h, w = self.latent_hw(height, width)
+        p = self.latent_patch_size
+        return -(-h // p), -(-w // p)
 
     @classmethod
     def from_files(cls, transformer_config: Path, vae_config: Path) -> ModelConfig:

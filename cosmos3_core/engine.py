@@ -1,110 +1,41 @@
-"""The denoise engine: owns the GEN tower, the paged K/V pool and every live request.
+"""The denoise engine: the GEN tower, the paged K/V pool, and the step loop over every live request.
 
-`submit` (any thread) checks capacity and enqueues; `tick` (the engine thread, or the CLI inline)
-admits waiting requests whose pages fit, drops cancelled ones, packs every live request's row (both
-CFG branches, any sizes, any step index, AR commit passes too) into ONE GEN forward via the row builder,
-then applies each request's guidance and its own scheduler. Requests join and leave between ticks.
-
-AR streams (`windows.py`) run window after window: after a window's last step its new latent frames go to
-the sink as a chunk; a `kv` stream then spends one tick on the commit pass (its K/V joins the pool, per
-latent frame, and frames older than the context horizon are released), a `chained` stream pins the
-window's tail as the next window's first frames. Pages: text at admission; a kv stream's largest context
-is reserved at admission so a stream never stalls for pages mid-way.
-
-Events go to the request's `Sink`: `progress` after each step, `chunk` per finished non-final window,
-then exactly one of `done` (the last frames) or `error`.
+Each `tick` is schedule → rows → run → update: the `Scheduler` (scheduler.py, no model) admits and returns the
+live jobs; the row builder (`step.denoise_step_row`) turns each into its row (both CFG branches, any size, any
+step index, AR commit passes too); `DenoiseStep` runs them all as ONE packed GEN forward; the scheduler applies
+each job's output. Requests join and leave between ticks.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
-from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Protocol
 
 import torch
 
 from . import faults
 from .checkpoint import Checkpoint
 from .deployment import Deployment
-from .kv_pool import KVPool, PageList
+from .kv_pool import KVPool
 from .layers import GEN
-from .requests import GenerationParams, RequestError
-from .rotary import rotary_tables, vision_position_ids
-from .sampling import guided_velocity, initial_noise, make_scheduler
+from .requests import GenerationParams
+from .scheduler import EngineStats, Job, QueueFull, Scheduler, Sink
 from .stages import PrefillResult
-from .step import Branch, DenoiseStep, denoise_step_row
+from .step import DenoiseStep, Row, denoise_step_row
 from .towers import EAGER, GenKernels
-from .windows import WindowPlan, latent_frames, plan_windows
 
-
-class Sink(Protocol):
-    def progress(self, step: int, steps: int, window: int, windows: int) -> None: ...
-    def chunk(self, latents: torch.Tensor, info: dict[str, Any]) -> None: ...
-    def done(self, latents: torch.Tensor, info: dict[str, Any]) -> None: ...
-    def error(self, message: str) -> None: ...
-    def cancelled(self) -> bool: ...
-
-
-class QueueFull(RuntimeError):
-    pass
+__all__ = ["DenoiseEngine", "QueueFull", "Sink"]
 
 
 class _NullSink:
     def progress(self, step: int, steps: int, window: int, windows: int) -> None: ...
-    def chunk(self, latents: torch.Tensor, info: dict[str, Any]) -> None: ...
-    def done(self, latents: torch.Tensor, info: dict[str, Any]) -> None: ...
+    def chunk(self, latents: torch.Tensor, info: dict) -> None: ...
+    def done(self, latents: torch.Tensor, info: dict) -> None: ...
     def cancelled(self) -> bool:
         return False
 
     def error(self, message: str) -> None:
         raise RuntimeError(f"warmup request failed: {message}")
-
-
-@dataclass
-class Job:
-    id: int
-    prefill: PrefillResult
-    sink: Sink
-    plan: WindowPlan
-    reserve: int  # pages promised for this stream's AR context
-    t_submit: float
-    text_pages: list[PageList] = field(default_factory=list)  # per branch
-    context: list[list[PageList]] = field(default_factory=list)  # per branch, per committed latent frame
-    window: int = 0
-    committing: bool = False
-    branches: tuple[Branch, ...] = ()
-    latents: torch.Tensor | None = None  # the current window [1, C, T, h, w] fp32
-    noisy_frames: torch.Tensor | None = None
-    scheduler: Any = None
-    timesteps: list[float] = field(default_factory=list)  # the scheduler's, on the host: no sync per step
-    step: int = 0
-    t_admit: float = 0.0
-    t_last_chunk: float = 0.0
-
-    @property
-    def params(self) -> GenerationParams:
-        return self.prefill.params
-
-    def pages_held(self) -> int:
-        return sum(len(p.pages) for p in self.text_pages) + sum(len(f.pages) for br in self.context for f in br)
-
-
-@dataclass
-class EngineStats:
-    """Plain counters, bumped by the engine thread (and `rejected` by the submitting one), read by metrics."""
-
-    ticks: int = 0
-    request_steps: int = 0
-    rows_last_tick: int = 0
-    max_requests_in_tick: int = 0
-    completed: int = 0
-    cancelled: int = 0
-    failed: int = 0
-    rejected: int = 0
-    queue_times: deque = field(default_factory=lambda: deque(maxlen=10000))
 
 
 class DenoiseEngine:
@@ -121,31 +52,17 @@ class DenoiseEngine:
         attention: str = "auto",
         cuda_graphs: bool = True,
     ):
-        self.ckpt = ckpt
-        self.decode_chunk = decode_chunk  # latent frames per emitted piece; 0: a window's frames at once
-        self.cfg = ckpt.config
+        cfg = self.cfg = ckpt.config
         self.device, self.dtype = device, dtype
         self.model = ckpt.load_transformer({GEN}, device, dtype)
         self.pool = KVPool(
-            pool_pages,
-            page_size,
-            self.cfg.num_hidden_layers,
-            self.cfg.num_key_value_heads,
-            self.cfg.head_dim,
-            dtype,
-            device,
+            pool_pages, page_size, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype, device
         )
-        kernels = GenKernels.compiled() if compile else EAGER
-        self.step = DenoiseStep(self.model, self.pool, kernels, attention, cuda_graphs)
-        self.max_queue = max_queue
-        self.stats = EngineStats()
-        self._waiting: deque[Job] = deque()
-        self._live: list[Job] = []
-        self._reserved = 0  # context pages promised to live kv streams and not yet allocated
-        self.draining = False  # shutting down: no new requests; live ones finish (or are ended by the caller)
-        self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
-        self._next_id = 0
+        self.step = DenoiseStep(self.model, self.pool, GenKernels.compiled() if compile else EAGER, attention,
+                                cuda_graphs)  # fmt: skip
+        self.scheduler = Scheduler(
+            cfg, self.pool, ckpt.scheduler_config, ckpt.use_native_flow_schedule, max_queue, decode_chunk
+        )
 
     @classmethod
     def from_deployment(cls, ckpt: Checkpoint, d: Deployment, device: str | None = None) -> DenoiseEngine:
@@ -162,289 +79,63 @@ class DenoiseEngine:
             cuda_graphs=d.cuda_graphs,
         )
 
-    # ---- sizes ----
-    def _grid(self, p: GenerationParams) -> tuple[int, int]:
-        return self.cfg.token_grid(p.height, p.width)
-
-    def _plan(self, p: GenerationParams) -> WindowPlan:
-        t = self.cfg.vae_scale_temporal
-        return plan_windows(
-            p.window_mode,
-            latent_frames(p.num_frames, t),
-            latent_frames(p.window_frames, t) if p.window_frames else 0,
-            p.overlap_frames // t,
-            latent_frames(p.context_frames, t) if p.context_frames else 0,
-        )
-
-    def _context_reserve(self, p: GenerationParams, plan: WindowPlan, branches: int) -> int:
-        if not plan.commits:
-            return 0
-        committed = plan.total_latent - plan.windows[-1].length
-        frames = min(plan.context, committed) if plan.context else committed
-        h, w = self._grid(p)
-        return branches * frames * self.pool.pages_for(h * w)
-
-    # ---- any thread ----
-    def submit(self, prefill: PrefillResult, sink: Sink) -> int:
-        if self.draining:
-            raise QueueFull("server is shutting down; not admitting new requests")
-        p = prefill.params
-        plan = self._plan(p)
-        reserve = self._context_reserve(p, plan, len(prefill.text_k))
-        need = sum(self.pool.pages_for(k.shape[1]) for k in prefill.text_k) + reserve
-        if need > self.pool.num_pages:
-            raise RequestError(
-                "prompt", f"request needs {need} K/V pages (text + AR context), the pool has {self.pool.num_pages}"
-            )
-        with self._lock:
-            if len(self._waiting) >= self.max_queue:
-                raise QueueFull(f"queue full ({self.max_queue} waiting); retry later")
-            self._next_id += 1
-            self._waiting.append(Job(self._next_id, prefill, sink, plan, reserve, time.perf_counter()))
-            self._wake.notify()
-            return self._next_id
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self._waiting)
-
-    @property
-    def num_live(self) -> int:
-        return len(self._live)
-
-    def has_work(self) -> bool:
-        return bool(self._waiting or self._live)
-
-    def wait_for_work(self, timeout: float) -> None:
-        with self._lock:
-            if not (self._waiting or self._live):
-                self._wake.wait(timeout)
-
-    def wake(self) -> None:
-        with self._lock:
-            self._wake.notify_all()
-
-    # ---- engine thread ----
-    def _admit(self) -> None:
-        while True:
-            with self._lock:
-                if not self._waiting:
-                    return
-                job = self._waiting[0]
-                need = sum(self.pool.pages_for(k.shape[1]) for k in job.prefill.text_k) + job.reserve
-                if need > self.pool.pages_free - self._reserved:
-                    return  # FIFO: the head waits for pages; nobody overtakes it
-                self._waiting.popleft()
-            if job.sink.cancelled():
-                self._finish(job, cancelled=True)
-                continue
-            try:
-                self._start(job)
-            except Exception as e:  # noqa: BLE001 - one request's failure must not stop the engine
-                self._finish(job, error=f"internal error starting request: {e}")
-                continue
-            self._live.append(job)
-
-    def _start(self, job: Job) -> None:
-        job.t_admit = job.t_last_chunk = time.perf_counter()
-        self.stats.queue_times.append(job.t_admit - job.t_submit)
-        self._reserved += job.reserve
-        for k, v in zip(job.prefill.text_k, job.prefill.text_v):
-            pages = self.pool.alloc(k.shape[1])
-            job.text_pages.append(pages)
-            job.context.append([])
-            self.pool.write(pages, k.to(self.device, self.dtype), v.to(self.device, self.dtype))
-        self._start_window(job, previous=None)
-
-    def _start_window(self, job: Job, previous: torch.Tensor | None) -> None:
-        p, win = job.params, job.plan.windows[job.window]
-        h, w = self._grid(p)
-        s = self.cfg.vae_scale_spatial
-        shape = (1, self.cfg.latent_channel, win.length, p.height // s, p.width // s)
-        latents = initial_noise(shape, p.seed + win.index, self.device)
-        clean = 0
-        if win.pinned:  # chained: the previous window's tail, clean
-            latents[:, :, : win.pinned] = previous[:, :, -win.pinned :]
-            clean = win.pinned
-        elif win.index == 0 and job.prefill.cond_latent is not None:  # i2v: latent frame 0
-            latents[:, :, :1] = job.prefill.cond_latent.to(self.device)
-            clean = 1
-        job.latents = latents
-        job.noisy_frames = torch.arange(clean, win.length, device=self.device)
-        job.branches = tuple(
-            Branch((text, *ctx), *self._rotary(text.num_tokens, (win.length, h, w), p.fps, win.rotary_offset))
-            for text, ctx in zip(job.text_pages, job.context)
-        )
-        job.scheduler = make_scheduler(
-            self.ckpt.scheduler_config, p.steps, p.shift, self.ckpt.use_native_flow_schedule, self.device
-        )
-        job.timesteps = job.scheduler.timesteps.tolist()
-        job.step = 0
-        job.committing = False
-
-    def _rotary(
-        self, text_len: int, grid: tuple[int, int, int], fps: float, offset: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return rotary_tables(
-            self.cfg, vision_position_ids(self.cfg, grid, text_len, fps, offset), self.dtype, self.device
-        )
-
-    def _release(self, job: Job) -> None:
-        for pages in job.text_pages + [f for br in job.context for f in br]:
-            self.pool.free(pages)
-        self._reserved -= job.reserve
-        job.reserve = 0
-        job.text_pages, job.context = [], []
-
-    def _finish(
-        self, job: Job, error: str | None = None, cancelled: bool = False, last: torch.Tensor | None = None
-    ) -> None:
-        self._release(job)
-        if cancelled:
-            self.stats.cancelled += 1
-            job.sink.error("cancelled")
-        elif error is not None:
-            self.stats.failed += 1
-            job.sink.error(error)
-        else:
-            self.stats.completed += 1
-            self._emit(job, last, final=True)
-
-    def _emit(self, job: Job, latents: torch.Tensor, final: bool) -> None:
-        """A finished window's new latent frames → the sink in pieces of at most `decode_chunk` latent frames, so
-        the decode and transfer of one piece overlap the next (the stream decoder keeps the seams exact)."""
-        n = latents.shape[2]
-        size = self.decode_chunk or n
-        for a in range(0, n, size):
-            piece = latents[:, :, a : a + size]
-            last = a + size >= n
-            info = self._chunk_info(job, final and last, a, piece.shape[2])
-            if final and last:
-                job.sink.done(piece, info)
-            else:
-                job.sink.chunk(piece, info)
-
-    def _chunk_info(self, job: Job, final: bool, offset: int, frames: int) -> dict[str, Any]:
-        win = job.plan.windows[job.window]
-        now = time.perf_counter()
-        info = {
-            "window": win.index,
-            "windows": len(job.plan.windows),
-            "latent_offset": win.latent_start + offset,
-            "latent_frames": frames,
-            "timings": {"queue_s": job.t_admit - job.t_submit, "window_s": now - job.t_last_chunk},
-        }
-        if final:
-            info["timings"]["denoise_s"] = now - job.t_admit
-        job.t_last_chunk = now
-        return info
-
-    def _commit(self, job: Job, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Append a kv window's committed K/V, one page list per latent frame. Frames past the context horizon
-        are released first, so a stream never holds more than its horizon (what admission reserved)."""
-        win, horizon = job.plan.windows[job.window], job.plan.context
-        per_frame = kv[0][0].shape[1] // win.length
-        keep = min(horizon, win.length) if horizon else win.length
-        for branch, (k, v) in enumerate(kv):
-            frames = job.context[branch]
-            while horizon and len(frames) + keep > horizon:
-                aged = frames.pop(0)
-                self._reserved += len(aged.pages)  # back into this stream's reservation
-                job.reserve += len(aged.pages)
-                self.pool.free(aged)
-            for f in range(win.length - keep, win.length):
-                pages = self.pool.alloc(per_frame)
-                self._reserved -= len(pages.pages)
-                job.reserve -= len(pages.pages)
-                rows = slice(f * per_frame, (f + 1) * per_frame)
-                self.pool.write(pages, k[:, rows], v[:, rows])
-                frames.append(pages)
-
-    def _advance(self, job: Job, branch_v: list[torch.Tensor]) -> bool:
-        """Scheduler step for one request; returns True when the request has ended."""
-        p = job.params
-        if faults.FAIL_STEP_SEED is not None and p.seed == faults.FAIL_STEP_SEED:
-            raise faults.InjectedFault(f"injected fault in the denoise step (seed {p.seed})")
-        v = guided_velocity(branch_v, p.guidance_scale)
-        t = job.scheduler.timesteps[job.step]
-        job.latents = job.scheduler.step(v.unsqueeze(0), t, job.latents.unsqueeze(0), return_dict=False)[0].squeeze(0)
-        job.step += 1
-        job.sink.progress(job.step, p.steps, job.window, len(job.plan.windows))
-        if job.step < p.steps:
-            return False
-        win = job.plan.windows[job.window]
-        new = job.latents[:, :, win.pinned :]
-        if job.window == len(job.plan.windows) - 1:
-            self._finish(job, last=new)
-            return True
-        self._emit(job, new, final=False)
-        if job.plan.commits:
-            job.committing = True  # next tick: the commit pass over this window's clean latents
-        else:
-            job.window += 1
-            self._start_window(job, previous=job.latents)
-        return False
-
     def tick(self) -> int:
         """Advance every live request one step (or commit pass). Returns the number of requests in the forward."""
         if faults.STEP_DELAY_S:
             time.sleep(faults.STEP_DELAY_S)
-        self._admit()
-        for job in [j for j in self._live if j.sink.cancelled()]:
-            self._live.remove(job)
-            self._finish(job, cancelled=True)
-        if not self._live:
+        jobs = self.scheduler.schedule()
+        if not jobs:
             return 0
-        jobs = list(self._live)
-        patch = self.cfg.latent_patch_size
-        rows = []
-        for j in jobs:
-            if j.committing:
-                rows.append(
-                    denoise_step_row(j.latents, 0.0, j.noisy_frames[:0], j.branches, patch, self.dtype, commit=True)
-                )
-            else:
-                t = j.timesteps[j.step]
-                rows.append(denoise_step_row(j.latents, t, j.noisy_frames, j.branches, patch, self.dtype))
+        rows = [self._row(j) for j in jobs]
         outputs = self.step(rows)
-        self.stats.ticks += 1
-        self.stats.request_steps += len(jobs)
-        self.stats.rows_last_tick = sum(r.tokens.shape[0] * len(r.branches) for r in rows)
-        self.stats.max_requests_in_tick = max(self.stats.max_requests_in_tick, len(jobs))
-        for job, out in zip(jobs, outputs):
-            try:
-                if job.committing:
-                    self._commit(job, out.kv)
-                    job.window += 1
-                    self._start_window(job, previous=None)
-                    ended = False
-                else:
-                    ended = self._advance(job, out.velocity)
-            except Exception as e:  # noqa: BLE001 - fails this request only
-                self._live.remove(job)
-                self._finish(job, error=f"internal error in denoise step: {e}")
-                continue
-            if ended:
-                self._live.remove(job)
+        stats = self.scheduler.stats
+        stats.ticks += 1
+        stats.request_steps += len(jobs)
+        stats.rows_last_tick = sum(r.tokens.shape[0] * len(r.branches) for r in rows)
+        stats.max_requests_in_tick = max(stats.max_requests_in_tick, len(jobs))
+        self.scheduler.update(jobs, outputs)
         return len(jobs)
 
-    def pages_held(self, job_id: int) -> int:
-        return next((j.pages_held() for j in self._live if j.id == job_id), 0)
+    def _row(self, job: Job) -> Row:
+        patch = self.cfg.latent_patch_size
+        if job.committing:
+            return denoise_step_row(job.latents, 0.0, job.noisy_frames[:0], job.branches, patch, self.dtype, True)
+        t = job.timesteps[job.step]
+        return denoise_step_row(job.latents, t, job.noisy_frames, job.branches, patch, self.dtype)
+
+    # ---- the scheduler's, for the Triton glue and the CLI ----
+    def submit(self, prefill: PrefillResult, sink: Sink) -> int:
+        return self.scheduler.submit(prefill, sink)
+
+    @property
+    def stats(self) -> EngineStats:
+        return self.scheduler.stats
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_live(self) -> int:
+        return len(self.scheduler.live)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def wait_for_work(self, timeout: float) -> None:
+        self.scheduler.wait_for_work(timeout)
+
+    def wake(self) -> None:
+        self.scheduler.wake()
 
     def fail_live(self, message: str) -> None:
-        """A tick failed as a whole (e.g. out of memory in the packed forward): end its requests, keep serving."""
-        live, self._live = self._live, []
-        for job in live:
-            self._finish(job, error=message)
+        self.scheduler.fail_live(message)
 
     def abort_all(self, message: str) -> None:
-        """End every waiting and live request with `message` (shutdown)."""
-        with self._lock:
-            waiting, self._waiting = list(self._waiting), deque()
-        for job in waiting:
-            self.stats.failed += 1
-            job.sink.error(message)
-        self.fail_live(message)
+        self.scheduler.abort_all(message)
+
+    def pages_held(self, job_id: int) -> int:
+        return self.scheduler.pages_held(job_id)
 
     def warmup(self, requests: list[GenerationParams], text_tokens: int = 96) -> float:
         """Run each request shape for two steps through the real step (rows from the row builder), so compiles,
@@ -460,7 +151,7 @@ class DenoiseEngine:
             self.run_until_idle()
         if self.device.startswith("cuda"):
             torch.cuda.synchronize()
-        self.stats = EngineStats()  # serving counts start after warmup
+        self.scheduler.stats = EngineStats()  # serving counts start after warmup
         return time.perf_counter() - t0
 
     def run_until_idle(self) -> None:

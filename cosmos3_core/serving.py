@@ -299,7 +299,7 @@ class EngineThread:
         if self.drain_since is None:
             if self.marks.is_draining():
                 self.drain_since = time.monotonic()
-                self.engine.draining = True
+                self.engine.scheduler.draining = True
         elif time.monotonic() - self.drain_since > self.drain_timeout_s and self.engine.has_work():
             self.engine.abort_all("server shutting down; the request did not finish within the drain timeout")
 

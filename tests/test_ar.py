@@ -152,13 +152,13 @@ def test_windows_match_reference_and_pages_are_exact(setup, mode, params, window
     while engine.has_work():
         engine.tick()
         if engine.num_live:
-            job = engine._live[0]
-            committed = sum(engine._plan(p).windows[i].length for i in range(job.window)) if mode == "kv" else 0
+            job = engine.scheduler.live[0]
+            committed = sum(engine.scheduler.plan(p).windows[i].length for i in range(job.window)) if mode == "kv" else 0
             held = min(context_lat, committed) if context_lat else committed
             assert engine.pool.pages_used == text_pages + len(pre.text_k) * held * per_frame_pages
             assert engine.pages_held(job_id) == engine.pool.pages_used
     assert sink.finished and not sink.errors
-    assert engine.pool.pages_used == 0 and engine._reserved == 0
+    assert engine.pool.pages_used == 0 and engine.scheduler.reserved == 0
     ref = reference_ar(ckpt, model, pre, mode, window_lat, overlap_lat, context_lat, total_lat)
     assert len(sink.chunks) == len(ref)
     for ours, theirs in zip(sink.chunks, ref):
