@@ -19,16 +19,13 @@ Layouts: q `[rows, heads, d]`, k/v `[rows, kv_heads, d]`; output `[rows, heads *
 from __future__ import annotations
 
 import sys
-from types import SimpleNamespace
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from .kv_pool import KVPool, PageList
-
-if TYPE_CHECKING:
-    from .step import Segment
+from .rows import Segment
 
 BACKENDS = ("auto", "sdpa", "flashinfer")
 
@@ -44,6 +41,15 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> tor
 class Plan(Protocol):
     def update(self, segments: list[Segment]) -> None: ...
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor: ...
+
+
+class Backend(Protocol):
+    name: str
+    pool: KVPool
+
+    def supports(self, segments: list[Segment]) -> bool: ...
+    def shape_key(self, segments: list[Segment]) -> tuple: ...
+    def make_plan(self, rows: int) -> Plan: ...
 
 
 class SdpaAttention:
@@ -119,7 +125,7 @@ class FlashInferAttention:
         dev, dt, rows = self.workspace.device, self.pool.k_pages.dtype, 64
         prefix = PageList([0], 1, torch.zeros(1, dtype=torch.long, device=dev))
         plan = self.make_plan(rows)
-        plan.update([SimpleNamespace(start=0, length=rows, prefix=(prefix,), collect_kv=False)])
+        plan.update([Segment(start=0, length=rows, prefix=(prefix,), collect_kv=False)])
         q = torch.zeros(rows, self.heads, self.head_dim, dtype=dt, device=dev)
         kv = torch.zeros(rows, self.kv_heads, self.head_dim, dtype=dt, device=dev)
         plan(q, kv, kv, 0)
@@ -207,7 +213,7 @@ class FlashInferPlan:
         return flashinfer.merge_state(out_prefix, lse_prefix, out_own, lse_own)[0].flatten(-2)
 
 
-def make_attention(name: str, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int):
+def make_attention(name: str, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int) -> Backend:
     """`auto`: FlashInfer on CUDA when it is installed and its kernels build and run here, else SDPA (saying
     why on stderr). `flashinfer` asked for explicitly fails here instead."""
     if name not in BACKENDS:

@@ -68,7 +68,7 @@ class ModelConfig:
     def pixel_alignment(self) -> int:
         """Height and width must be multiples of this (the VAE's spatial factor, as the reference checks). A latent
         grid that is not a multiple of the patch size (720p: 45 rows) is zero-padded for the transformer and the
-        prediction cropped back, as the reference does (`step.patchify` / `unpatchify`)."""
+        prediction cropped back, as the reference does (`rows.patchify` / `unpatchify`)."""
         return self.vae_scale_spatial
 
     def latent_hw(self, height: int, width: int) -> tuple[int, int]:

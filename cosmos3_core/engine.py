@@ -19,9 +19,10 @@ from .deployment import Deployment
 from .kv_pool import KVPool
 from .layers import GEN
 from .requests import GenerationParams
+from .rows import Row, denoise_step_row
 from .scheduler import EngineStats, Job, QueueFull, Scheduler, Sink
 from .stages import PrefillResult
-from .step import DenoiseStep, Row, denoise_step_row
+from .step import DenoiseStep
 from .towers import EAGER, GenKernels
 
 __all__ = ["DenoiseEngine", "QueueFull", "Sink"]

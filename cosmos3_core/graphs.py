@@ -15,14 +15,13 @@ shapes depend on: SDPA's prefix lengths; nothing for FlashInfer, whose page tabl
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from .towers import gen_forward
-
-if TYPE_CHECKING:
-    from .step import DenoiseStep, Row, Segment
+from .attention import Backend
+from .layers import Cosmos3Transformer
+from .rows import Row, Segment
+from .towers import GenKernels, gen_forward
 
 
 @dataclass
@@ -39,10 +38,21 @@ class PackedStep:
 
 
 class StepLayout:
-    def __init__(self, step: DenoiseStep, attention, total_rows: int, token_dim: int, segments: list[Segment]):
-        pool, cfg = step.pool, step.model.cfg
-        dev, dt = pool.k_pages.device, pool.k_pages.dtype
-        self.step = step
+    """`graph_pool`: the CUDA graph memory pool its capture shares (None: never capture, e.g. on the CPU)."""
+
+    def __init__(
+        self,
+        model: Cosmos3Transformer,
+        kernels: GenKernels,
+        attention: Backend,
+        total_rows: int,
+        token_dim: int,
+        segments: list[Segment],
+        graph_pool: tuple | None,
+    ):
+        cfg = model.cfg
+        dev, dt = attention.pool.k_pages.device, attention.pool.k_pages.dtype
+        self.model, self.kernels, self.graph_pool = model, kernels, graph_pool
         self.packed: PackedStep = PackedStep(
             tokens=torch.zeros(total_rows, token_dim, dtype=dt, device=dev),
             noisy_mask=torch.zeros(total_rows, dtype=torch.bool, device=dev),
@@ -58,7 +68,7 @@ class StepLayout:
             self.packed.token_segment[s.start : s.start + s.length] = i
         self.plan = attention.make_plan(total_rows)
         self.planned_for: tuple | None = None  # the pages the plan was last updated with
-        self.capturable = step.cuda_graphs and not any(s.collect_kv for s in segments)
+        self.capturable = graph_pool is not None and not any(s.collect_kv for s in segments)
         self.runs = 0
         self.graph: torch.cuda.CUDAGraph | None = None
         self.graph_out: torch.Tensor | None = None
@@ -83,7 +93,7 @@ class StepLayout:
             self.planned_for = pages
 
     def _forward(self) -> tuple[torch.Tensor, dict]:
-        return gen_forward(self.step.model, self.packed, self.plan, self.step.kernels)
+        return gen_forward(self.model, self.packed, self.plan, self.kernels)
 
     def run(self) -> tuple[torch.Tensor, dict]:
         """→ (predictions [S, patch_latent_dim], K/V of collecting segments). With a graph, the predictions
@@ -91,9 +101,8 @@ class StepLayout:
         self.runs += 1
         if self.graph is None and self.capturable and self.runs >= 2:
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=self.step.graph_pool):
+            with torch.cuda.graph(self.graph, pool=self.graph_pool):
                 self.graph_out, _ = self._forward()
-            self.step.captures += 1
         if self.graph is not None:
             self.graph.replay()
             return self.graph_out, {}

@@ -31,9 +31,9 @@ from .config import ModelConfig
 from .kv_pool import KVPool, PageList
 from .requests import GenerationParams, RequestError
 from .rotary import rotary_tables, vision_position_ids
+from .rows import Branch, RowOutput
 from .sampling import guided_velocity, initial_noise, make_scheduler
 from .stages import PrefillResult
-from .step import Branch, RowOutput
 from .windows import WindowPlan, latent_frames, plan_windows
 
 

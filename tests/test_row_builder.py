@@ -7,26 +7,26 @@ from pathlib import Path
 
 import torch
 
-from cosmos3_core import step
+from cosmos3_core import rows, step
 
 PKG = Path(step.__file__).parent
 
 
 def test_rows_are_built_only_by_denoise_step_row():
-    """No module but step.py constructs `Row(...)`, and inside step.py only `denoise_step_row` does."""
+    """No module but rows.py constructs `Row(...)`, and inside rows.py only `denoise_step_row` does."""
     for path in PKG.rglob("*.py"):
         tree = ast.parse(path.read_text())
         for fn in ast.walk(tree):
             for node in ast.walk(fn):
                 if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "Row":
-                    assert path.name == "step.py", f"{path}: builds a Row outside the row builder"
-        if path.name == "step.py":
+                    assert path.name == "rows.py", f"{path}: builds a Row outside the row builder"
+        if path.name == "rows.py":
             for fn in tree.body:
                 if isinstance(fn, ast.FunctionDef) and fn.name != "denoise_step_row":
                     calls = [
                         n for n in ast.walk(fn) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "Row"
                     ]
-                    assert not calls, f"step.{fn.name} builds a Row"
+                    assert not calls, f"rows.{fn.name} builds a Row"
 
 
 def test_step_reads_every_row_field(monkeypatch, nano_ckpt):
@@ -45,12 +45,12 @@ def test_step_reads_every_row_field(monkeypatch, nano_ckpt):
     pool = KVPool(8, 4, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, torch.float32, "cpu")
     pages = pool.alloc(5)
     cos = sin = torch.ones(1 * 2 * 2, cfg.head_dim)
-    branch = step.Branch((pages,), cos, sin)
+    branch = rows.Branch((pages,), cos, sin)
     latents = torch.randn(1, cfg.latent_channel, 1, 4, 4)
-    row = step.denoise_step_row(latents, 500.0, torch.arange(1), (branch,), cfg.latent_patch_size, torch.float32)
+    row = rows.denoise_step_row(latents, 500.0, torch.arange(1), (branch,), cfg.latent_patch_size, torch.float32)
     step.DenoiseStep(model, pool)([row])  # the builder's row runs
-    for f in dataclasses.fields(step.Row):
+    for f in dataclasses.fields(rows.Row):
         renamed = type("RenamedRow", (), {(f.name + "_renamed" if k == f.name else k): getattr(row, k)
-                                          for k in (g.name for g in dataclasses.fields(step.Row))})  # fmt: skip
+                                          for k in (g.name for g in dataclasses.fields(rows.Row))})  # fmt: skip
         with pytest.raises(AttributeError):
             step.DenoiseStep(model, pool)([renamed])

@@ -9,7 +9,8 @@ from cosmos3_core.checkpoint import Checkpoint
 from cosmos3_core.kv_pool import KVPool
 from cosmos3_core.layers import GEN, UND
 from cosmos3_core.rotary import rotary_tables, text_position_ids, vision_position_ids
-from cosmos3_core.step import Branch, DenoiseStep, denoise_step_row
+from cosmos3_core.rows import Branch, denoise_step_row
+from cosmos3_core.step import DenoiseStep
 from cosmos3_core.towers import fused_reference, prefill_text_kv
 
 
@@ -52,7 +53,7 @@ def test_cache_once_equals_fused(tiny_ckpts, variant):
     for (_, _, first_noisy, _), (row, refs), v_packed, v_solo in zip(specs, reqs, packed, solo):
         for (ids, text_rot, gen_rot), vp, vs in zip(refs, v_packed, v_solo):
             ref_tokens = fused_reference(model, ids, text_rot, row.tokens, row.timestep, row.noisy_mask, gen_rot)
-            from cosmos3_core.step import unpatchify
+            from cosmos3_core.rows import unpatchify
 
             ref = unpatchify(ref_tokens, row.token_shape, p, row.latent_hw)
             keep = torch.zeros(row.token_shape[0])

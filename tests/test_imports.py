@@ -1,0 +1,75 @@
+"""`cosmos3_core`'s layers, read from the source: no import cycle, and no module imports one of a higher layer
+(type-only imports included). A new module must be placed in LAYERS."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parent.parent / "cosmos3_core"
+
+# low → high: model maths and plain data; rows; the packed step; the scheduler; the engine; stages and Triton glue
+LAYERS: list[set[str]] = [
+    {"__init__", "config", "faults", "media", "windows", "requests", "sampling", "kv_pool", "prompts", "cancel",
+     "launcher", "tools.__init__", "tools.make_tiny", "tools.random_checkpoint", "wan_decoder"},
+    {"layers", "rotary", "rows", "conditioning"},
+    {"attention", "checkpoint"},
+    {"towers"},
+    {"graphs"},
+    {"step"},
+    {"stages", "deployment"},
+    {"scheduler"},
+    {"engine"},
+    {"generate", "serving"},
+    {"serve"},
+]  # fmt: skip
+RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
+
+
+def _module(path: Path) -> str:
+    return ".".join(path.relative_to(PKG).with_suffix("").parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    """Modules of the package that `path` imports, anywhere in it (function bodies and TYPE_CHECKING too)."""
+    here = _module(path).split(".")
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = here[: len(here) - node.level]
+            names = [node.module] if node.module else [a.name for a in node.names]
+            found |= {".".join([*base, *n.split(".")]) for n in names}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("cosmos3_core."):
+            found.add(node.module.removeprefix("cosmos3_core."))
+    return {m for m in found if m in RANK or m + ".__init__" in RANK}
+
+
+def graph() -> dict[str, set[str]]:
+    return {_module(p): imports_of(p) for p in sorted(PKG.rglob("*.py"))}
+
+
+def test_every_module_has_a_layer():
+    assert set(graph()) <= set(RANK), f"place these in LAYERS: {sorted(set(graph()) - set(RANK))}"
+
+
+def test_no_import_goes_up_a_layer():
+    upward = [(m, d) for m, deps in graph().items() for d in deps if RANK.get(d, 0) > RANK[m]]
+    assert not upward, f"imports from a higher layer: {upward}"
+
+
+def test_no_import_cycle():
+    g, state, cycles = graph(), {}, []
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = "open"
+        for d in sorted(g.get(m, ())):
+            if state.get(d) == "open":
+                cycles.append([*path[path.index(d) :], d])
+            elif d not in state:
+                visit(d, [*path, d])
+        state[m] = "done"
+
+    for m in g:
+        if m not in state:
+            visit(m, [m])
+    assert not cycles, f"import cycles: {cycles}"
