@@ -20,6 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 from cosmos3_core.deployment import Deployment
 from cosmos3_core.generate import Generator
 from cosmos3_core.wan_decoder import EAGER
+from cosmos3_core.windows import latent_frames
 
 from .floor import H200_BF16_FLOPS, denoise_flops, tokens_for
 from .inprocess import PROMPT
@@ -115,8 +116,8 @@ def profile_decode(gen: Generator, params: dict, top: int, repeat: int) -> None:
     """diffusers' decode (its module forward, a fresh copy of the VAE) vs ours eager vs ours compiled."""
     codec = gen.decode.codec
     cfg = gen.engine.model.cfg
-    shape = (1, cfg.latent_channel, 1 + (params["num_frames"] - 1) // cfg.vae_scale_temporal,
-             params["height"] // cfg.vae_scale_spatial, params["width"] // cfg.vae_scale_spatial)  # fmt: skip
+    shape = (1, cfg.latent_channel, latent_frames(params["num_frames"], cfg.vae_scale_temporal),
+             *cfg.latent_hw(params["height"], params["width"]))  # fmt: skip
     lat = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(codec.device)
     theirs = gen.ckpt.load_vae(codec.device, codec.dtype)
     x = lat.to(codec.dtype) / codec.inv_std.to(lat.device) + codec.mean.to(lat.device)
