@@ -14,21 +14,28 @@ from typing import Any
 import numpy as np
 import torch
 from diffusers import UniPCMultistepScheduler
+from torch.overrides import TorchFunctionMode
+
+
+class _SolveWithoutHostCheck(TorchFunctionMode):
+    """Within it, on this thread only, `torch.linalg.solve` runs as `solve_ex`: the error flag stays on the
+    device instead of being read back to the host (a sync)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.linalg.solve:
+            return torch.linalg.solve_ex(*args, **(kwargs or {}))[0]
+        return func(*args, **(kwargs or {}))
 
 
 class Scheduler(UniPCMultistepScheduler):
-    """diffusers' UniPC, with its corrector's solve made sync-free: `torch.linalg.solve` reads its error flag back
-    to the host, a sync that leaves the GPU idle while the host launches the rest of the step; `solve_ex` leaves
-    the flag on the device. The corrector's matrix has distinct nodes, so it is never singular. The swap is
-    process-wide for the call's duration: in a process, only the engine thread steps schedulers."""
+    """diffusers' UniPC with its corrector's solve made sync-free: `torch.linalg.solve` reads its error flag back
+    to the host, a sync that leaves the GPU idle while the host launches the rest of the step. The corrector's
+    matrix has distinct nodes, so it is never singular. The swap is a torch function mode, local to the calling
+    thread and to this call: nothing process-wide changes."""
 
     def multistep_uni_c_bh_update(self, *args, **kwargs) -> torch.Tensor:
-        solve = torch.linalg.solve
-        torch.linalg.solve = lambda a, b: torch.linalg.solve_ex(a, b)[0]
-        try:
+        with _SolveWithoutHostCheck():
             return super().multistep_uni_c_bh_update(*args, **kwargs)
-        finally:
-            torch.linalg.solve = solve
 
 
 def initial_noise(shape: tuple[int, ...], seed: int, device: torch.device | str) -> torch.Tensor:
