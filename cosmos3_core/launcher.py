@@ -41,6 +41,8 @@ Behaviour measured with a decoupled Python step inside an ensemble (Triton 2.51,
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import importlib.util
 import json
 import os
@@ -54,7 +56,7 @@ import sysconfig
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 OPT_TRITONSERVER = Path("/opt/tritonserver/bin/tritonserver")
@@ -329,6 +331,76 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def ports_in_use(ports: Mapping[str, int], address: str = "127.0.0.1") -> list[str]:
+    """``"<name> port <n> (<why>)"`` for each port that cannot be listened on at ``address`` now: held by
+    anything (another server, a stale tritonserver) or named twice. Checked before tritonserver starts, which
+    would only fail to bind after loading every model."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    held: list[socket.socket] = []
+    busy: list[str] = []
+    try:
+        for name, port in ports.items():
+            s = socket.socket(family, socket.SOCK_STREAM)
+            held.append(s)
+            # a just-stopped server's connections in TIME_WAIT do not stop tritonserver (it sets SO_REUSEADDR)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((address, port))
+                s.listen()  # listening, so that the same port named twice fails its second bind
+            except OSError as e:
+                why = "already in use" if e.errno == errno.EADDRINUSE else e.strerror
+                busy.append(f"{name} port {port} ({why})")
+    finally:
+        for s in held:
+            s.close()
+    return busy
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that has the kernel SIGKILL the child when its parent dies, even by SIGKILL: a server
+    outliving its supervisor would keep the ports and, on a GPU, its memory. SIGKILL rather than a graceful
+    signal, since with in-flight requests Triton's shutdown waits ``--exit-timeout-secs`` (``_reaper`` ends
+    the stubs and unlinks the shm regions)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved before the fork: the child only calls it
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the parent died before prctl: no signal will come
+            os._exit(1)
+
+    return preexec
+
+
+# Run by a process of its own: it outlives the server's launcher by design.
+_REAPER = """import os, signal, sys
+from pathlib import Path
+sys.stdin.buffer.read()
+try:
+    os.killpg(int(sys.argv[1]), signal.SIGKILL)
+except ProcessLookupError:
+    pass
+for prefix in sys.argv[2:]:
+    for region in Path("/dev/shm").glob(prefix + "*"):
+        region.unlink(missing_ok=True)
+"""
+
+
+def _reaper(pgid: int, shm_prefix: str | None) -> subprocess.Popen:
+    """A process that SIGKILLs the server's process group and unlinks its shm regions once its stdin closes:
+    when ``stop_server`` is done, or when the launching process dies, however it dies. The stubs of a killed
+    tritonserver can hang forever (2.51's stub deadlocks on parent death while a custom-metrics message is
+    pending) and they hold the model, on a GPU its memory: the parent-death signal reaches tritonserver only."""
+    prefixes = [shm_prefix] if shm_prefix and "/" not in shm_prefix else []
+    return subprocess.Popen([sys.executable, "-I", "-c", _REAPER, str(pgid), *prefixes], stdin=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+
+
 def launch_server(
     model_repository: Path,
     grpc_port: int,
@@ -344,7 +416,11 @@ def launch_server(
     **command_kwargs,
 ) -> subprocess.Popen:
     """Start ``tritonserver`` in its own process group (so the stubs die with it). stdout+stderr go to
-    ``log_path`` (or are inherited). Does not wait for readiness: call ``wait_until_ready``."""
+    ``log_path`` (or are inherited). Does not wait for readiness: call ``wait_until_ready``.
+
+    The server is SIGKILLed by the kernel when the *thread* that called this ends (Linux ``PR_SET_PDEATHSIG``
+    follows the forking thread, not the process): call it from a thread that outlives the server, e.g. the
+    main thread, as ``python -m cosmos3_core.serve`` does."""
     tritonserver = Path(command_kwargs.pop("tritonserver", None) or find_tritonserver())
     if backend_dir is None:
         backend_dir = prepare_backend_dir(
@@ -377,6 +453,7 @@ def launch_server(
             stderr=subprocess.STDOUT if stdout else None,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
+            preexec_fn=_die_with_parent(),
         )
     finally:
         if stdout is not None:
@@ -385,6 +462,7 @@ def launch_server(
     proc.log_path = log_path  # type: ignore[attr-defined]
     prefix = next((a.split("shm-region-prefix-name=", 1)[1] for a in cmd if "shm-region-prefix-name=" in a), None)
     proc.shm_prefix = prefix  # type: ignore[attr-defined]
+    proc.reaper = _reaper(proc.pid, prefix)  # type: ignore[attr-defined]
     return proc
 
 
@@ -465,6 +543,10 @@ def stop_server(proc: subprocess.Popen, timeout_s: float = 45.0) -> int:
                 region.unlink()
             except OSError:
                 pass
+    reaper = getattr(proc, "reaper", None)
+    if reaper is not None:
+        reaper.stdin.close()
+        reaper.wait(10)
     return proc.returncode
 
 
@@ -497,6 +579,7 @@ __all__ = [
     "preflight",
     "server_command",
     "free_port",
+    "ports_in_use",
     "launch_server",
     "wait_until_ready",
     "stop_server",

@@ -161,7 +161,7 @@ def parse_parameters_json(raw: bytes | str | None) -> dict[str, Any]:
     try:
         params = json.loads(raw)
     # ValueError: also an int of more digits than Python converts (4300); RecursionError: deep nesting
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (ValueError, RecursionError) as e:
         raise RequestError("parameters", f"is not valid JSON ({e})") from e
     if not isinstance(params, dict):
         raise RequestError("parameters", f"must be a JSON object, got {type(params).__name__}")

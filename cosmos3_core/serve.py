@@ -1,17 +1,21 @@
 """Render `model_repository/` for a deployment and run tritonserver on it.
 
   python -m cosmos3_core.serve [--config configs/tiny.yaml] [--checkpoint DIR] [--grpc-port 8001]
-      [--http-port 8000] [--metrics-port 8002] [--address 127.0.0.1] [--workdir build/serve] [--render-only]
+      [--http-port 8000] [--metrics-port 8002] [--address 127.0.0.1] [--workdir build/serve/<grpc port>]
+      [--render-only]
 
 Rendering writes `<workdir>/deployment.yaml` (the effective deployment, checkpoint resolved — the tiny one is
 made here, once, before any stub starts) and `<workdir>/model_repository/` (each `config.pbtxt` filled in
 from the deployment, each `model.py` copied). The server binds loopback unless `--address` says otherwise.
+Each server has its own workdir (its cancel and drain marks live there), held by a lock while it runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import fcntl
+import os
 import shutil
 import signal
 import subprocess
@@ -23,8 +27,8 @@ from string import Template
 import yaml
 
 from .cancel import CancelMarks
-from .deployment import Deployment, resolve_checkpoint
-from .launcher import free_port, launch_server, stop_server, stub_pids, wait_until_ready
+from .deployment import DEFAULT_CONFIG, Deployment, resolve_checkpoint
+from .launcher import free_port, launch_server, ports_in_use, stop_server, stub_pids, wait_until_ready
 
 REPO_TEMPLATE = Path(__file__).resolve().parent.parent / "model_repository"
 MODELS = ("cosmos3", "cosmos3_prefill", "cosmos3_denoise", "cosmos3_vae_decode")
@@ -37,7 +41,8 @@ def render(deployment: Deployment, workdir: Path) -> tuple[Path, Deployment]:
     deployment = dataclasses.replace(
         deployment,
         checkpoint=str(resolve_checkpoint(deployment.checkpoint).absolute()),
-        cancel_dir=deployment.cancel_dir or str(workdir / "cancelled"),
+        # always this workdir's: a shared one would let one server's drain mark stop every other server
+        cancel_dir=str(workdir / "cancelled"),
     )
     shutil.rmtree(deployment.cancel_dir, ignore_errors=True)  # no stale cancel or drain marks from a previous run
     dep_path = workdir / "deployment.yaml"
@@ -77,26 +82,40 @@ def start(
     return proc, ports, deployment
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m cosmos3_core.serve", description=__doc__.split("\n")[0])
-    ap.add_argument("--config", default="configs/tiny.yaml")
+    ap.add_argument("--config", default=str(DEFAULT_CONFIG), help="deployment YAML; default configs/tiny.yaml")
     ap.add_argument("--checkpoint", default=None, help="override the config's checkpoint")
     ap.add_argument("--grpc-port", type=int, default=8001)
     ap.add_argument("--http-port", type=int, default=8000)
     ap.add_argument("--metrics-port", type=int, default=8002)
     ap.add_argument("--address", default="127.0.0.1", help="bind address (default loopback only)")
-    ap.add_argument("--workdir", default="build/serve")
+    ap.add_argument("--workdir", default=None, help="default build/serve/<grpc port>: one per server")
     ap.add_argument("--render-only", action="store_true")
     ap.add_argument("extra", nargs="*", help="extra tritonserver flags after --")
-    args = ap.parse_args(argv)
+    return ap
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+
+    ports = [p or free_port() for p in (args.grpc_port, args.http_port, args.metrics_port)]
+    if not args.render_only:
+        busy = ports_in_use(dict(zip(("grpc", "http", "metrics"), ports)), args.address)
+        if busy:
+            print(f"error: cannot listen on {args.address}: {', '.join(busy)}", file=sys.stderr)
+            return 1
+    workdir = Path(args.workdir or f"build/serve/{ports[0]}")
+    if lock_workdir(workdir) is None:
+        holder = (workdir / ".lock").read_text().strip()
+        print(f"error: {workdir.absolute()} is in use by another server (pid {holder}); pass another --workdir",
+              file=sys.stderr)  # fmt: skip
+        return 1
     deployment = Deployment.load(args.config, checkpoint=args.checkpoint)
-    workdir = Path(args.workdir)
     repo, deployment = render(deployment, workdir)
     print(f"rendered {repo}", file=sys.stderr)
     if args.render_only:
         return 0
-    ports = [p or free_port() for p in (args.grpc_port, args.http_port, args.metrics_port)]
     host = args.address if args.address != "0.0.0.0" else "127.0.0.1"
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
@@ -123,6 +142,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{reason}; restarting tritonserver (its in-flight requests end with errors)", file=sys.stderr)
         stop_server(proc, timeout_s=5)
     return 0
+
+
+def lock_workdir(workdir: Path) -> int | None:
+    """Lock `<workdir>/.lock` until this process ends (→ the lock's fd), or None while another holds it:
+    rendering wipes the repository and the marks of whoever else serves from it."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(workdir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
 
 
 def drain(deployment: Deployment, metrics_port: int, host: str) -> None:

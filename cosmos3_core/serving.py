@@ -112,7 +112,14 @@ class TritonSink:
     def done(self, latents: torch.Tensor, info: dict[str, Any]) -> None:
         info["timings"] = {"prefill_s": self.meta["prefill_s"], **info["timings"]}
         resolved = GenerationParams(**self.meta["params"]).resolved()
-        event = {"type": "done", "id": self.id, "seed": resolved["seed"], "params": resolved, "t0": self.meta["t0"], **info}
+        event = {
+            "type": "done",
+            "id": self.id,
+            "seed": resolved["seed"],
+            "params": resolved,
+            "t0": self.meta["t0"],
+            **info,
+        }
         self._put(latents.float().cpu(), event, final=True)  # the last chunk rides in the final response
         self._forget()
 

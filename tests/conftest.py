@@ -100,9 +100,19 @@ def served_deployment(nano_ckpt, tmp_path_factory):
 
 
 class Server:
-    def __init__(self, grpc: int, http: int, metrics: int):
+    def __init__(self, grpc: int, http: int, metrics: int, proc=None):
+        from cosmos3_core.launcher import stub_pids
+
         self.url = f"127.0.0.1:{grpc}"
         self.http_port, self.metrics_port = http, metrics
+        self.proc = proc
+        self.stubs = set(stub_pids(proc)) if proc is not None else set()
+
+    def alive(self) -> bool:
+        """tritonserver and every Python stub it had when ready are still running."""
+        from cosmos3_core.launcher import stub_pids
+
+        return self.proc is None or (self.proc.poll() is None and set(stub_pids(self.proc)) == self.stubs)
 
     def metrics(self, settle: bool = False) -> dict[str, float]:
         """cosmos3_* samples summed over instances, keyed by name (and outcome label). `settle`: first wait out
@@ -136,7 +146,7 @@ def server(served_deployment, tmp_path_factory):
     proc, ports, _ = start(served_deployment[1], tmp_path_factory.mktemp("serve"), env)
     try:
         wait_until_ready(ports[1], proc=proc, timeout_s=300)
-        yield Server(*ports)
+        yield Server(*ports, proc=proc)
     finally:
         stop_server(proc)
 

@@ -153,7 +153,9 @@ def test_windows_match_reference_and_pages_are_exact(setup, mode, params, window
         engine.tick()
         if engine.num_live:
             job = engine.scheduler.live[0]
-            committed = sum(engine.scheduler.plan(p).windows[i].length for i in range(job.window)) if mode == "kv" else 0
+            committed = (
+                sum(engine.scheduler.plan(p).windows[i].length for i in range(job.window)) if mode == "kv" else 0
+            )
             held = min(context_lat, committed) if context_lat else committed
             assert engine.pool.pages_used == text_pages + len(pre.text_k) * held * per_frame_pages
             assert engine.pages_held(job_id) == engine.pool.pages_used

@@ -53,3 +53,16 @@ def test_outputs(nano_ckpt, tmp_path, suffix):
         assert frames.shape == (5, 32, 32, 3)
     if suffix == ".npy":
         assert np.load(out).shape == (5, 32, 32, 3)
+
+
+def test_cli_and_server_default_to_the_same_deployment():
+    """The same flags give the same video from `generate` and `serve`: both read configs/tiny.yaml unless told."""
+    from cosmos3_core import generate, serve
+    from cosmos3_core.deployment import DEFAULT_CONFIG, Deployment
+
+    cli = generate.build_parser().parse_args(["--prompt", "p", "--out", "x.npy"])
+    server = serve.build_parser().parse_args([])
+    assert cli.config == server.config == str(DEFAULT_CONFIG) and DEFAULT_CONFIG.is_file()
+    defaults = Deployment.load(DEFAULT_CONFIG).defaults
+    # the embedded default sets sizes and steps for a CPU, nothing that departs from the reference's sampling
+    assert (defaults.fps, defaults.t2v.guidance_scale, defaults.t2v.shift) == (24.0, 6.0, None)

@@ -1,9 +1,16 @@
-"""Real-shape checkpoints without weights, for speed measurements: `checkpoint: "random:edge"` (or nano).
+"""Real-shape checkpoints with random weights: `checkpoint: "random:edge"` (or nano) for speed, and real
+diffusers checkpoints with LLM-like random weights for numerics (`bench.parity`).
 
 `write_skeleton(out, preset)` writes the diffusers layout with every config at the published shapes
 (`cosmos3.md`), the local byte-level tokenizer, and no weight files; `model_index.json` carries
 `"random_weights": true`. `Checkpoint.load_transformer` / `load_vae` then draw weights on the target device
 (timing does not depend on values). The same skeleton builds diffusers' pipeline for side-by-side runs.
+
+`write_skeleton(out, preset, weights=True)` (or `write_weights(root)` on any checkpoint) also writes the weights,
+so that diffusers' `from_pretrained` and our loader read the same files. The transformer is drawn as an LLM's is
+initialised (transformers' `_init_weights` with `initializer_range` 0.02): every matrix and embedding
+N(0, 0.02²), biases 0, norm scales 1. The VAE keeps torch's default init under the seed. Everything is stored in
+bf16 (the fp32 time embedder in fp32), so a bf16 run holds exactly the weights an fp32 run holds.
 """
 
 from __future__ import annotations
@@ -12,7 +19,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from .make_tiny import build_text_tokenizer
+
+LLM_INIT_STD = 0.02  # transformers' default `initializer_range` (Qwen3, Nemotron, Llama)
+SHARD_BYTES = 4 << 30
 
 PRESETS: dict[str, dict[str, Any]] = {
     "edge": {
@@ -44,7 +56,8 @@ SCHEDULER = {
 }  # fmt: skip
 
 
-def write_skeleton(out: Path, preset: str) -> Path:
+def write_skeleton(out: Path, preset: str, weights: bool = False, seed: int = 0, device: str = "cpu") -> Path:
+    """`weights`: also write LLM-like random weights (`write_weights`), drawn on `device`."""
     if preset not in PRESETS:
         raise ValueError(f"unknown random preset {preset!r}; known: {', '.join(PRESETS)}")
     out = Path(out)
@@ -60,5 +73,64 @@ def write_skeleton(out: Path, preset: str) -> Path:
         "text_tokenizer": ["transformers", "PreTrainedTokenizerFast"], "enable_safety_checker": False,
         "default_use_system_prompt": True, "use_native_flow_schedule": preset == "edge",
     }  # fmt: skip
+    if weights:
+        del index["random_weights"]  # the weights are in the files
+        index |= {"sound_tokenizer": [None, None], "safety_checker": [None, None]}
     (out / "model_index.json").write_text(json.dumps(index, indent=1))
+    if weights:
+        write_weights(out, seed, device)
     return out
+
+
+def llm_init(name: str, shape: tuple[int, ...], gen: torch.Generator, device: str) -> torch.Tensor:
+    """One transformer tensor as an LLM initialises it: norm scales 1, biases 0, the rest N(0, 0.02²)."""
+    if len(shape) == 1:
+        is_norm = "norm" in name.rsplit(".", 2)[-2]  # the owning module's name: input_layernorm, norm_added_q, ...
+        return torch.ones(shape, device=device) if is_norm else torch.zeros(shape, device=device)
+    return torch.randn(shape, generator=gen, device=device) * LLM_INIT_STD
+
+
+def write_weights(root: Path, seed: int = 0, device: str = "cpu", shard_bytes: int = SHARD_BYTES) -> None:
+    """Write LLM-like random transformer weights and a seeded random VAE into the checkpoint at `root` (its configs
+    as they are), as diffusers' `save_pretrained` lays them out; existing weight files are replaced."""
+    from diffusers import AutoencoderKLWan, Cosmos3OmniTransformer
+    from safetensors.torch import save_file
+
+    root = Path(root)
+    tdir = root / "transformer"
+    tcfg = {k: v for k, v in json.loads((tdir / "config.json").read_text()).items() if not k.startswith("_")}
+    with torch.device("meta"):
+        model = Cosmos3OmniTransformer(**tcfg)
+    fp32 = tuple(f"{m}." for m in model._keep_in_fp32_modules or ())
+    specs = [(k, tuple(v.shape), torch.float32 if k.startswith(fp32) else torch.bfloat16)
+             for k, v in model.state_dict().items()]  # fmt: skip
+    shards: list[list[tuple[str, tuple[int, ...], torch.dtype]]] = [[]]
+    size = 0
+    for spec in specs:
+        nbytes = torch.Size(spec[1]).numel() * spec[2].itemsize
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(spec)
+        size += nbytes
+    for stale in [*tdir.glob("*.safetensors"), *tdir.glob("*.safetensors.index.json")]:
+        stale.unlink()
+    gen = torch.Generator(device).manual_seed(seed)
+    names = ["diffusion_pytorch_model.safetensors"] if len(shards) == 1 else [
+        f"diffusion_pytorch_model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]  # fmt: skip
+    weight_map, total = {}, 0
+    for name, shard in zip(names, shards):
+        tensors = {k: llm_init(k, shape, gen, device).to(dtype).cpu() for k, shape, dtype in shard}
+        save_file(tensors, str(tdir / name), metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(tensors, name)
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        del tensors
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (tdir / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    vcfg = json.loads((root / "vae" / "config.json").read_text())
+    with torch.random.fork_rng(devices=[]), torch.device(device):
+        torch.manual_seed(seed)
+        vae = AutoencoderKLWan.from_config({k: v for k, v in vcfg.items() if not k.startswith("_")})
+    vae.to(torch.bfloat16).save_pretrained(root / "vae", safe_serialization=True)
+    del vae

@@ -33,11 +33,9 @@ class TritonPythonModel:
         d, device = deployment_from_args(args)
         ckpt = Checkpoint.open(resolve_checkpoint(d.checkpoint))
         self.engine = DenoiseEngine.from_deployment(ckpt, d, device)
+        cfg, shift = ckpt.config, checkpoint_shift(ckpt.scheduler_config)
         warmup = [
-            validate(
-                "warmup", r, None, d.defaults, d.limits, ckpt.config.pixel_alignment, ckpt.config.vae_scale_temporal,
-                checkpoint_shift(ckpt.scheduler_config),
-            )  # fmt: skip
+            validate("warmup", r, None, d.defaults, d.limits, cfg.pixel_alignment, cfg.vae_scale_temporal, shift)
             for r in d.warmup_requests
         ]
         pb_utils.Logger.log_info(

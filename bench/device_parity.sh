@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# On the H200 (device tool): the real-shape parity harness (bench/parity.py) for each preset given (edge, nano).
+# Carry .whl/parity: diffusers 0.42.1, flashinfer-python 0.6.1, apache-tvm-ffi, nvidia-cudnn-frontend (the rest is in
+# the image). Checkpoints are written under /tmp/c3parity (Nano: 30 GB of bf16; a preset's checkpoint is removed
+# before the next preset's is written, the disk is 64 GiB). FlashInfer JIT-compiles fa3 on first use (~90 s).
+#   device run, carry [.whl/parity]: bash bench/device_parity.sh edge [--cases 't2v-*' ...]
+set -uo pipefail
+preset=$1; shift
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/parity/*.whl 2>&1 | grep -v -e WARNING -e "already exists" | tail -2
+export PYTHONPATH=/tmp/site:$PWD COSMOS3_CACHE=/tmp/c3parity FLASHINFER_WORKSPACE_BASE=/tmp/fiws PYTHONUNBUFFERED=1
+python3 -c "import torch, diffusers, transformers; print(torch.__version__, diffusers.__version__, transformers.__version__, torch.cuda.get_device_name())"
+python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" 2>&1 | tail -1
+for old in /tmp/c3parity/parity-*; do [[ -e $old && $old != */parity-$preset-* ]] && rm -rf "$old"; done
+df -h /tmp | tail -1
+python3 -m bench.parity --preset "$preset" --json "$OUT/parity_$preset.json" "$@" 2>&1 \
+  | grep -v -e Warning -e "should be kept in float32" -e deprecate -e "Loading pipeline" | tee "$OUT/parity_$preset.txt"

@@ -1,0 +1,103 @@
+"""bench.parity on the tiny preset (CPU, fp32 against fp32): the harness runs end to end, its numbers are sane,
+its pass/fail logic holds, and the checkpoint writer's LLM-like weights load in diffusers and in ours alike."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from bench import parity
+
+
+def test_pass_fail_logic():
+    assert parity.passes(0.0705, 0.0700)  # ratio 1.007
+    assert parity.passes(0.0735, 0.0700)  # exactly at 1.05
+    assert not parity.passes(0.0740, 0.0700)  # 1.057
+    assert parity.passes(5e-5, 0.0) and not parity.passes(2e-4, 0.0)  # fp32 against fp32: the floor decides
+    assert parity.passes(0.072, 0.07, bar=1.05) and not parity.passes(0.072, 0.07, bar=1.01)
+
+
+def test_metrics():
+    a = np.full((2, 4, 4, 3), 100, np.uint8)
+    assert parity.psnr(a, a) == math.inf
+    assert parity.psnr(a, a + 1) == pytest.approx(20 * math.log10(255))
+    x = torch.ones(10)
+    assert parity.rel_l2(x * 1.1, x) == pytest.approx(0.1)
+
+
+def test_cases_and_selection():
+    names = [c.name for c in parity.cases_for("edge")]
+    assert len(names) == len(set(names)) == 16 and "i2v-33f-8s-flow" in names
+    assert [c.name for c in parity.select("edge", ["t2v-9f-4s-*"])] == ["t2v-9f-4s-native", "t2v-9f-4s-flow"]
+    with pytest.raises(SystemExit):
+        parity.select("edge", ["nothing"])
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    import os
+
+    tmp = tmp_path_factory.mktemp("parity")
+    old = os.environ.get("COSMOS3_CACHE")
+    os.environ["COSMOS3_CACHE"] = str(tmp / "cache")
+    try:
+        out = tmp / "run.json"
+        result = parity.main(["--preset", "tiny", "--device", "cpu", "--cases", "t2v-5f-4s-native", "i2v-5f-4s-flow",
+                              "--json", str(out)])  # fmt: skip
+    finally:
+        if old is None:
+            os.environ.pop("COSMOS3_CACHE")
+        else:
+            os.environ["COSMOS3_CACHE"] = old
+    return result, out, tmp
+
+
+def test_tiny_harness_fp32_against_fp32(tiny_run):
+    result, _, _ = tiny_run
+    assert result["dtype"] == "float32" and result["variants"] == ["sdpa"]
+    assert list(result["cases"]) == ["t2v-5f-4s-native", "i2v-5f-4s-flow"]
+    for row in result["cases"].values():
+        runs = row["runs"]
+        assert runs["diffusers"]["rel_l2"] == 0.0  # diffusers fp32 twice on the CPU: the same numbers
+        assert runs["sdpa"]["rel_l2"] < 1e-5  # ours in fp32 against diffusers in fp32
+        assert runs["sdpa"]["psnr_db"] > 60 and runs["sdpa"]["backend"] == "sdpa"
+        assert row["pass"]
+
+
+def test_report_and_markdown(tiny_run, tmp_path):
+    from bench.report import SECTION
+
+    result, saved, _ = tiny_run
+    md = tmp_path / "BENCHMARKS.md"
+    md.write_text(f"# Benchmarks\n\n## Earlier\n\ntext\n\n{SECTION}\n\n| row |\n")
+    parity.main(["--report", str(saved), "--md", str(md)])
+    parity.main(["--report", str(saved), "--md", str(md)])
+    text = md.read_text()
+    assert text.index("## Earlier") < text.index(parity.HEADING) < text.index(SECTION)  # rows section stays last
+    assert text.count(parity.HEADING) == 1 and text.count("### tiny") == 2
+    assert "| t2v-5f-4s-native | 0.000 % |" in text and "2/2 cases pass" in text
+    assert json.loads(saved.read_text())["cases"].keys() == result["cases"].keys()
+
+
+def test_weights_are_llm_like_and_load_in_both(tiny_run):
+    from cosmos3_core.checkpoint import Checkpoint
+    from cosmos3_core.layers import GEN, UND
+
+    _, _, tmp = tiny_run
+    root = tmp / "cache" / "parity-tiny-s0"
+    stored = load_file(root / "transformer" / "diffusion_pytorch_model.safetensors")
+    assert torch.equal(stored["layers.0.input_layernorm.weight"].float(), torch.ones(64))
+    assert not stored["proj_in.bias"].any()
+    w = stored["layers.0.mlp.down_proj.weight"]
+    assert w.dtype == torch.bfloat16 and abs(w.float().std().item() - 0.02) < 0.002
+    assert stored["time_embedder.linear_1.weight"].dtype == torch.float32
+    ours = Checkpoint.open(root).load_transformer({GEN, UND}, "cpu", torch.float32).state_dict()
+    assert all(torch.equal(v, stored[k].float()) for k, v in ours.items())
+    flow = root.with_name(root.name + "-flow")  # the schedule override: a linked copy with its own model_index.json
+    assert json.loads((flow / "model_index.json").read_text())["use_native_flow_schedule"] is False
+    assert Checkpoint.open(flow).use_native_flow_schedule is False
