@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from cosmos3_core.wire import decode_event
+
 
 class ServerError(RuntimeError):
     pass
@@ -116,7 +118,7 @@ def _generate(url, prompt, params, image, on_event, model, timeout_s, cancel_aft
                 out.frames.append(frames)
                 out.chunk_times.append(t - t0)
             if event_raw is not None and event_raw.size:
-                event = json.loads(event_raw.reshape(-1)[0])
+                event = decode_event(event_raw.reshape(-1)[0])
                 out.events.append(event)
                 if on_event is not None:
                     on_event(event, frames)

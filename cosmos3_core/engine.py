@@ -21,9 +21,9 @@ from .layers import GEN
 from .requests import GenerationParams
 from .rows import Row, denoise_step_row
 from .scheduler import EngineStats, Job, QueueFull, Scheduler, Sink
-from .stages import PrefillResult
 from .step import DenoiseStep
 from .towers import EAGER, GenKernels
+from .wire import PrefillResult
 
 __all__ = ["DenoiseEngine", "QueueFull", "Sink"]
 

@@ -24,7 +24,8 @@ from .deployment import DEFAULT_CONFIG, Deployment, resolve_checkpoint
 from .engine import DenoiseEngine
 from .media import FRAME_SUFFIXES, write_frames
 from .requests import RequestError, add_request_arguments, params_from_arguments
-from .stages import DecodeStage, PrefillResult, PrefillStage
+from .stages import DecodeStage, PrefillStage
+from .wire import PrefillResult
 
 OUT_SUFFIXES = (*FRAME_SUFFIXES, ".pt")
 

@@ -33,14 +33,14 @@ from .requests import GenerationParams, RequestError
 from .rotary import rotary_tables, vision_position_ids
 from .rows import Branch, RowOutput
 from .sampling import guided_velocity, initial_noise, make_scheduler
-from .stages import PrefillResult
 from .windows import WindowPlan, latent_frames, plan_windows
+from .wire import ChunkInfo, PrefillResult
 
 
 class Sink(Protocol):
     def progress(self, step: int, steps: int, window: int, windows: int) -> None: ...
-    def chunk(self, latents: torch.Tensor, info: dict[str, Any]) -> None: ...
-    def done(self, latents: torch.Tensor, info: dict[str, Any]) -> None: ...
+    def chunk(self, latents: torch.Tensor, info: ChunkInfo) -> None: ...
+    def done(self, latents: torch.Tensor, info: ChunkInfo) -> None: ...
     def error(self, message: str) -> None: ...
     def cancelled(self) -> bool: ...
 
@@ -294,10 +294,10 @@ class Scheduler:
             else:
                 job.sink.chunk(piece, info)
 
-    def _chunk_info(self, job: Job, final: bool, offset: int, frames: int) -> dict[str, Any]:
+    def _chunk_info(self, job: Job, final: bool, offset: int, frames: int) -> ChunkInfo:
         win = job.plan.windows[job.window]
         now = time.perf_counter()
-        info = {
+        info: ChunkInfo = {
             "window": win.index,
             "windows": len(job.plan.windows),
             "latent_offset": win.latent_start + offset,

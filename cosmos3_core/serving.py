@@ -1,18 +1,9 @@
 """Triton glue shared by the three `model.py` adaptors: deployment from the model config, tensors in and out,
-the engine thread, the one response thread, and the engine's metrics.
+the engine thread, the decode loop, the one send path (`Responder`) of both decoupled models, and metrics.
 
-Only imported inside a Triton Python stub (`triton_python_backend_utils` exists there).
-
-Wire contract between the models (all per request, max_batch_size 0):
-  prefill → denoise:  text_kv [2, layers, sum(branch tokens), kv_heads, head_dim] (model dtype),
-                      text_lens INT64 [branches], cond_latent FP32 [1, C, 1, h, w] or [0,0,0,0,0],
-                      request BYTES [1] JSON {"params": GenerationParams, "t0": epoch s, "prefill_s": s}
-  denoise → decode:   latents FP32 [1, C, T, h, w] (empty [0,0,0,0,0] for a progress event), event BYTES [1]
-  decode → client:    video UINT8 [T, H, W, 3] (empty [0,0,0,3] unless the event carries frames), event BYTES [1]
-Events: {"type": "progress", "step", "steps"} | {"type": "done", "timings": {...}, "frames", "seed",
-"params": every sampling parameter as resolved (GenerationParams.resolved: sizes, fps, steps, guidance, shift, seed,
-windows)}.
-Errors travel as Triton errors whose text is "<field>: <what is allowed>".
+Only imported inside a Triton Python stub (`triton_python_backend_utils` exists there). What crosses between
+the models and to the client is typed in wire.py; errors travel as Triton errors whose text is
+"<field>: <what is allowed>".
 """
 
 from __future__ import annotations
@@ -22,6 +13,7 @@ import queue
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -32,9 +24,12 @@ from torch.utils.dlpack import to_dlpack
 from .cancel import CancelMarks
 from .deployment import Deployment
 from .engine import DenoiseEngine
-from .requests import GenerationParams
+from .stages import DecodeStage
+from .wire import ChunkEvent, ChunkInfo, Event, RequestMeta, decode_event, encode_event
 
 EMPTY_LATENTS = np.zeros((0, 0, 0, 0, 0), dtype=np.float32)
+EMPTY_VIDEO = np.zeros((0, 0, 0, 3), dtype=np.uint8)
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
 def deployment_from_args(args: dict[str, Any]) -> tuple[Deployment, str]:
@@ -88,80 +83,145 @@ def log_exception(where: str, e: BaseException) -> str:
     return f"internal error in {where}: {type(e).__name__}: {e}"
 
 
-class TritonSink:
-    """Engine events of one request → responses queued for the response thread."""
+class Responder:
+    """The one send path of both decoupled models: a thread that runs each item's `build` (it may wait, e.g. for
+    a chunk's frames on the host) and sends what it returns. A failed build sends an error, final; a final
+    response that cannot be sent is followed by an error, final, so the ensemble request never stays in flight.
+    `maxsize` bounds how far producers run ahead of the sends."""
 
-    def __init__(self, request, outbox: queue.Queue, meta: dict[str, Any], marks: CancelMarks):
+    def __init__(self, device: str | None = None, maxsize: int = 0):
+        self.device = device
+        self.queue: queue.Queue = queue.Queue(maxsize)
+        self.thread = threading.Thread(target=self._run, name="cosmos3-send", daemon=True)
+        self.thread.start()
+
+    def send(self, sender: Any, build: Callable[[], Any], final: bool) -> None:
+        self.queue.put((sender, build, final))
+
+    def error(self, sender: Any, message: str) -> None:
+        self.send(sender, lambda: error_response(message), final=True)
+
+    def _run(self) -> None:
+        if self.device is not None:
+            use_device(self.device)
+        while (item := self.queue.get()) is not None:
+            sender, build, final = item
+            try:
+                response = build()
+            except Exception as e:  # noqa: BLE001 - one failed response never stops the others
+                response, final = error_response(log_exception("cosmos3 response", e)), True
+            try:
+                sender.send(response, flags=FINAL if final else 0)
+            except Exception as e:  # noqa: BLE001 - a client that went away must not stop the others
+                message = log_exception("cosmos3 send", e)
+                if final:
+                    try:
+                        sender.send(error_response(message), flags=FINAL)
+                    except Exception:  # noqa: BLE001, S110 - the request is already gone
+                        pass
+
+    def close(self, timeout: float) -> None:
+        self.queue.put(None)
+        self.thread.join(timeout)
+
+
+class TritonSink:
+    """Engine events of one request → responses through the responder."""
+
+    def __init__(self, request: Any, responder: Responder, meta: RequestMeta | None, marks: CancelMarks):
         self.request = request
         self.sender = request.get_response_sender()
-        self.outbox = outbox
+        self.responder = responder
         self.meta = meta
         self.marks = marks
-        self.id = meta.get("id", "")
 
-    def _put(self, latents: torch.Tensor | np.ndarray, event: dict[str, Any], final: bool) -> None:
-        self.outbox.put((self.sender, (latents, event), final))
+    def _send(self, latents: torch.Tensor | np.ndarray, event: Event, final: bool) -> None:
+        self.responder.send(self.sender, lambda: latents_response(latents, event), final)
 
     def progress(self, step: int, steps: int, window: int, windows: int) -> None:
-        event = {"type": "progress", "id": self.id, "step": step, "steps": steps, "window": window, "windows": windows}
-        self._put(EMPTY_LATENTS, event, final=False)
+        self._send(EMPTY_LATENTS, self.meta.progress(step, steps, window, windows), final=False)
 
-    def chunk(self, latents: torch.Tensor, info: dict[str, Any]) -> None:
-        self._put(latents.float().cpu(), {"type": "chunk", "id": self.id, "t0": self.meta["t0"], **info}, final=False)
+    def chunk(self, latents: torch.Tensor, info: ChunkInfo) -> None:
+        self._send(latents.float().cpu(), self.meta.chunk(info, final=False), final=False)
 
-    def done(self, latents: torch.Tensor, info: dict[str, Any]) -> None:
-        info["timings"] = {"prefill_s": self.meta["prefill_s"], **info["timings"]}
-        resolved = GenerationParams(**self.meta["params"]).resolved()
-        event = {
-            "type": "done",
-            "id": self.id,
-            "seed": resolved["seed"],
-            "params": resolved,
-            "t0": self.meta["t0"],
-            **info,
-        }
-        self._put(latents.float().cpu(), event, final=True)  # the last chunk rides in the final response
+    def done(self, latents: torch.Tensor, info: ChunkInfo) -> None:
+        self._send(latents.float().cpu(), self.meta.chunk(info, final=True), final=True)  # the last chunk rides here
         self._forget()
 
     def error(self, message: str) -> None:
-        self.outbox.put((self.sender, message, True))
+        self.responder.error(self.sender, message)
         self._forget()
 
     def cancelled(self) -> bool:
-        return self.request.is_cancelled() or (bool(self.id) and self.marks.is_marked(self.id))
+        return self.request.is_cancelled() or (self.meta is not None and self.marks.is_marked(self.meta.id))
 
     def _forget(self) -> None:
-        if self.id:
-            self.marks.clear(self.id)
+        if self.meta is not None:
+            self.marks.clear(self.meta.id)
 
 
-class ResponseThread:
-    """The one thread that builds and sends responses (house rule: one send path). Items: (sender,
-    (latents, event) | error message, final)."""
+def latents_response(latents: torch.Tensor | np.ndarray, event: Event) -> Any:
+    return pb_utils.InferenceResponse(
+        output_tensors=[output("latents", latents), text_output("event", encode_event(event))]
+    )
 
-    def __init__(self):
-        self.outbox: queue.Queue = queue.Queue()
-        self.thread = threading.Thread(target=self._run, name="cosmos3-responses", daemon=True)
+
+def video_response(video: np.ndarray, event: Event) -> Any:
+    return pb_utils.InferenceResponse(
+        output_tensors=[output("video", video), text_output("event_out", encode_event(event))]
+    )
+
+
+class DecodeLoop:
+    """vae_decode's thread: takes requests in arrival order, launches each chunk's decode on the GPU and hands it
+    to the responder, which waits for its frames on the host and sends them while the GPU decodes the next one.
+    A cancelled request marks its id for the engine (cancel.py) and drops its decoder cache."""
+
+    def __init__(self, stage: DecodeStage, marks: CancelMarks, metrics: DecodeMetrics, device: str):
+        self.stage, self.marks, self.metrics, self.device = stage, marks, metrics, device
+        # at most 2 chunks launched ahead of the sends: little pinned host memory held
+        self.responder = Responder(device, maxsize=2)
+        self.inbox: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._run, name="cosmos3-decode", daemon=True)
         self.thread.start()
 
+    def put(self, request: Any) -> None:
+        self.inbox.put((request, request.get_response_sender()))
+
     def _run(self) -> None:
-        while (item := self.outbox.get()) is not None:
-            sender, payload, final = item
-            try:
-                if isinstance(payload, str):
-                    resp = error_response(payload)
-                else:
-                    latents, event = payload
-                    resp = pb_utils.InferenceResponse(
-                        output_tensors=[output("latents", latents), text_output("event", json.dumps(event))]
-                    )
-                sender.send(resp, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
-            except Exception as e:  # noqa: BLE001 - a client that went away must not stop the others
-                pb_utils.Logger.log_warn(f"cosmos3: send failed: {e}")
+        use_device(self.device)
+        while (item := self.inbox.get()) is not None:
+            request, sender = item
+            self.responder.send(sender, self._launch(request), final=True)
+
+    def _launch(self, request: Any) -> Callable[[], Any]:
+        try:
+            event = decode_event(input_array(request, "event").reshape(-1)[0])
+            if request.is_cancelled():  # the client cancelled: tell the engine (see cancel.py)
+                self.marks.mark(event["id"])
+                self.stage.drop(event["id"])
+                self.metrics.forget(event["id"])
+                return lambda: error_response("cancelled")
+            latents = input_torch(request, "latents")
+            if not latents.numel():  # a progress event passes through
+                return lambda: video_response(EMPTY_VIDEO, event)
+            finish = self.stage.launch(event, latents)
+        except Exception as e:  # noqa: BLE001
+            message = log_exception("cosmos3_vae_decode", e)
+            return lambda: error_response(message)
+
+        def build(_inputs: Any = (request, latents)) -> Any:  # the inputs outlive the GPU work that reads them
+            video, out = finish()
+            out["timings"].update(self.metrics.frames_out(out))
+            del out["t0"]
+            return video_response(video, out)
+
+        return build
 
     def close(self, timeout: float) -> None:
-        self.outbox.put(None)
+        self.inbox.put(None)
         self.thread.join(timeout)
+        self.responder.close(timeout)
 
 
 class EngineMetrics:
@@ -259,7 +319,7 @@ class DecodeMetrics:
         self.ttfc, self.gap, self.e2e = (f.Metric(labels=labels, buckets=self.BUCKETS) for f in self._families)
         self.last_chunk: dict[str, float] = {}  # stream id → when its previous chunk left
 
-    def frames_out(self, event: dict[str, Any]) -> dict[str, float]:
+    def frames_out(self, event: ChunkEvent) -> dict[str, float]:
         """Record a chunk/done event leaving; returns the timings to add to it."""
         now = time.time()
         prev = self.last_chunk.pop(event["id"], None)
@@ -315,8 +375,3 @@ class EngineThread:
         self.engine.wake()
         self.thread.join(timeout)
         self.engine.abort_all("server shutting down")
-
-
-def request_meta(text: str) -> tuple[GenerationParams, dict[str, Any]]:
-    meta = json.loads(text)
-    return GenerationParams(**meta["params"]), meta

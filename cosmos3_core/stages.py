@@ -1,18 +1,20 @@
-"""The two one-shot stages Triton hosts around the denoise engine, and what crosses between them.
+"""The two stages Triton hosts around the denoise engine (what crosses between them: wire.py).
 
 PrefillStage: validated request → token ids (templates, chat template) → UND tower once per CFG branch →
 `PrefillResult` (per-branch text K/V `[layers, tokens, kv_heads, head_dim]`, the i2v conditioning latent).
-DecodeStage: normalised latents → uint8 frames. The offline CLI chains the same objects in one process.
+DecodeStage: normalised latents → uint8 frames, whole or a stream's chunks in order (`launch` a chunk event's,
+then wait for its frames), each stream keeping its decoder cache. The offline CLI chains the same objects.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
+from . import faults
 from .checkpoint import Checkpoint
 from .conditioning import HostFrames, StreamDecoder, VaeCodec
 from .layers import UND
@@ -21,33 +23,8 @@ from .requests import Defaults, GenerationParams, Limits, RequestError, validate
 from .rotary import rotary_tables, text_position_ids
 from .sampling import checkpoint_shift
 from .towers import prefill_text_kv
-
-
-@dataclass
-class PrefillResult:
-    params: GenerationParams
-    text_k: list[torch.Tensor]  # per branch (cond[, uncond]) [layers, tokens, kv_heads, head_dim]
-    text_v: list[torch.Tensor]
-    cond_latent: torch.Tensor | None  # [1, C, 1, h, w] fp32 (i2v) or None
-
-    def to_wire(self) -> dict[str, torch.Tensor | np.ndarray]:
-        """Tensors for Triton: text_kv [2, layers, sum(tokens), kv_heads, d], text_lens [branches], cond_latent."""
-        kv = torch.stack([torch.cat(self.text_k, dim=1), torch.cat(self.text_v, dim=1)])
-        lens = np.array([k.shape[1] for k in self.text_k], dtype=np.int64)
-        cond = self.cond_latent if self.cond_latent is not None else torch.zeros(0, 0, 0, 0, 0)
-        return {"text_kv": kv, "text_lens": lens, "cond_latent": cond.float()}
-
-    @classmethod
-    def from_wire(
-        cls, params: GenerationParams, text_kv: torch.Tensor, text_lens: np.ndarray, cond_latent: torch.Tensor
-    ) -> PrefillResult:
-        splits = [int(n) for n in text_lens]
-        return cls(
-            params=params,
-            text_k=list(text_kv[0].split(splits, dim=1)),
-            text_v=list(text_kv[1].split(splits, dim=1)),
-            cond_latent=cond_latent if cond_latent.numel() else None,
-        )
+from .windows import pixel_frames_of_chunk
+from .wire import ChunkEvent, PrefillResult
 
 
 class PrefillStage:
@@ -98,6 +75,7 @@ class DecodeStage:
             torch.backends.cudnn.benchmark = True  # the Wan decoder's conv3d shapes repeat every chunk
         compile = compile and cuda  # the fused kernels save memory traffic on the GPU; on CPU, only compile time
         self.codec = VaeCodec(ckpt.load_vae(device, dtype), compile)
+        self.temporal = ckpt.config.vae_scale_temporal
         # stream id → (its decoder, last chunk's time); decoder None: a chunk of it failed, and its later chunks
         # fail too rather than decode as a new stream's start
         self.streams: dict[str, tuple[StreamDecoder | None, float]] = {}
@@ -131,6 +109,25 @@ class DecodeStage:
         if not last:
             self.streams[stream_id] = (decoder, now)
         return pending
+
+    def launch(self, event: ChunkEvent, latents: torch.Tensor) -> Callable[[], tuple[np.ndarray, ChunkEvent]]:
+        """Start decoding a chunk/done event's latents → a function that waits for its frames (uint8
+        [T, H, W, 3]) and returns them with the event completed (`frames`, `frame_offset`, `timings.decode_s`)."""
+        t = time.time()
+        frames = self.start_chunk(event["id"], latents, last=event["type"] == "done")
+
+        def finish() -> tuple[np.ndarray, ChunkEvent]:
+            video = frames().numpy()
+            if faults.FAIL_DECODE_SEED is not None and event.get("seed") == faults.FAIL_DECODE_SEED:
+                raise faults.InjectedFault(f"injected fault in the decode (seed {event['seed']})")
+            event["frames"] = int(video.shape[0])
+            event["frame_offset"] = pixel_frames_of_chunk(
+                event["latent_offset"], event["latent_frames"], self.temporal
+            )[0]
+            event["timings"]["decode_s"] = time.time() - t
+            return video, event
+
+        return finish
 
     def drop(self, stream_id: str) -> None:
         self.streams.pop(stream_id, None)

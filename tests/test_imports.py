@@ -12,7 +12,7 @@ PKG = Path(__file__).resolve().parent.parent / "cosmos3_core"
 LAYERS: list[set[str]] = [
     {"__init__", "config", "faults", "media", "windows", "requests", "sampling", "kv_pool", "prompts", "cancel",
      "launcher", "tools.__init__", "tools.make_tiny", "tools.random_checkpoint", "wan_decoder"},
-    {"layers", "rotary", "rows", "conditioning"},
+    {"layers", "rotary", "rows", "conditioning", "wire"},
     {"attention", "checkpoint"},
     {"towers"},
     {"graphs"},

@@ -11,7 +11,7 @@ from cosmos3_core.kv_pool import KVPool
 from cosmos3_core.requests import GenerationParams, RequestError
 from cosmos3_core.rows import RowOutput
 from cosmos3_core.scheduler import QueueFull, Scheduler
-from cosmos3_core.stages import PrefillResult
+from cosmos3_core.wire import PrefillResult
 
 CFG = ModelConfig(
     hidden_size=8, num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1, head_dim=8,

@@ -17,15 +17,14 @@ from cosmos3_core.sampling import checkpoint_shift
 from cosmos3_core.serving import (
     EngineMetrics,
     EngineThread,
-    ResponseThread,
+    Responder,
     TritonSink,
     deployment_from_args,
     input_array,
     input_torch,
     log_exception,
-    request_meta,
 )
-from cosmos3_core.stages import PrefillResult
+from cosmos3_core.wire import PrefillResult, RequestMeta
 
 
 class TritonPythonModel:
@@ -45,17 +44,17 @@ class TritonPythonModel:
             self.engine, {"model": args["model_name"], "instance": args["model_instance_name"]}
         )
         self.marks = CancelMarks(d.cancel_dir)
-        self.responses = ResponseThread()
+        self.responder = Responder(device)
         self.engine_thread = EngineThread(self.engine, self.marks, d.drain_timeout_s)
 
     def execute(self, requests):
         for request in requests:
             sink = None
             try:
-                params, meta = request_meta(input_array(request, "request").reshape(-1)[0].decode())
-                sink = TritonSink(request, self.responses.outbox, meta, self.marks)
+                meta = RequestMeta.decode(input_array(request, "request").reshape(-1)[0])
+                sink = TritonSink(request, self.responder, meta, self.marks)
                 result = PrefillResult.from_wire(
-                    params,
+                    meta.params,
                     input_torch(request, "text_kv"),
                     input_array(request, "text_lens").astype(np.int64),
                     input_torch(request, "cond_latent"),
@@ -70,9 +69,9 @@ class TritonPythonModel:
         return None
 
     def _reject(self, request, sink, message):
-        (sink or TritonSink(request, self.responses.outbox, {}, self.marks)).error(message)
+        (sink or TritonSink(request, self.responder, None, self.marks)).error(message)
 
     def finalize(self):
         self.engine_thread.close(timeout=30)
         self.metrics.close()
-        self.responses.close(timeout=30)
+        self.responder.close(timeout=30)

@@ -1,9 +1,8 @@
 """cosmos3_prefill: validate the request, tokenize, run the understanding tower once, VAE-encode an i2v image.
 
-Thin adaptor over `cosmos3_core.stages.PrefillStage`; the wire contract is in `cosmos3_core/serving.py`.
+Thin adaptor over `cosmos3_core.stages.PrefillStage`; what it sends on is typed in `cosmos3_core/wire.py`.
 """
 
-import json
 import time
 import uuid
 
@@ -14,6 +13,7 @@ from cosmos3_core.deployment import resolve_checkpoint
 from cosmos3_core.requests import RequestError, parse_parameters_json
 from cosmos3_core.serving import deployment_from_args, error_response, input_array, log_exception, output, text_output
 from cosmos3_core.stages import PrefillStage
+from cosmos3_core.wire import RequestMeta
 
 
 class TritonPythonModel:
@@ -43,6 +43,6 @@ class TritonPythonModel:
             return error_response(str(e))
         except Exception as e:  # noqa: BLE001 - one bad request never takes the instance down
             return error_response(log_exception("cosmos3_prefill", e))
-        meta = {"id": uuid.uuid4().hex, "params": json.loads(p.to_json()), "t0": t0, "prefill_s": time.time() - t0}
-        outs = [output(name, value) for name, value in wire.items()] + [text_output("request", json.dumps(meta))]
+        meta = RequestMeta(uuid.uuid4().hex, p, t0, time.time() - t0)
+        outs = [output(name, value) for name, value in wire.items()] + [text_output("request", meta.encode())]
         return pb_utils.InferenceResponse(output_tensors=outs)

@@ -1,0 +1,125 @@
+"""What crosses between the stages and to the client, typed, with the one encode/decode of each.
+
+- `PrefillResult`: prefill → denoise. Tensors for Triton (`to_wire` / `from_wire`): text_kv
+  [2, layers, sum(branch tokens), kv_heads, head_dim] (model dtype), text_lens INT64 [branches], cond_latent FP32
+  [1, C, 1, h, w] or [0,0,0,0,0]; with it `RequestMeta` as JSON (BYTES [1] `request`).
+- Events, JSON (BYTES [1] `event`), denoise → decode → client: `ProgressEvent` after each step; `ChunkEvent`
+  (type "chunk") per streamed piece of latents; the last piece's type is "done" and carries the resolved
+  parameters. The engine fills a chunk's place in the video and its timings; decode adds `frames`,
+  `frame_offset` and its timings, and drops the server-internal `t0` before the client sees it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any, Literal, TypedDict
+
+import numpy as np
+
+from .requests import GenerationParams
+
+if TYPE_CHECKING:  # the client reads events through this module without importing torch
+    import torch
+
+EVENT_TYPES = ("progress", "chunk", "done")
+
+
+class ProgressEvent(TypedDict):
+    type: Literal["progress"]
+    id: str
+    step: int  # 1-based, within the window
+    steps: int
+    window: int
+    windows: int
+
+
+class ChunkInfo(TypedDict):
+    """Where a piece of latents lands in the video, and the engine's timings (seconds)."""
+
+    window: int
+    windows: int
+    latent_offset: int
+    latent_frames: int
+    timings: dict[str, float]  # queue_s, window_s; denoise_s on the last piece
+
+
+class ChunkEvent(ChunkInfo, total=False):
+    type: Literal["chunk", "done"]
+    id: str
+    t0: float  # request arrival (epoch s), server-internal: decode measures TTFC and e2e from it
+    frames: int  # decode: pixel frames in this response's video
+    frame_offset: int  # decode: the first one's index in the whole video
+    seed: int  # done only
+    params: dict[str, Any]  # done only: GenerationParams.resolved()
+
+
+Event = ProgressEvent | ChunkEvent
+
+
+def encode_event(event: Event) -> str:
+    return json.dumps(event)
+
+
+def decode_event(text: str | bytes) -> Event:
+    event = json.loads(text)
+    if not isinstance(event, dict) or event.get("type") not in EVENT_TYPES:
+        raise ValueError(f"not an event: {str(text)[:200]!r}")
+    return event  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class RequestMeta:
+    """What prefill learned about a request, for the stages after it."""
+
+    id: str  # the request's stream id (cancel marks, the decoder cache)
+    params: GenerationParams
+    t0: float  # arrival, epoch s
+    prefill_s: float
+
+    def encode(self) -> str:
+        return json.dumps({**asdict(self), "params": asdict(self.params)})
+
+    @classmethod
+    def decode(cls, text: str | bytes) -> RequestMeta:
+        raw = json.loads(text)
+        return cls(raw["id"], GenerationParams(**raw["params"]), raw["t0"], raw["prefill_s"])
+
+    def progress(self, step: int, steps: int, window: int, windows: int) -> ProgressEvent:
+        return {"type": "progress", "id": self.id, "step": step, "steps": steps, "window": window, "windows": windows}
+
+    def chunk(self, info: ChunkInfo, final: bool) -> ChunkEvent:
+        event: ChunkEvent = {"type": "done" if final else "chunk", "id": self.id, "t0": self.t0, **info}  # type: ignore[typeddict-item]
+        if final:
+            event["timings"] = {"prefill_s": self.prefill_s, **info["timings"]}
+            event["params"] = self.params.resolved()
+            event["seed"] = self.params.seed
+        return event
+
+
+@dataclass
+class PrefillResult:
+    params: GenerationParams
+    text_k: list[torch.Tensor]  # per branch (cond[, uncond]) [layers, tokens, kv_heads, head_dim]
+    text_v: list[torch.Tensor]
+    cond_latent: torch.Tensor | None  # [1, C, 1, h, w] fp32 (i2v) or None
+
+    def to_wire(self) -> dict[str, torch.Tensor | np.ndarray]:
+        import torch
+
+        kv = torch.stack([torch.cat(self.text_k, dim=1), torch.cat(self.text_v, dim=1)])
+        lens = np.array([k.shape[1] for k in self.text_k], dtype=np.int64)
+        cond = self.cond_latent if self.cond_latent is not None else torch.zeros(0, 0, 0, 0, 0)
+        return {"text_kv": kv, "text_lens": lens, "cond_latent": cond.float()}
+
+    @classmethod
+    def from_wire(
+        cls, params: GenerationParams, text_kv: torch.Tensor, text_lens: np.ndarray, cond_latent: torch.Tensor
+    ) -> PrefillResult:
+        splits = [int(n) for n in text_lens]
+        return cls(
+            params=params,
+            text_k=list(text_kv[0].split(splits, dim=1)),
+            text_v=list(text_kv[1].split(splits, dim=1)),
+            cond_latent=cond_latent if cond_latent.numel() else None,
+        )
