@@ -27,6 +27,17 @@ scheduler ``flow_shift=8.0``, pipeline ``use_native_flow_schedule=True``.
 Weights are re-drawn after construction so that every parameter is non-trivial: norm scales ``1 + 0.1*randn``,
 biases ``0.02*randn``, matrices / conv kernels ``randn / sqrt(fan_in)`` (keeps activations O(1), so attention is not
 uniform and outputs depend on every input, while staying finite over many sampling steps).
+
+Sound and action (optional, off by default; the default output is unchanged byte for byte)
+-----------------------------------------------------------------------------------------
+``--sound`` / ``make_tiny(..., sound=True)`` adds ``DIR/sound_tokenizer/`` (a tiny ``Cosmos3AVAEAudioTokenizer``:
+48 kHz stereo, ``vocoder_input_dim == sound_dim``, decoder strides (2,4,5,6,8) -> hop 1920 -> 25 latents/s) and the
+transformer's sound weights (config ``sound_gen``, ``sound_dim``, ``sound_latent_fps``; ``audio_proj_in/out``,
+``audio_modality_embed``); ``--action`` adds ``action_gen``, ``action_dim``, ``num_embodiment_domains`` and the
+``action_proj_in/out`` / ``action_modality_embed`` weights. Every weight the plain checkpoint of the same
+``(variant, seed)`` has is the same tensor: the extra parts are drawn after the VAE. The zero-initialised modality
+embeddings and the tokenizer's Snake ``alpha``/``beta`` are redrawn at O(1) scale, so a parity test notices a missing
+term. The result loads with ``Cosmos3OmniPipeline.from_pretrained`` and runs ``enable_sound=True`` on CPU in seconds.
 """
 
 from __future__ import annotations
@@ -186,7 +197,12 @@ def _randomize_(model: nn.Module) -> None:
 
 
 def build_pipeline(
-    variant: str = "nano", seed: int = 0, head_dim: int = 32, vae_config: dict[str, Any] | None = None
+    variant: str = "nano",
+    seed: int = 0,
+    head_dim: int = 32,
+    vae_config: dict[str, Any] | None = None,
+    sound: bool = False,
+    action: bool = False,
 ) -> Any:
     """Build the tiny random-weight ``Cosmos3OmniPipeline`` in memory (float32, CPU). ``head_dim`` 64 gives
     GPU kernels with a fixed head-size menu (FlashInfer's fa3: 64/128/256) a shape they take. ``vae_config``
@@ -221,6 +237,10 @@ def build_pipeline(
         vae = AutoencoderKLWan(**vae_config, latents_mean=latents_mean, latents_std=latents_std)
         _randomize_(vae)
 
+        sound_tokenizer = None
+        if sound or action:  # drawn last, so the weights above equal the plain checkpoint's
+            transformer, sound_tokenizer = _add_sound_and_action(transformer, tcfg, sound=sound, action=action)
+
     scheduler = UniPCMultistepScheduler(
         num_train_timesteps=1000,
         prediction_type="flow_prediction",
@@ -238,7 +258,7 @@ def build_pipeline(
         text_tokenizer=tokenizer,
         vae=vae.eval(),
         scheduler=scheduler,
-        sound_tokenizer=None,
+        sound_tokenizer=sound_tokenizer,
         safety_checker=None,
         enable_safety_checker=False,
         default_use_system_prompt=True,
@@ -270,6 +290,73 @@ def _fix_metadata(out: Path, variant: str) -> None:
     path.write_text(json.dumps(dict(sorted(index.items())), indent=2) + "\n")
 
 
+SOUND_DIR = "sound_tokenizer"
+
+# Transformer extras (sound_dim is the real checkpoints' 64 shrunk; 32 domains as the released action heads).
+SOUND_TRANSFORMER: dict[str, Any] = {"sound_gen": True, "sound_dim": 8, "sound_latent_fps": 25.0}
+ACTION_TRANSFORMER: dict[str, Any] = {"action_gen": True, "action_dim": 16, "num_embodiment_domains": 32}
+
+# Tiny Cosmos3AVAEAudioTokenizer: the shipped strides (hop 1920 at 48 kHz -> 25 latents/s), tiny widths.
+SOUND_TOKENIZER_CONFIG: dict[str, Any] = {
+    "sampling_rate": 48000,
+    "vocoder_input_dim": SOUND_TRANSFORMER["sound_dim"],
+    "dec_dim": 2,
+    "dec_c_mults": [1, 2, 4, 8, 16],
+    "dec_strides": [2, 4, 5, 6, 8],
+    "enc_dim": 4,
+    "enc_num_blocks": 1,
+    "enc_latent_dim": 2 * SOUND_TRANSFORMER["sound_dim"],  # mean and scale of the VAE bottleneck
+    "enc_c_mults": [1, 2, 4],
+    "enc_strides": [4, 5, 6],
+    "enc_n_fft": 64,
+    "enc_hop_length": 16,
+}
+
+
+def _add_sound_and_action(transformer: nn.Module, tcfg: dict[str, Any], sound: bool, action: bool) -> tuple[Any, Any]:
+    """The transformer rebuilt with the sound / action heads (its other weights copied over) and, with ``sound``,
+    a random tiny sound tokenizer. Uses the global torch RNG (the caller's fork)."""
+    from diffusers import Cosmos3AVAEAudioTokenizer, Cosmos3OmniTransformer
+
+    extra = {**(SOUND_TRANSFORMER if sound else {}), **(ACTION_TRANSFORMER if action else {})}
+    full = Cosmos3OmniTransformer(**tcfg, **extra)
+    missing, unexpected = full.load_state_dict(transformer.state_dict(), strict=False)
+    assert not unexpected and all(k.startswith(("audio_", "action_")) for k in missing), (missing, unexpected)
+    with torch.no_grad():
+        for name in missing:
+            p = full.get_parameter(name)
+            if name.endswith("modality_embed"):
+                p.copy_(torch.randn_like(p))  # zero-initialised upstream: O(1) so dropping it shows
+            elif name.startswith("action_proj_") and name.endswith(".fc.weight"):
+                # DomainAwareLinear stores [domains, in*out]; scale by the true fan-in of each domain's matrix
+                fan_in = full.get_submodule(name.rsplit(".", 2)[0]).input_size
+                p.copy_(torch.randn_like(p) / math.sqrt(fan_in))
+            elif p.ndim <= 1 or name.endswith(".bias.weight"):
+                p.copy_(0.02 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) / math.sqrt(math.prod(p.shape[1:])))
+    tokenizer = None
+    if sound:
+        tokenizer = Cosmos3AVAEAudioTokenizer(**SOUND_TOKENIZER_CONFIG)
+        _randomize_(tokenizer)
+        with torch.no_grad():
+            for name, p in tokenizer.named_parameters():
+                if name.endswith((".alpha", ".beta")):  # Snake, log-scale, zero upstream: a swap must show
+                    p.copy_(0.5 * torch.randn_like(p))
+            # random weights put the waveform at std ~5, almost all of it clamped to +-1 by decode(), which would
+            # hide any difference; this gain brings it to std ~0.3 (a few samples still exercise the clamp)
+            tokenizer.decoder.conv2.weight_g.mul_(0.05)
+        tokenizer.eval()
+    return full.eval(), tokenizer
+
+
+def _record_sound_tokenizer(out: Path) -> None:
+    path = out / "model_index.json"
+    index = json.loads(path.read_text())
+    index["sound_tokenizer"] = ["diffusers", "Cosmos3AVAEAudioTokenizer"]
+    path.write_text(json.dumps(dict(sorted(index.items())), indent=2) + "\n")
+
+
 def make_tiny(
     out: Path,
     variant: str = "nano",
@@ -277,6 +364,8 @@ def make_tiny(
     shard_size: int | None = None,
     head_dim: int = 32,
     vae_config: dict[str, Any] | None = None,
+    sound: bool = False,
+    action: bool = False,
 ) -> Path:
     """Write the tiny checkpoint to ``out`` (created if needed) and return ``out``.
 
@@ -284,14 +373,18 @@ def make_tiny(
 
     ``shard_size`` (bytes), when given, writes the transformer as safetensors shards plus
     ``diffusion_pytorch_model.safetensors.index.json`` instead of a single file. ``vae_config``: see
-    :func:`build_pipeline`.
+    :func:`build_pipeline`. ``sound`` / ``action``: see the module docstring (both off: the output is unchanged).
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     for stale in _COMPONENT_DIRS:  # never mix in files from an earlier run (e.g. old shards)
         if (out / stale).is_dir():
             shutil.rmtree(out / stale)
-    pipe = build_pipeline(variant=variant, seed=seed, head_dim=head_dim, vae_config=vae_config)
+    if (out / SOUND_DIR).is_dir():  # a stale tokenizer from an earlier --sound run
+        shutil.rmtree(out / SOUND_DIR)
+    pipe = build_pipeline(
+        variant=variant, seed=seed, head_dim=head_dim, vae_config=vae_config, sound=sound, action=action
+    )
     pipe.save_pretrained(out, safe_serialization=True)
     if shard_size is not None:
         if shard_size <= 0:
@@ -300,6 +393,8 @@ def make_tiny(
         shutil.rmtree(tdir)
         pipe.transformer.save_pretrained(tdir, safe_serialization=True, max_shard_size=shard_size)
     _fix_metadata(out, variant)
+    if sound:  # _fix_metadata records no tokenizer; this one has one
+        _record_sound_tokenizer(out)
     return out
 
 
@@ -309,8 +404,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--variant", choices=sorted(VARIANTS), default="nano")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--shard-size", type=int, default=None, help="max transformer shard size in bytes")
+    parser.add_argument("--sound", action="store_true", help="add a sound tokenizer and the sound weights")
+    parser.add_argument("--action", action="store_true", help="add the action weights")
     args = parser.parse_args(argv)
-    path = make_tiny(args.out, variant=args.variant, seed=args.seed, shard_size=args.shard_size)
+    path = make_tiny(
+        args.out, variant=args.variant, seed=args.seed, shard_size=args.shard_size, sound=args.sound, action=args.action
+    )
     print(path)
 
 
