@@ -25,7 +25,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 serve: setup
-	$(PY) -m cosmos3_core.serve --config $(CONFIG) $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) \
+	$(PY) -m cosmos3_core.triton.serve --config $(CONFIG) $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) \
 		--grpc-port $(GRPC_PORT) --http-port $(HTTP_PORT) --metrics-port $(METRICS_PORT) --address $(ADDRESS)
 
 demo: setup
@@ -33,7 +33,7 @@ demo: setup
 
 # SIGINT drains, then stops tritonserver. Every server of this user, or with GRPC_PORT=… given only that one.
 stop:
-	-pkill -INT -f -- '-m cosmos3_core\.serve$(if $(filter file,$(origin GRPC_PORT)),( |$$), .*--grpc-port $(GRPC_PORT)( |$$))' || true
+	-pkill -INT -f -- '-m cosmos3_core\.triton\.serve$(if $(filter file,$(origin GRPC_PORT)),( |$$), .*--grpc-port $(GRPC_PORT)( |$$))' || true
 
 test: setup
 	$(PY) -m pytest -q

@@ -402,8 +402,8 @@ def main() -> int:
     args = ap.parse_args()
 
     from cosmos3_core.deployment import Deployment
-    from cosmos3_core.launcher import server_env, stop_server, stub_pids, wait_until_ready
-    from cosmos3_core.serve import start
+    from cosmos3_core.triton.launcher import server_env, stop_server, stub_pids, wait_until_ready
+    from cosmos3_core.triton.serve import start
 
     deployment = Deployment.load(args.config)
     proc = None

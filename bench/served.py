@@ -21,8 +21,8 @@ from pathlib import Path
 
 from client.stream import generate
 from cosmos3_core.deployment import Deployment
-from cosmos3_core.launcher import stop_server, wait_until_ready
-from cosmos3_core.serve import start
+from cosmos3_core.triton.launcher import stop_server, wait_until_ready
+from cosmos3_core.triton.serve import start
 
 from .pool import run_pool
 

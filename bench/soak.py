@@ -113,8 +113,8 @@ def main() -> int:
 
     from cosmos3_core.deployment import Deployment
     from cosmos3_core.generate import Generator
-    from cosmos3_core.launcher import stop_server, wait_until_ready
-    from cosmos3_core.serve import start
+    from cosmos3_core.triton.launcher import stop_server, wait_until_ready
+    from cosmos3_core.triton.serve import start
 
     proc, ports, deployment = start(Deployment.load(args.config), Path(tempfile.mkdtemp(prefix="cosmos3-soak-")))
     url = f"127.0.0.1:{ports[0]}"

@@ -101,7 +101,7 @@ def served_deployment(nano_ckpt, tmp_path_factory):
 
 class Server:
     def __init__(self, grpc: int, http: int, metrics: int, proc=None):
-        from cosmos3_core.launcher import stub_pids
+        from cosmos3_core.triton.launcher import stub_pids
 
         self.url = f"127.0.0.1:{grpc}"
         self.http_port, self.metrics_port = http, metrics
@@ -110,7 +110,7 @@ class Server:
 
     def alive(self) -> bool:
         """tritonserver and every Python stub it had when ready are still running."""
-        from cosmos3_core.launcher import stub_pids
+        from cosmos3_core.triton.launcher import stub_pids
 
         return self.proc is None or (self.proc.poll() is None and set(stub_pids(self.proc)) == self.stubs)
 
@@ -136,8 +136,8 @@ class Server:
 
 @pytest.fixture(scope="session")
 def server(served_deployment, tmp_path_factory):
-    from cosmos3_core.launcher import server_env, stop_server, wait_until_ready
-    from cosmos3_core.serve import start
+    from cosmos3_core.triton.launcher import server_env, stop_server, wait_until_ready
+    from cosmos3_core.triton.serve import start
 
     env = {
         **server_env(),

@@ -74,8 +74,8 @@ def test_served_equals_offline(seed, checkpoints, tmp_path):
     from client.stream import generate
     from cosmos3_core.deployment import Deployment
     from cosmos3_core.generate import Generator
-    from cosmos3_core.launcher import server_env, stop_server, wait_until_ready
-    from cosmos3_core.serve import start
+    from cosmos3_core.triton.launcher import server_env, stop_server, wait_until_ready
+    from cosmos3_core.triton.serve import start
 
     case = draw(seed)
     _, config = checkpoints(case)

@@ -1,4 +1,4 @@
-"""Faults through `python -m cosmos3_core.serve` (the supervised server): a killed stub, SIGTERM in flight."""
+"""Faults through `python -m cosmos3_core.triton.serve` (the supervised server): a killed stub, SIGTERM in flight."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import time
 import pytest
 
 from client.stream import ServerError, generate, wait_ready
-from cosmos3_core.launcher import free_port
+from cosmos3_core.triton.launcher import free_port
 
 pytestmark = pytest.mark.served
 
@@ -24,7 +24,7 @@ def supervised(served_deployment, tmp_path):
     path, _ = served_deployment
     ports = [free_port() for _ in range(3)]
     env = {**os.environ, "COSMOS3_FAULTS": "step_delay_s=0.05"}
-    cmd = [sys.executable, "-m", "cosmos3_core.serve", "--config", str(path), "--workdir", str(tmp_path / "serve"),
+    cmd = [sys.executable, "-m", "cosmos3_core.triton.serve", "--config", str(path), "--workdir", str(tmp_path / "serve"),
            "--grpc-port", str(ports[0]), "--http-port", str(ports[1]), "--metrics-port", str(ports[2])]  # fmt: skip
     log = open(tmp_path / "serve.log", "wb")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -89,8 +89,8 @@ def test_model_that_fails_to_load_says_why(tmp_path):
     import dataclasses
 
     from cosmos3_core.deployment import Deployment
-    from cosmos3_core.launcher import stop_server, wait_until_ready
-    from cosmos3_core.serve import start
+    from cosmos3_core.triton.launcher import stop_server, wait_until_ready
+    from cosmos3_core.triton.serve import start
 
     deployment = dataclasses.replace(Deployment.load("configs/tiny.yaml"), checkpoint=str(tmp_path / "missing"))
     proc, ports, _ = start(deployment, tmp_path / "serve")

@@ -10,9 +10,9 @@ PKG = Path(__file__).resolve().parent.parent / "cosmos3_core"
 
 # low → high: model maths and plain data; rows; the packed step; the scheduler; the engine; stages and Triton glue
 LAYERS: list[set[str]] = [
-    {"__init__", "config", "faults", "media", "windows", "requests", "sampling", "kv_pool", "prompts", "cancel",
-     "launcher", "tools.__init__", "tools.make_tiny", "tools.random_checkpoint", "wan_decoder"},
-    {"layers", "rotary", "rows", "conditioning", "wire"},
+    {"__init__", "config", "faults", "media", "windows", "requests", "sampling", "kv_pool", "prompts",
+     "tools.__init__", "tools.make_tiny", "tools.random_checkpoint", "wan_decoder"},
+    {"layers", "rotary", "rows", "conditioning", "wire", "sound", "video_input"},
     {"attention", "checkpoint"},
     {"towers"},
     {"graphs"},
@@ -20,8 +20,8 @@ LAYERS: list[set[str]] = [
     {"stages", "deployment"},
     {"scheduler"},
     {"engine"},
-    {"generate", "serving"},
-    {"serve"},
+    {"generate"},
+    {"triton.__init__", "triton.cancel", "triton.launcher", "triton.glue", "triton.serve"},
 ]  # fmt: skip
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from client.stream import generate, wait_ready
-from cosmos3_core.launcher import free_port
+from cosmos3_core.triton.launcher import free_port
 
 pytestmark = pytest.mark.served
 
@@ -24,7 +24,7 @@ SMALL = {"num_frames": 1, "height": 32, "width": 32, "steps": 2, "seed": 1}
 
 def serve_cmd(config: Path, ports: list[int], *extra: str) -> list[str]:
     """As `make serve` runs it: no --workdir."""
-    return [sys.executable, "-m", "cosmos3_core.serve", "--config", str(config), "--grpc-port", str(ports[0]),
+    return [sys.executable, "-m", "cosmos3_core.triton.serve", "--config", str(config), "--grpc-port", str(ports[0]),
             "--http-port", str(ports[1]), "--metrics-port", str(ports[2]), *extra]  # fmt: skip
 
 
@@ -154,7 +154,7 @@ def test_make_stop_with_grpc_port_stops_only_that_server(tmp_path):
     """`make stop GRPC_PORT=…` matches only the supervisor of that port (stand-ins with a supervisor's command
     line: a real `make stop` would also stop servers that other tests run)."""
     ports = [free_port(), free_port()]
-    sleeper = [sys.executable, "-c", "import time; time.sleep(60)", "-m", "cosmos3_core.serve", "--grpc-port"]
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)", "-m", "cosmos3_core.triton.serve", "--grpc-port"]
     stand_ins = [subprocess.Popen([*sleeper, str(p), "--http-port", "0"]) for p in ports]
     try:
         time.sleep(0.5)

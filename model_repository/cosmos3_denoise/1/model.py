@@ -2,19 +2,19 @@
 
 The engine thread packs every live request into one GEN forward per tick; the response thread sends
 progress events and, in the final response, the finished latents. Thin adaptor over
-`cosmos3_core.engine.DenoiseEngine`; threads and metrics live in `cosmos3_core/serving.py`.
+`cosmos3_core.engine.DenoiseEngine`; threads and metrics live in `cosmos3_core/triton/glue.py`.
 """
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from cosmos3_core.cancel import CancelMarks
 from cosmos3_core.checkpoint import Checkpoint
 from cosmos3_core.deployment import resolve_checkpoint
 from cosmos3_core.engine import DenoiseEngine, QueueFull
 from cosmos3_core.requests import RequestError, validate
 from cosmos3_core.sampling import checkpoint_shift
-from cosmos3_core.serving import (
+from cosmos3_core.triton.cancel import CancelMarks
+from cosmos3_core.triton.glue import (
     EngineMetrics,
     EngineThread,
     Responder,

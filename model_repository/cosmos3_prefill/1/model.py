@@ -11,8 +11,15 @@ import triton_python_backend_utils as pb_utils
 from cosmos3_core.checkpoint import Checkpoint
 from cosmos3_core.deployment import resolve_checkpoint
 from cosmos3_core.requests import RequestError, parse_parameters_json
-from cosmos3_core.serving import deployment_from_args, error_response, input_array, log_exception, output, text_output
 from cosmos3_core.stages import PrefillStage
+from cosmos3_core.triton.glue import (
+    deployment_from_args,
+    error_response,
+    input_array,
+    log_exception,
+    output,
+    text_output,
+)
 from cosmos3_core.wire import RequestMeta
 
 

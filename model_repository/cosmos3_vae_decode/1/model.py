@@ -2,15 +2,15 @@
 with an empty video.
 
 Thin adaptor over `cosmos3_core.stages.DecodeStage`. `execute` only queues; the decode loop
-(`cosmos3_core.serving.DecodeLoop`) launches each chunk on the GPU in arrival order and its responder waits for
+(`cosmos3_core.triton.glue.DecodeLoop`) launches each chunk on the GPU in arrival order and its responder waits for
 the chunk's frames on the host and sends them, while the GPU decodes the next chunk.
 """
 
-from cosmos3_core.cancel import CancelMarks
 from cosmos3_core.checkpoint import Checkpoint
 from cosmos3_core.deployment import resolve_checkpoint
-from cosmos3_core.serving import DecodeLoop, DecodeMetrics, deployment_from_args
 from cosmos3_core.stages import DecodeStage
+from cosmos3_core.triton.cancel import CancelMarks
+from cosmos3_core.triton.glue import DecodeLoop, DecodeMetrics, deployment_from_args
 
 
 class TritonPythonModel:

@@ -21,11 +21,11 @@ import torch
 import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import to_dlpack
 
+from ..deployment import Deployment
+from ..engine import DenoiseEngine
+from ..stages import DecodeStage
+from ..wire import ChunkEvent, ChunkInfo, Event, RequestMeta, decode_event, encode_event
 from .cancel import CancelMarks
-from .deployment import Deployment
-from .engine import DenoiseEngine
-from .stages import DecodeStage
-from .wire import ChunkEvent, ChunkInfo, Event, RequestMeta, decode_event, encode_event
 
 EMPTY_LATENTS = np.zeros((0, 0, 0, 0, 0), dtype=np.float32)
 EMPTY_VIDEO = np.zeros((0, 0, 0, 3), dtype=np.uint8)

@@ -1,6 +1,6 @@
 """Render `model_repository/` for a deployment and run tritonserver on it.
 
-  python -m cosmos3_core.serve [--config configs/tiny.yaml] [--checkpoint DIR] [--grpc-port 8001]
+  python -m cosmos3_core.triton.serve [--config configs/tiny.yaml] [--checkpoint DIR] [--grpc-port 8001]
       [--http-port 8000] [--metrics-port 8002] [--address 127.0.0.1] [--workdir build/serve/<grpc port>]
       [--render-only]
 
@@ -26,11 +26,19 @@ from string import Template
 
 import yaml
 
+from ..deployment import DEFAULT_CONFIG, Deployment, resolve_checkpoint
 from .cancel import CancelMarks
-from .deployment import DEFAULT_CONFIG, Deployment, resolve_checkpoint
-from .launcher import free_port, launch_server, ports_in_use, stop_server, stub_pids, wait_until_ready
+from .launcher import (
+    ServerConfig,
+    free_port,
+    launch_server,
+    ports_in_use,
+    stop_server,
+    stub_pids,
+    wait_until_ready,
+)
 
-REPO_TEMPLATE = Path(__file__).resolve().parent.parent / "model_repository"
+REPO_TEMPLATE = Path(__file__).resolve().parents[2] / "model_repository"
 MODELS = ("cosmos3", "cosmos3_prefill", "cosmos3_denoise", "cosmos3_vae_decode")
 
 
@@ -77,13 +85,15 @@ def start(
     the effective deployment). Not yet ready: `wait_until_ready(ports[1], proc=proc)`."""
     repo, deployment = render(deployment, workdir)
     ports = [free_port() for _ in range(3)]
-    proc = launch_server(repo, *ports, log_path=Path(workdir) / "tritonserver.log", env=env,
-                         cpu_only=not deployment.torch_device.startswith("cuda"))  # fmt: skip
+    cpu_only = not deployment.torch_device.startswith("cuda")
+    proc = launch_server(
+        ServerConfig(repo, *ports, cpu_only=cpu_only, log_path=Path(workdir) / "tritonserver.log"), env
+    )
     return proc, ports, deployment
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m cosmos3_core.serve", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m cosmos3_core.triton.serve", description=__doc__.split("\n")[0])
     ap.add_argument("--config", default=str(DEFAULT_CONFIG), help="deployment YAML; default configs/tiny.yaml")
     ap.add_argument("--checkpoint", default=None, help="override the config's checkpoint")
     ap.add_argument("--grpc-port", type=int, default=8001)
@@ -121,10 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     signal.signal(signal.SIGINT, lambda *_: stopping.set())
     while not stopping.is_set():
-        proc = launch_server(
-            repo, *ports, address=args.address, extra=args.extra, log_path=None,
-            cpu_only=not deployment.torch_device.startswith("cuda"),
-        )  # fmt: skip
+        cpu_only = not deployment.torch_device.startswith("cuda")
+        proc = launch_server(ServerConfig(repo, *ports, args.address, cpu_only, extra=tuple(args.extra)))
         try:
             waited = wait_until_ready(ports[1], host=host, proc=proc)
         except (RuntimeError, TimeoutError) as e:

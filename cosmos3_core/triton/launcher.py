@@ -1,13 +1,12 @@
-"""Draft: launch a real ``tritonserver`` (Triton 2.51 from the ``nvidia-pytriton`` wheel, or the NGC
+"""Launch a real ``tritonserver`` (Triton 2.51 from the ``nvidia-pytriton`` wheel, or the NGC
 container's ``/opt/tritonserver``) for a Python-backend model repository.
 
 Pure stdlib; only ``importlib`` of ``pytriton`` to locate the wheel's files.
 
 Recipe (verified on CPU, Python 3.11.7 pyenv venv, numpy 1.26.4, torch 2.13, diffusers 0.42.1):
 
-    backend_dir = prepare_backend_dir(Path(workdir) / "backends")
-    proc = launch_server(model_repository, grpc_port=..., http_port=..., metrics_port=...,
-                         backend_dir=backend_dir, log_path=Path(workdir) / "tritonserver.log")
+    proc = launch_server(ServerConfig(model_repository, grpc_port, http_port, metrics_port,
+                                      log_path=Path(workdir) / "tritonserver.log"))
     wait_until_ready(http_port, proc=proc)
     ...
     stop_server(proc)
@@ -56,7 +55,8 @@ import sysconfig
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 OPT_TRITONSERVER = Path("/opt/tritonserver/bin/tritonserver")
@@ -253,72 +253,50 @@ def preflight(env: Mapping[str, str] | None = None) -> list[str]:
 # --------------------------------------------------------------------------------------------------
 # Command line
 # --------------------------------------------------------------------------------------------------
-def server_command(
-    model_repository: Path,
-    grpc_port: int,
-    http_port: int,
-    metrics_port: int,
-    backend_dir: Path,
-    address: str = "127.0.0.1",
-    extra: Sequence[str] | None = None,
-    *,
-    tritonserver: Path | None = None,
-    shm_default_bytes: int = DEFAULT_SHM_BYTES,
-    shm_growth_bytes: int = DEFAULT_SHM_GROWTH_BYTES,
-    shm_region_prefix: str | None = None,
-    stub_timeout_s: int = DEFAULT_STUB_TIMEOUT_S,
-    exit_timeout_s: int = 30,
-    log_verbose: int = 0,
-    model_control_mode: str = "none",
-    load_models: Iterable[str] = (),
-    first_response_histogram: bool = True,
-    cpu_only: bool = False,
-) -> list[str]:
-    """Argument vector for ``tritonserver``. ``extra`` is appended last (later flags win).
+@dataclass(frozen=True)
+class ServerConfig:
+    """One tritonserver launch: its repository, where it listens, where it logs."""
 
-    ``cpu_only`` silences the CPU-host noise (pinned-memory and NVML/DCGM warnings) by disabling the
-    pinned pool and GPU metrics; two harmless E-lines remain ("CudaDriverHelper has not been
-    initialized", "unable to create stream for <ensemble>: CUDA driver version is insufficient").
-    """
-    tritonserver = Path(tritonserver or find_tritonserver())
-    if shm_region_prefix is None:
-        # The backend names its regions <prefix><n>; two servers with the same prefix on one host collide.
-        shm_region_prefix = f"cosmos3_pb_{os.getpid()}_{grpc_port}_"
+    model_repository: Path
+    grpc_port: int
+    http_port: int
+    metrics_port: int
+    address: str = "127.0.0.1"
+    cpu_only: bool = False  # no pinned pool, no GPU metrics: silences a CPU host's warnings
+    log_path: Path | None = None  # stdout + stderr; None: inherited
+    extra: tuple[str, ...] = ()  # more tritonserver flags, appended last (later flags win)
+    exit_timeout_s: int = 30
+
+
+def server_command(cfg: ServerConfig, tritonserver: Path, backend_dir: Path) -> list[str]:
+    """Argument vector for ``tritonserver``. With ``cpu_only`` two harmless E-lines remain ("CudaDriverHelper has
+    not been initialized", "unable to create stream for <ensemble>: CUDA driver version is insufficient")."""
+    # The backend names its regions <prefix><n>; two servers with the same prefix on one host collide.
+    shm_region_prefix = f"cosmos3_pb_{os.getpid()}_{cfg.grpc_port}_"
+    a = cfg.address
     cmd = [
         str(tritonserver),
-        f"--model-repository={Path(model_repository).absolute()}",
+        f"--model-repository={Path(cfg.model_repository).absolute()}",
         f"--backend-directory={Path(backend_dir).absolute()}",
-        f"--backend-config=python,shm-default-byte-size={int(shm_default_bytes)}",
-        f"--backend-config=python,shm-growth-byte-size={int(shm_growth_bytes)}",
+        f"--backend-config=python,shm-default-byte-size={DEFAULT_SHM_BYTES}",
+        f"--backend-config=python,shm-growth-byte-size={DEFAULT_SHM_GROWTH_BYTES}",
         f"--backend-config=python,shm-region-prefix-name={shm_region_prefix}",
-        f"--backend-config=python,stub-timeout-seconds={int(stub_timeout_s)}",
-        "--allow-grpc=true",
-        f"--grpc-address={address}",
-        f"--grpc-port={int(grpc_port)}",
-        "--allow-http=true",
-        f"--http-address={address}",
-        f"--http-port={int(http_port)}",
-        "--allow-metrics=true",
-        f"--metrics-address={address}",
-        f"--metrics-port={int(metrics_port)}",
-        f"--log-verbose={int(log_verbose)}",
-        f"--exit-timeout-secs={int(exit_timeout_s)}",
+        f"--backend-config=python,stub-timeout-seconds={DEFAULT_STUB_TIMEOUT_S}",
+        *("--allow-grpc=true", f"--grpc-address={a}", f"--grpc-port={int(cfg.grpc_port)}"),
+        *("--allow-http=true", f"--http-address={a}", f"--http-port={int(cfg.http_port)}"),
+        *("--allow-metrics=true", f"--metrics-address={a}", f"--metrics-port={int(cfg.metrics_port)}"),
+        f"--exit-timeout-secs={int(cfg.exit_timeout_s)}",
         "--strict-readiness=true",
         "--exit-on-error=true",
-        f"--model-control-mode={model_control_mode}",
+        "--model-control-mode=none",
+        "--metrics-config=histogram_latencies=true",
     ]
-    if first_response_histogram:
-        cmd.append("--metrics-config=histogram_latencies=true")
-    if cpu_only:
+    if cfg.cpu_only:
         cmd += ["--pinned-memory-pool-byte-size=0", "--allow-gpu-metrics=false"]
-    for name in load_models:
-        cmd.append(f"--load-model={name}")
     cache = cache_dir(tritonserver)
     if cache is not None:
         cmd.append(f"--cache-directory={cache}")
-    if extra:
-        cmd.extend(str(x) for x in extra)
-    return cmd
+    return cmd + [str(x) for x in cfg.extra]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -401,46 +379,22 @@ def _reaper(pgid: int, shm_prefix: str | None) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
 
 
-def launch_server(
-    model_repository: Path,
-    grpc_port: int,
-    http_port: int,
-    metrics_port: int,
-    backend_dir: Path | None = None,
-    *,
-    address: str = "127.0.0.1",
-    extra: Sequence[str] | None = None,
-    log_path: Path | None = None,
-    env: Mapping[str, str] | None = None,
-    check: bool = True,
-    **command_kwargs,
-) -> subprocess.Popen:
-    """Start ``tritonserver`` in its own process group (so the stubs die with it). stdout+stderr go to
-    ``log_path`` (or are inherited). Does not wait for readiness: call ``wait_until_ready``.
+def launch_server(cfg: ServerConfig, env: Mapping[str, str] | None = None) -> subprocess.Popen:
+    """Start ``tritonserver`` in its own process group (so the stubs die with it). Does not wait for readiness:
+    call ``wait_until_ready``.
 
     The server is SIGKILLed by the kernel when the *thread* that called this ends (Linux ``PR_SET_PDEATHSIG``
     follows the forking thread, not the process): call it from a thread that outlives the server, e.g. the
-    main thread, as ``python -m cosmos3_core.serve`` does."""
-    tritonserver = Path(command_kwargs.pop("tritonserver", None) or find_tritonserver())
-    if backend_dir is None:
-        backend_dir = prepare_backend_dir(
-            Path(model_repository).absolute().parent / ".triton_backends", tritonserver=tritonserver
-        )
-    env = dict(env or server_env(tritonserver=tritonserver))
-    if check:
-        for w in preflight(env):
-            print(f"[serve_launcher] warning: {w}", file=sys.stderr)
-    cmd = server_command(
-        model_repository,
-        grpc_port,
-        http_port,
-        metrics_port,
-        backend_dir,
-        address,
-        extra,
-        tritonserver=tritonserver,
-        **command_kwargs,
+    main thread, as ``python -m cosmos3_core.triton.serve`` does."""
+    tritonserver = find_tritonserver()
+    backend_dir = prepare_backend_dir(
+        Path(cfg.model_repository).absolute().parent / ".triton_backends", tritonserver=tritonserver
     )
+    env = dict(env or server_env(tritonserver=tritonserver))
+    for w in preflight(env):
+        print(f"[serve_launcher] warning: {w}", file=sys.stderr)
+    cmd = server_command(cfg, tritonserver, backend_dir)
+    log_path = cfg.log_path
     stdout = None
     if log_path is not None:
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
@@ -577,6 +531,7 @@ __all__ = [
     "cache_dir",
     "server_env",
     "preflight",
+    "ServerConfig",
     "server_command",
     "free_port",
     "ports_in_use",
