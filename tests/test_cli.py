@@ -58,8 +58,8 @@ def test_outputs(nano_ckpt, tmp_path, suffix):
 def test_cli_and_server_default_to_the_same_deployment():
     """The same flags give the same video from `generate` and `serve`: both read configs/tiny.yaml unless told."""
     from cosmos3_core import generate
-    from cosmos3_core.triton import serve
     from cosmos3_core.deployment import DEFAULT_CONFIG, Deployment
+    from cosmos3_core.triton import serve
 
     cli = generate.build_parser().parse_args(["--prompt", "p", "--out", "x.npy"])
     server = serve.build_parser().parse_args([])
