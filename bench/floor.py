@@ -7,7 +7,7 @@ not counted; neither is the VAE.
 
 from __future__ import annotations
 
-from cosmos3_core.config import ModelConfig
+from cosmos3_core.model.config import ModelConfig
 
 H200_BF16_FLOPS = 790e12  # dense bf16 on random data, measured by the field (performance.md)
 

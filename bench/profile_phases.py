@@ -19,7 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from cosmos3_core.deployment import Deployment
 from cosmos3_core.generate import Generator
-from cosmos3_core.wan_decoder import EAGER
+from cosmos3_core.model.wan_decoder import EAGER
 from cosmos3_core.windows import latent_frames
 
 from .floor import H200_BF16_FLOPS, denoise_flops, tokens_for

@@ -14,15 +14,15 @@ import time
 import torch
 
 from . import faults
-from .checkpoint import Checkpoint
 from .deployment import Deployment
 from .kv_pool import KVPool
-from .layers import GEN
+from .model.checkpoint import Checkpoint
+from .model.layers import GEN
+from .model.towers import EAGER, GenKernels
 from .requests import GenerationParams
 from .rows import Row, denoise_step_row
 from .scheduler import EngineStats, Job, QueueFull, Scheduler, Sink
 from .step import DenoiseStep
-from .towers import EAGER, GenKernels
 from .wire import PrefillResult
 
 __all__ = ["DenoiseEngine", "QueueFull", "Sink"]

@@ -18,11 +18,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .checkpoint import Checkpoint
-from .config import CheckpointError
 from .deployment import DEFAULT_CONFIG, Deployment, resolve_checkpoint
 from .engine import DenoiseEngine
 from .media import FRAME_SUFFIXES, write_frames
+from .model.checkpoint import Checkpoint
+from .model.config import CheckpointError
 from .requests import RequestError, add_request_arguments, params_from_arguments
 from .stages import DecodeStage, PrefillStage
 from .wire import PrefillResult

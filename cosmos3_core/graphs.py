@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import torch
 
 from .attention import Backend
-from .layers import Cosmos3Transformer
+from .model.layers import Cosmos3Transformer
+from .model.towers import GenKernels, gen_forward
 from .rows import Row, Segment
-from .towers import GenKernels, gen_forward
 
 
 @dataclass

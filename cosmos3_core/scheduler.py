@@ -27,10 +27,10 @@ from typing import Any, Protocol
 import torch
 
 from . import faults
-from .config import ModelConfig
 from .kv_pool import KVPool, PageList
+from .model.config import ModelConfig
+from .model.rotary import rotary_tables, vision_position_ids
 from .requests import GenerationParams, RequestError
-from .rotary import rotary_tables, vision_position_ids
 from .rows import Branch, RowOutput
 from .sampling import guided_velocity, initial_noise, make_scheduler
 from .windows import WindowPlan, latent_frames, plan_windows

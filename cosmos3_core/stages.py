@@ -15,14 +15,14 @@ import numpy as np
 import torch
 
 from . import faults
-from .checkpoint import Checkpoint
-from .conditioning import HostFrames, StreamDecoder, VaeCodec
-from .layers import UND
-from .prompts import PromptEncoder
+from .model.checkpoint import Checkpoint
+from .model.conditioning import HostFrames, StreamDecoder, VaeCodec
+from .model.layers import UND
+from .model.prompts import PromptEncoder
+from .model.rotary import rotary_tables, text_position_ids
+from .model.towers import prefill_text_kv
 from .requests import Defaults, GenerationParams, Limits, RequestError, validate
-from .rotary import rotary_tables, text_position_ids
 from .sampling import checkpoint_shift
-from .towers import prefill_text_kv
 from .windows import pixel_frames_of_chunk
 from .wire import ChunkEvent, PrefillResult
 

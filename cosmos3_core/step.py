@@ -15,9 +15,9 @@ import torch
 from .attention import SdpaAttention, make_attention
 from .graphs import StepLayout
 from .kv_pool import KVPool
-from .layers import Cosmos3Transformer
+from .model.layers import Cosmos3Transformer
+from .model.towers import EAGER, GenKernels
 from .rows import Row, RowOutput, Segment, segments_of, unpatchify
-from .towers import EAGER, GenKernels
 
 
 class DenoiseStep:

@@ -8,15 +8,15 @@ import math
 import pytest
 import torch
 
-from cosmos3_core.checkpoint import Checkpoint
 from cosmos3_core.engine import DenoiseEngine
-from cosmos3_core.layers import GEN, UND
+from cosmos3_core.model.checkpoint import Checkpoint
+from cosmos3_core.model.layers import GEN, UND
+from cosmos3_core.model.rotary import rotary_tables, vision_position_ids
+from cosmos3_core.model.towers import _gen_qkv, _gen_residual, embed_latent_tokens
 from cosmos3_core.requests import Defaults, Limits
-from cosmos3_core.rotary import rotary_tables, vision_position_ids
 from cosmos3_core.rows import patchify, unpatchify
 from cosmos3_core.sampling import guided_velocity, initial_noise, make_scheduler
 from cosmos3_core.stages import DecodeStage, PrefillStage
-from cosmos3_core.towers import _gen_qkv, _gen_residual, embed_latent_tokens
 
 H, W, FPS = 64, 96, 16.0
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from cosmos3_core.checkpoint import Checkpoint
-from cosmos3_core.config import CheckpointError
-from cosmos3_core.layers import GEN, UND
+from cosmos3_core.model.checkpoint import Checkpoint
+from cosmos3_core.model.config import CheckpointError
+from cosmos3_core.model.layers import GEN, UND
 from cosmos3_core.tools.make_tiny import make_tiny
 
 WEIGHTS = "transformer/diffusion_pytorch_model.safetensors"

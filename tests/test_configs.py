@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from cosmos3_core.checkpoint import Checkpoint
 from cosmos3_core.deployment import Deployment, resolve_checkpoint
+from cosmos3_core.model.checkpoint import Checkpoint
 from cosmos3_core.requests import validate
 
 CONFIGS = sorted(Path(__file__).parent.parent.glob("configs/*.yaml"))

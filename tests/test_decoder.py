@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from cosmos3_core.checkpoint import Checkpoint
-from cosmos3_core.conditioning import StreamDecoder, VaeCodec
-from cosmos3_core.wan_decoder import DecoderKernels, WanDecoder
+from cosmos3_core.model.checkpoint import Checkpoint
+from cosmos3_core.model.conditioning import StreamDecoder, VaeCodec
+from cosmos3_core.model.wan_decoder import DecoderKernels, WanDecoder
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cosmos3_core.checkpoint import Checkpoint
 from cosmos3_core.engine import DenoiseEngine, QueueFull
+from cosmos3_core.model.checkpoint import Checkpoint
 from cosmos3_core.requests import Defaults, Limits, RequestError
 from cosmos3_core.stages import PrefillStage
 

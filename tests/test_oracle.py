@@ -67,8 +67,8 @@ def test_cli_frames_match_pipeline(nano_ckpt, tmp_path):
 
 
 def test_same_token_ids_as_pipeline(nano_ckpt):
-    from cosmos3_core.checkpoint import Checkpoint
-    from cosmos3_core.prompts import PromptEncoder
+    from cosmos3_core.model.checkpoint import Checkpoint
+    from cosmos3_core.model.prompts import PromptEncoder
 
     pipe = reference_pipeline(nano_ckpt)
     enc = PromptEncoder(Checkpoint.open(nano_ckpt).load_tokenizer())

@@ -85,8 +85,8 @@ def test_report_and_markdown(tiny_run, tmp_path):
 
 
 def test_weights_are_llm_like_and_load_in_both(tiny_run):
-    from cosmos3_core.checkpoint import Checkpoint
-    from cosmos3_core.layers import GEN, UND
+    from cosmos3_core.model.checkpoint import Checkpoint
+    from cosmos3_core.model.layers import GEN, UND
 
     _, _, tmp = tiny_run
     root = tmp / "cache" / "parity-tiny-s0"

@@ -35,9 +35,9 @@ def test_step_reads_every_row_field(monkeypatch, nano_ckpt):
 
     import pytest
 
-    from cosmos3_core.checkpoint import Checkpoint
     from cosmos3_core.kv_pool import KVPool
-    from cosmos3_core.layers import GEN
+    from cosmos3_core.model.checkpoint import Checkpoint
+    from cosmos3_core.model.layers import GEN
 
     ckpt = Checkpoint.open(nano_ckpt)
     cfg = ckpt.config

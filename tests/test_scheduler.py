@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cosmos3_core.config import ModelConfig
 from cosmos3_core.kv_pool import KVPool
+from cosmos3_core.model.config import ModelConfig
 from cosmos3_core.requests import GenerationParams, RequestError
 from cosmos3_core.rows import RowOutput
 from cosmos3_core.scheduler import QueueFull, Scheduler

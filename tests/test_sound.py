@@ -1,4 +1,4 @@
-"""Sound pieces (`cosmos3_core.sound`) against the pipeline's own functions on a tiny sound checkpoint
+"""Sound pieces (`cosmos3_core.model.sound`) against the pipeline's own functions on a tiny sound checkpoint
 (`make_tiny(..., sound=True)`): latent shape, noise order, rotary ids, tokenizer decode; and the checkpoint itself
 (loads with `Cosmos3OmniPipeline`, runs t2v + sound, weights shared with the plain checkpoint, no zero terms)."""
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cosmos3_core.checkpoint import Checkpoint
-from cosmos3_core.sound import SoundSpec, decode_sound, initial_noise, load_sound_tokenizer, sound_position_ids
+from cosmos3_core.model.checkpoint import Checkpoint
+from cosmos3_core.model.sound import SoundSpec, decode_sound, initial_noise, load_sound_tokenizer, sound_position_ids
 from cosmos3_core.tools.make_tiny import make_tiny
 from tests.conftest import reference_pipeline
 
@@ -137,7 +137,7 @@ def test_checkpoint_parts(ckpt, tmp_path):
     tok = load_file(ckpt / "sound_tokenizer" / "diffusion_pytorch_model.safetensors")
     snake = [v for k, v in tok.items() if k.endswith((".alpha", ".beta"))]
     assert snake and all(v.abs().min() > 0 for v in snake) and torch.cat([v.flatten() for v in snake]).std() > 0.3
-    from cosmos3_core.layers import GEN, UND
+    from cosmos3_core.model.layers import GEN, UND
 
     Checkpoint.open(ckpt).load_transformer({UND, GEN}, "cpu", torch.float32)
 

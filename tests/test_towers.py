@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cosmos3_core.checkpoint import Checkpoint
 from cosmos3_core.kv_pool import KVPool
-from cosmos3_core.layers import GEN, UND
-from cosmos3_core.rotary import rotary_tables, text_position_ids, vision_position_ids
+from cosmos3_core.model.checkpoint import Checkpoint
+from cosmos3_core.model.layers import GEN, UND
+from cosmos3_core.model.rotary import rotary_tables, text_position_ids, vision_position_ids
+from cosmos3_core.model.towers import fused_reference, prefill_text_kv
 from cosmos3_core.rows import Branch, denoise_step_row
 from cosmos3_core.step import DenoiseStep
-from cosmos3_core.towers import fused_reference, prefill_text_kv
 
 
 def make_request(ckpt: Checkpoint, model, pool, text_len: int, grid: tuple[int, int, int], first_noisy: int, seed: int):

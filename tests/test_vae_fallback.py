@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from cosmos3_core.checkpoint import Checkpoint
 from cosmos3_core.generate import main
+from cosmos3_core.model.checkpoint import Checkpoint
 from cosmos3_core.stages import DecodeStage
 from cosmos3_core.tools.make_tiny import make_tiny
 from tests.conftest import reference_pipeline, run_reference

@@ -1,4 +1,4 @@
-"""v2v conditioning (`cosmos3_core.video_input`) against the pipeline's own `prepare_latents` on a tiny checkpoint:
+"""v2v conditioning (`cosmos3_core.model.video_input`) against the pipeline's own `prepare_latents` on a tiny checkpoint:
 the initial latents (clean frames = encoded clip, the rest = the seed's noise) and the clean frame set, for keep
 first/last, clean indexes [0, 1] / [0, 2], clips longer and shorter than needed, a clip of another aspect ratio
 (stretched, not cropped) and one already at the target size."""
@@ -10,11 +10,11 @@ import pytest
 import torch
 from PIL import Image
 
-from cosmos3_core.checkpoint import Checkpoint
-from cosmos3_core.conditioning import VaeCodec
+from cosmos3_core.model.checkpoint import Checkpoint
+from cosmos3_core.model.conditioning import VaeCodec
+from cosmos3_core.model.video_input import condition_pixels, encode_video_condition, initial_latents
 from cosmos3_core.sampling import initial_noise
 from cosmos3_core.tools.make_tiny import make_tiny
-from cosmos3_core.video_input import condition_pixels, encode_video_condition, initial_latents
 from tests.conftest import reference_pipeline, rel_l2
 
 H, W, F = 32, 48, 17  # 2 x 3 latent grid, 5 latent frames
@@ -105,7 +105,7 @@ def test_pixels_stretched_like_the_pipeline(pipe, src):
     ref = torch.cat([pre, pre[:, :, -1:].expand(-1, -1, 6, -1, -1)], dim=2)
     assert torch.equal(ours, ref)
     if src != (H, W):  # an aspect-preserving crop (i2v's rule) would give something else
-        from cosmos3_core.conditioning import preprocess_image
+        from cosmos3_core.model.conditioning import preprocess_image
 
         assert not torch.allclose(ours[:, :, 0], preprocess_image(clip[0], H, W), atol=0.05)
 

@@ -8,9 +8,9 @@ progress events and, in the final response, the finished latents. Thin adaptor o
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from cosmos3_core.checkpoint import Checkpoint
 from cosmos3_core.deployment import resolve_checkpoint
 from cosmos3_core.engine import DenoiseEngine, QueueFull
+from cosmos3_core.model.checkpoint import Checkpoint
 from cosmos3_core.requests import RequestError, validate
 from cosmos3_core.sampling import checkpoint_shift
 from cosmos3_core.triton.cancel import CancelMarks

@@ -8,8 +8,8 @@ import uuid
 
 import triton_python_backend_utils as pb_utils
 
-from cosmos3_core.checkpoint import Checkpoint
 from cosmos3_core.deployment import resolve_checkpoint
+from cosmos3_core.model.checkpoint import Checkpoint
 from cosmos3_core.requests import RequestError, parse_parameters_json
 from cosmos3_core.stages import PrefillStage
 from cosmos3_core.triton.glue import (

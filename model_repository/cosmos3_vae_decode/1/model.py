@@ -6,8 +6,8 @@ Thin adaptor over `cosmos3_core.stages.DecodeStage`. `execute` only queues; the 
 the chunk's frames on the host and sends them, while the GPU decodes the next chunk.
 """
 
-from cosmos3_core.checkpoint import Checkpoint
 from cosmos3_core.deployment import resolve_checkpoint
+from cosmos3_core.model.checkpoint import Checkpoint
 from cosmos3_core.stages import DecodeStage
 from cosmos3_core.triton.cancel import CancelMarks
 from cosmos3_core.triton.glue import DecodeLoop, DecodeMetrics, deployment_from_args

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import Plan, sdpa
+from ..attention import Plan, sdpa
 from .layers import Cosmos3Transformer, Layer
 from .rotary import apply_rotary
 
