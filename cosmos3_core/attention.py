@@ -3,7 +3,7 @@
 A packed step is a list of segments (one per request and CFG branch): rows `start:start+length` of q/k/v
 belong to the segment and attend, non-causally and with GQA, to the branch's prefix K/V (text, then any
 committed AR context frames; order does not matter, nothing is causal) followed by the segment's own K/V.
-Rows between segments are zero padding (see `step.pack`); their output is never read.
+Rows between segments are zero padding (see `rows.segments_of`); their output is never read.
 
 Two backends with one contract, chosen by the deployment's `attention`:
 - `SdpaAttention` — torch SDPA per segment over gathered prefix pages + own K/V. Any device; the reference.
