@@ -2,7 +2,8 @@
 
 - `PrefillResult`: prefill → denoise. Tensors for Triton (`to_wire` / `from_wire`): text_kv
   [2, layers, sum(branch tokens), kv_heads, head_dim] (model dtype), text_lens INT64 [branches], cond_latent FP32
-  [1, C, 1, h, w] or [0,0,0,0,0]; with it `RequestMeta` as JSON (BYTES [1] `request`).
+  [1, C, 1, h, w] (i2v), [1, C, T_lat, h, w] (v2v: `params.clean_frames` encoded, the rest zero) or [0,0,0,0,0];
+  with it `RequestMeta` as JSON (BYTES [1] `request`).
 - Events, JSON (BYTES [1] `event`), denoise → decode → client: `ProgressEvent` after each step; `ChunkEvent`
   (type "chunk") per streamed piece of latents; the last piece's type is "done" and carries the resolved
   parameters. The engine fills a chunk's place in the video and its timings; decode adds `frames`,
@@ -22,7 +23,7 @@ from .requests import GenerationParams
 if TYPE_CHECKING:  # the client reads events through this module without importing torch
     import torch
 
-EVENT_TYPES = ("progress", "chunk", "done")
+EVENT_TYPES = ("progress", "chunk", "done", "error")
 
 
 class ProgressEvent(TypedDict):
@@ -54,7 +55,17 @@ class ChunkEvent(ChunkInfo, total=False):
     params: dict[str, Any]  # done only: GenerationParams.resolved()
 
 
-Event = ProgressEvent | ChunkEvent
+class ErrorEvent(TypedDict):
+    """The engine's end of a failed or cancelled request, sent as data in its FINAL response; the decode step
+    after it, the request's last, turns it into the Triton error the client sees (see triton/cancel.py: why not
+    an error from the engine's step)."""
+
+    type: Literal["error"]
+    id: str
+    message: str
+
+
+Event = ProgressEvent | ChunkEvent | ErrorEvent
 
 
 def encode_event(event: Event) -> str:
@@ -102,7 +113,7 @@ class PrefillResult:
     params: GenerationParams
     text_k: list[torch.Tensor]  # per branch (cond[, uncond]) [layers, tokens, kv_heads, head_dim]
     text_v: list[torch.Tensor]
-    cond_latent: torch.Tensor | None  # [1, C, 1, h, w] fp32 (i2v) or None
+    cond_latent: torch.Tensor | None  # [1, C, 1, h, w] fp32 (i2v), [1, C, T_lat, h, w] (v2v) or None
 
     def to_wire(self) -> dict[str, torch.Tensor | np.ndarray]:
         import torch

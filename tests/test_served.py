@@ -77,6 +77,31 @@ def test_cancel_frees_pages_and_server_keeps_serving(server):
     assert generate(server.url, "next", {"steps": 2}).video.shape == (9, 32, 64, 3)
 
 
+def ensemble_requests_ended(server) -> float:
+    """Ensemble requests Triton has released (success or failure): one held in flight never counts."""
+    import re
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
+    pattern = r'^nv_inference_request_(?:success|failure)\{model="cosmos3",version="1"\} (\S+)$'
+    return sum(float(v) for v in re.findall(pattern, text, re.M))
+
+
+def test_cancelled_and_failed_requests_end_in_the_ensemble(server):
+    """No step answers with an error while another step of the request is in flight: Triton 2.51 would then keep
+    the ensemble request in flight forever (triton/cancel.py)."""
+    before = ensemble_requests_ended(server)
+    params = {"num_frames": 33, "height": 128, "width": 128, "steps": 60, "seed": 9}
+    for _ in range(2):
+        generate(server.url, "a long one", params, cancel_after=lambda e: e.get("step") == 2)
+    with pytest.raises(ServerError, match="injected fault"):
+        generate(server.url, "fails in its step", {"steps": 5, "seed": 666})
+    deadline = time.monotonic() + 15
+    while ensemble_requests_ended(server) < before + 3 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ensemble_requests_ended(server) == before + 3, "a cancelled or failed request stayed in flight"
+
+
 def test_failing_request_fails_alone(server):
     """An exception inside one request's step fails that request only; its neighbour completes."""
     results: dict[str, object] = {}

@@ -4,6 +4,14 @@ Triton's ensemble scheduler does not cancel a composing step that is already run
 denoise request never sees `is_cancelled()`. It does cancel the steps it schedules afterwards, so the
 decode step that follows the next progress event sees the cancellation; it marks the request here
 (an empty file named by the request's id) and the engine polls the mark between ticks.
+
+No step answers with a Triton error while another step of the same request can still be in flight: Triton
+2.51's ensemble then stops counting its steps' FINAL responses (`EnsembleContext::PrepareSteps` skips
+`UpdateEnsembleState` once the ensemble has failed; fixed upstream in core r26.03, #466), so the ensemble request
+is never released and shutdown waits out its exit timeout. So the decode step of a cancelled request answers
+FINAL with no response; a chunk that fails to decode mid-stream marks the request too; and the engine ends a
+request (cancelled, failed, rejected) with an `error` event in its FINAL response, which the decode step after
+it, the request's last step, turns into the error the client sees.
 """
 
 from __future__ import annotations

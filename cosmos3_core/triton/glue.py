@@ -24,7 +24,7 @@ from torch.utils.dlpack import to_dlpack
 from ..deployment import Deployment
 from ..engine import DenoiseEngine
 from ..stages import DecodeStage
-from ..wire import ChunkEvent, ChunkInfo, Event, RequestMeta, decode_event, encode_event
+from ..wire import ChunkEvent, ChunkInfo, ErrorEvent, Event, RequestMeta, decode_event, encode_event
 from .cancel import CancelMarks
 
 EMPTY_LATENTS = np.zeros((0, 0, 0, 0, 0), dtype=np.float32)
@@ -85,8 +85,9 @@ def log_exception(where: str, e: BaseException) -> str:
 
 class Responder:
     """The one send path of both decoupled models: a thread that runs each item's `build` (it may wait, e.g. for
-    a chunk's frames on the host) and sends what it returns. A failed build sends an error, final; a final
-    response that cannot be sent is followed by an error, final, so the ensemble request never stays in flight.
+    a chunk's frames on the host) and sends what it returns (None: FINAL with no response). A failed build sends
+    an error, final; a final response that cannot be sent is followed by an error, final, so the ensemble request
+    never stays in flight.
     `maxsize` bounds how far producers run ahead of the sends."""
 
     def __init__(self, device: str | None = None, maxsize: int = 0):
@@ -98,9 +99,6 @@ class Responder:
     def send(self, sender: Any, build: Callable[[], Any], final: bool) -> None:
         self.queue.put((sender, build, final))
 
-    def error(self, sender: Any, message: str) -> None:
-        self.send(sender, lambda: error_response(message), final=True)
-
     def _run(self) -> None:
         if self.device is not None:
             use_device(self.device)
@@ -111,7 +109,10 @@ class Responder:
             except Exception as e:  # noqa: BLE001 - one failed response never stops the others
                 response, final = error_response(log_exception("cosmos3 response", e)), True
             try:
-                sender.send(response, flags=FINAL if final else 0)
+                if response is None:  # nothing to say, only that this step is done with the request
+                    sender.send(flags=FINAL)
+                else:
+                    sender.send(response, flags=FINAL if final else 0)
             except Exception as e:  # noqa: BLE001 - a client that went away must not stop the others
                 message = log_exception("cosmos3 send", e)
                 if final:
@@ -149,7 +150,10 @@ class TritonSink:
         self._forget()
 
     def error(self, message: str) -> None:
-        self.responder.error(self.sender, message)
+        """Sent as data, an `error` event in a normal FINAL response, never as a Triton error: the decode step of
+        this request may still be in flight (see cancel.py)."""
+        event: ErrorEvent = {"type": "error", "id": self.meta.id if self.meta else "", "message": message}
+        self._send(EMPTY_LATENTS, event, final=True)
         self._forget()
 
     def cancelled(self) -> bool:
@@ -182,6 +186,7 @@ class DecodeLoop:
         # at most 2 chunks launched ahead of the sends: little pinned host memory held
         self.responder = Responder(device, maxsize=2)
         self.inbox: queue.Queue = queue.Queue()
+        self.failed: dict[str, str] = {}  # stream id → why its chunk failed, reported with the engine's end of it
         self.thread = threading.Thread(target=self._run, name="cosmos3-decode", daemon=True)
         self.thread.start()
 
@@ -197,26 +202,49 @@ class DecodeLoop:
     def _launch(self, request: Any) -> Callable[[], Any]:
         try:
             event = decode_event(input_array(request, "event").reshape(-1)[0])
-            if request.is_cancelled():  # the client cancelled: tell the engine (see cancel.py)
-                self.marks.mark(event["id"])
-                self.stage.drop(event["id"])
-                self.metrics.forget(event["id"])
-                return lambda: error_response("cancelled")
+        except Exception as e:  # noqa: BLE001
+            message = log_exception("cosmos3_vae_decode", e)
+            return lambda: error_response(message)
+        if event["type"] == "error":  # the engine's last word on this request: the error the client sees
+            self._forget(event["id"])
+            return lambda: error_response(self.failed.pop(event["id"], event["message"]))
+        if request.is_cancelled():  # the client cancelled: tell the engine, answer nothing (see cancel.py)
+            self.marks.mark(event["id"])
+            self._forget(event["id"])
+            return lambda: None
+        try:
             latents = input_torch(request, "latents")
             if not latents.numel():  # a progress event passes through
                 return lambda: video_response(EMPTY_VIDEO, event)
             finish = self.stage.launch(event, latents)
         except Exception as e:  # noqa: BLE001
-            message = log_exception("cosmos3_vae_decode", e)
-            return lambda: error_response(message)
+            return self._failed(event, e)
 
         def build(_inputs: Any = (request, latents)) -> Any:  # the inputs outlive the GPU work that reads them
-            video, out = finish()
+            try:
+                video, out = finish()
+            except Exception as e:  # noqa: BLE001
+                return self._failed(event, e)()
             out["timings"].update(self.metrics.frames_out(out))
             del out["t0"]
             return video_response(video, out)
 
         return build
+
+    def _failed(self, event: ChunkEvent, e: Exception) -> Callable[[], Any]:
+        """A chunk that failed to decode. After `done` (the request's last step) the error goes out now; before
+        it the engine still runs the request, so it is ended there and its error event carries this message."""
+        message = log_exception("cosmos3_vae_decode", e)
+        if event["type"] == "done":
+            message = self.failed.pop(event["id"], message)  # the first failure of the stream, if there was one
+            return lambda: error_response(message)
+        self.failed.setdefault(event["id"], message)
+        self.marks.mark(event["id"])
+        return lambda: None
+
+    def _forget(self, stream_id: str) -> None:
+        self.stage.drop(stream_id)
+        self.metrics.forget(stream_id)
 
     def close(self, timeout: float) -> None:
         self.inbox.put(None)
