@@ -39,13 +39,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: out: suffix must be one of {', '.join(FRAME_SUFFIXES)}", file=sys.stderr)
         return 2
     params = params_from_arguments(args)
-    image = None
-    if args.image:
-        from cosmos3_core.generate import load_image
+    image = video = None
+    if args.image or args.video:
+        from cosmos3_core.generate import load_image, load_video
         from cosmos3_core.requests import RequestError
 
         try:
-            image = load_image(args.image)
+            image = load_image(args.image) if args.image else None
+            video = load_video(args.video) if args.video else None
         except RequestError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.wait_ready:
             wait_ready(args.url, args.wait_ready)
-        result = generate(args.url, args.prompt, params, image, on_event=on_event)
+        result = generate(args.url, args.prompt, params, image, on_event=on_event, video=video)
     except ServerError as e:
         bar.close()
         print(f"error: {e}", file=sys.stderr)

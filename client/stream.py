@@ -55,8 +55,10 @@ def wait_ready(url: str, timeout_s: float, model: str = "cosmos3") -> None:
         time.sleep(0.5)
 
 
-def build_inputs(prompt: str | bytes, params: dict[str, Any] | str, image: np.ndarray | None):
-    """`params` as a dict (sent as JSON) or as raw JSON text; `image` uint8 [H, W, 3]."""
+def build_inputs(
+    prompt: str | bytes, params: dict[str, Any] | str, image: np.ndarray | None, video: np.ndarray | None = None
+):
+    """`params` as a dict (sent as JSON) or as raw JSON text; `image` uint8 [H, W, 3]; `video` uint8 [T, H, W, 3]."""
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import np_to_triton_dtype
 
@@ -66,10 +68,11 @@ def build_inputs(prompt: str | bytes, params: dict[str, Any] | str, image: np.nd
         return t
 
     inputs = [text("prompt", prompt), text("parameters", params if isinstance(params, str) else json.dumps(params))]
-    if image is not None:
-        t = grpcclient.InferInput("image", list(image.shape), np_to_triton_dtype(image.dtype))
-        t.set_data_from_numpy(np.ascontiguousarray(image))
-        inputs.append(t)
+    for name, value in (("image", image), ("condition_video", video)):  # the ensemble's name for the v2v clip
+        if value is not None:
+            t = grpcclient.InferInput(name, list(value.shape), np_to_triton_dtype(value.dtype))
+            t.set_data_from_numpy(np.ascontiguousarray(value))
+            inputs.append(t)
     return inputs
 
 
@@ -82,6 +85,7 @@ def generate(
     model: str = "cosmos3",
     timeout_s: float = 3600.0,
     cancel_after: Callable[[dict[str, Any]], bool] | None = None,
+    video: np.ndarray | None = None,
 ) -> StreamResult:
     """Send one request and wait for its final response. Raises ServerError with the server's message.
 
@@ -90,14 +94,14 @@ def generate(
     from tritonclient.utils import InferenceServerException
 
     try:
-        return _generate(url, prompt, params, image, on_event, model, timeout_s, cancel_after)
+        return _generate(url, prompt, params, image, on_event, model, timeout_s, cancel_after, video)
     except InferenceServerException as e:  # connection-level failures (server gone, stream broken)
         raise ServerError(str(e)) from e
     except queue.Empty as e:
         raise ServerError(f"no response within {timeout_s:.0f}s") from e
 
 
-def _generate(url, prompt, params, image, on_event, model, timeout_s, cancel_after) -> StreamResult:
+def _generate(url, prompt, params, image, on_event, model, timeout_s, cancel_after, video) -> StreamResult:
     import tritonclient.grpc as grpcclient
 
     responses: queue.Queue = queue.Queue()
@@ -106,7 +110,7 @@ def _generate(url, prompt, params, image, on_event, model, timeout_s, cancel_aft
     out = StreamResult()
     t0 = time.perf_counter()
     try:
-        client.async_stream_infer(model, build_inputs(prompt, params, image), enable_empty_final_response=True)
+        client.async_stream_infer(model, build_inputs(prompt, params, image, video), enable_empty_final_response=True)
         while True:
             result, error, t = responses.get(timeout=timeout_s)
             if error is not None:

@@ -1,6 +1,7 @@
 """Offline CLI: the three serving stages chained in one process.
 
   python -m cosmos3_core.generate --checkpoint DIR --prompt P [--negative-prompt N] [--image IMG]
+      [--video CLIP.mp4|.npy --condition-frames 0,1 --condition-keep first|last]
       [--height H --width W --num-frames F --fps R --steps S --guidance G --shift X --seed K]
       [--no-system-prompt] [--no-templates] --out FILE(.mp4|.png|.npy|.pt)
 
@@ -43,10 +44,15 @@ class Generator:
         self.decode = DecodeStage(self.ckpt, device, dtype, d.compile)
 
     def latents(
-        self, prompt: str, params: dict, image: np.ndarray | None = None, progress: bool = False
+        self,
+        prompt: str,
+        params: dict,
+        image: np.ndarray | None = None,
+        progress: bool = False,
+        video: np.ndarray | None = None,
     ) -> torch.Tensor:
-        p = self.prefill.validate(prompt, params, image)
-        return self.latents_from(self.prefill.run(p, image), progress)
+        p = self.prefill.validate(prompt, params, image, video)
+        return self.latents_from(self.prefill.run(p, image, video), progress)
 
     def latents_from(self, prefilled: PrefillResult, progress: bool = False) -> torch.Tensor:
         sink = _CollectSink(prefilled.params.steps, progress)
@@ -56,8 +62,10 @@ class Generator:
             raise RuntimeError(sink.failure)
         return sink.latents
 
-    def frames(self, prompt: str, params: dict, image: np.ndarray | None = None, progress: bool = False) -> np.ndarray:
-        return self.decode.run(self.latents(prompt, params, image, progress))
+    def frames(
+        self, prompt: str, params: dict, image: np.ndarray | None = None, video: np.ndarray | None = None
+    ) -> np.ndarray:
+        return self.decode.run(self.latents(prompt, params, image, video=video))
 
 
 class _CollectSink:
@@ -119,6 +127,18 @@ def load_image(path: str) -> np.ndarray:
     return np.ascontiguousarray(img[..., :3]).astype(np.uint8)
 
 
+def load_video(path: str) -> np.ndarray:
+    """A v2v clip: .npy (uint8 [T, H, W, 3], as stored) or a video imageio-ffmpeg reads (.mp4) → uint8 [T, H, W, 3]."""
+    try:
+        if path.endswith(".npy"):
+            return np.load(path, allow_pickle=False)
+        import imageio.v2 as imageio
+
+        return np.stack([np.asarray(f)[..., :3] for f in imageio.mimread(path, memtest=False)]).astype(np.uint8)
+    except Exception as e:  # noqa: BLE001 - any decoder failure is the same user error
+        raise RequestError("video", f"cannot read {path!r} ({e})") from e
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     out = Path(args.out)
@@ -130,11 +150,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         ckpt = Checkpoint.open(resolve_checkpoint(deployment.checkpoint))
         image = load_image(args.image) if args.image else None
+        video = load_video(args.video) if args.video else None
         params = params_from_arguments(args)
         gen = Generator(deployment, ckpt)
-        p = gen.prefill.validate(args.prompt, params, image)  # fail fast, before any work
+        p = gen.prefill.validate(args.prompt, params, image, video)  # fail fast, before any work
         print(f"parameters {json.dumps(p.resolved())}", file=sys.stderr)
-        latents = gen.latents(args.prompt, params, image, progress=True)
+        latents = gen.latents(args.prompt, params, image, progress=True, video=video)
     except (RequestError, CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

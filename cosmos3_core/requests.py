@@ -32,6 +32,7 @@ class Limits:
     max_image_pixels: int = 4096 * 4096
     max_pixel_frames: int = 1280 * 720 * 189  # frames × height × width budget per request (per window for AR)
     max_windows: int = 64
+    max_video_frames: int = 1024  # frames of a v2v conditioning clip (each at most max_image_pixels)
 
 
 @dataclass(frozen=True)
@@ -80,10 +81,26 @@ class GenerationParams:
     window_frames: int = 0
     overlap_frames: int = 0
     context_frames: int = 0
+    has_video: bool = False  # v2v: a conditioning clip came with the request
+    condition_frame_indexes: tuple[int, ...] = ()  # v2v: latent frames kept clean (as given; () without video)
+    condition_video_keep: str = "first"  # v2v: which end of a longer clip is kept
+    enable_sound: bool = False
+
+    def __post_init__(self) -> None:  # JSON gives a list back: keep the field a tuple
+        object.__setattr__(self, "condition_frame_indexes", tuple(self.condition_frame_indexes))
 
     @property
     def task(self) -> str:
-        return "t2i" if self.num_frames == 1 else ("i2v" if self.has_image else "t2v")
+        if self.num_frames == 1:
+            return "t2i"
+        return "i2v" if self.has_image else ("v2v" if self.has_video else "t2v")
+
+    @property
+    def clean_frames(self) -> tuple[int, ...]:
+        """Latent frames of the first window kept clean: i2v's frame 0, v2v's listed frames, else none."""
+        if self.has_video:
+            return tuple(sorted(set(self.condition_frame_indexes)))
+        return (0,) if self.has_image else ()
 
     @property
     def cfg_branches(self) -> int:
@@ -91,7 +108,10 @@ class GenerationParams:
 
     def resolved(self) -> dict[str, Any]:
         """Every parameter as sampled (defaults filled in), echoed with `done` so any result can be reproduced."""
-        return {k: v for k, v in asdict(self).items() if k not in ("prompt", "negative_prompt", "has_image")}
+        hidden = {"prompt", "negative_prompt", "has_image", "has_video"}
+        if not self.has_video:  # v2v's own parameters only apply with a clip
+            hidden |= {"condition_frame_indexes", "condition_video_keep"}
+        return {k: v for k, v in asdict(self).items() if k not in hidden}
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -104,7 +124,7 @@ class GenerationParams:
 PARAMETER_KEYS = (
     "negative_prompt", "height", "width", "num_frames", "fps", "steps", "guidance_scale", "shift", "seed",
     "use_system_prompt", "add_templates", "window_mode", "window_frames", "overlap_frames", "context_frames",
-    "max_windows",
+    "max_windows", "condition_frame_indexes", "condition_video_keep", "enable_sound",
 )  # fmt: skip
 WINDOW_MODES = ("none", "chained", "kv")
 MIN_CHAINED_OVERLAP_LATENT = 2
@@ -177,6 +197,7 @@ def validate(
     alignment: int,
     temporal_factor: int,
     checkpoint_shift: float,
+    video: np.ndarray | None = None,
 ) -> GenerationParams:
     """Check a request against the limits; fill defaults. `alignment`: H, W multiple; frames ≡ 1 mod temporal;
     `checkpoint_shift`: the scheduler config's flow_shift, the shift when neither request nor deployment sets one."""
@@ -216,12 +237,13 @@ def validate(
         raise RequestError(
             key, f"frames×height×width = {budget_frames * height * width} exceeds the budget {limits.max_pixel_frames}"
         )
-    task = "t2i" if num_frames == 1 else ("i2v" if image is not None else "t2v")
+    task = "t2i" if num_frames == 1 else ("i2v" if image is not None or video is not None else "t2v")
     if image is not None:
         if num_frames == 1:
             raise RequestError("image", "an image conditions video only (i2v); num_frames must be > 1")
         check_image(image, limits, height, width)
-    td: TaskDefaults = getattr(defaults, task)
+    indexes, keep = _validate_video(video, image, params, num_frames, mode, limits, temporal_factor)
+    td: TaskDefaults = getattr(defaults, task)  # v2v takes i2v's defaults (a conditioned video)
     seed = params.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
         raise RequestError("seed", f"must be an integer in [0, 2^63), got {seed!r}")
@@ -243,7 +265,58 @@ def validate(
         window_frames=window[0],
         overlap_frames=window[1],
         context_frames=window[2],
+        has_video=video is not None,
+        condition_frame_indexes=indexes,
+        condition_video_keep=keep,
+        enable_sound=bool(_bool(params, "enable_sound", False)),
     )
+
+
+def _validate_video(
+    video: np.ndarray | None,
+    image: np.ndarray | None,
+    params: dict[str, Any],
+    num_frames: int,
+    mode: str,
+    limits: Limits,
+    temporal: int,
+) -> tuple[tuple[int, ...], str]:
+    """v2v's clip and parameters (the pipeline's checks, P:1069-1089, plus ours) → (indexes, keep)."""
+    if video is None:
+        for key in ("condition_frame_indexes", "condition_video_keep"):
+            if key in params:
+                raise RequestError(key, "only applies with a `video` input (v2v)")
+        return (), "first"
+    if image is not None:
+        raise RequestError("video", "pass either `image` (i2v) or `video` (v2v), not both")
+    if num_frames == 1:
+        raise RequestError("video", "a clip conditions video only (v2v); num_frames must be > 1")
+    if mode != "none":
+        raise RequestError("video", f"v2v is not supported with window_mode {mode!r}")
+    if video.dtype != np.uint8:
+        raise RequestError("video", f"must be UINT8, got {video.dtype}")
+    if video.ndim != 4 or video.shape[3] != 3:
+        raise RequestError("video", f"must be [T, H, W, 3] RGB, got shape {list(video.shape)}")
+    t, h, w = video.shape[:3]
+    if not 1 <= t <= limits.max_video_frames:
+        raise RequestError("video", f"has {t} frames, allowed 1..{limits.max_video_frames}")
+    if h < 1 or w < 1 or h * w > limits.max_image_pixels:
+        raise RequestError("video", f"has {h}x{w} pixels per frame, allowed 1..{limits.max_image_pixels}")
+    indexes = params.get("condition_frame_indexes", [0, 1])
+    latent = (num_frames - 1) // temporal + 1
+    # bool is an int the pipeline accepts too (isinstance(True, int))
+    if not isinstance(indexes, list) or not all(isinstance(i, int) and i >= 0 for i in indexes):
+        raise RequestError("condition_frame_indexes", f"must be a list of non-negative integers, got {indexes!r}")
+    if not indexes:
+        raise RequestError("condition_frame_indexes", "must contain at least one index")
+    if max(indexes) >= latent:
+        raise RequestError(
+            "condition_frame_indexes", f"must be < {latent} (latent frames of num_frames={num_frames}), got {indexes}"
+        )
+    keep = params.get("condition_video_keep", "first")
+    if keep not in ("first", "last"):
+        raise RequestError("condition_video_keep", f"must be 'first' or 'last', got {keep!r}")
+    return tuple(int(i) for i in indexes), keep
 
 
 def _validate_windows(
@@ -331,6 +404,10 @@ def add_request_arguments(ap, windows: bool = False) -> None:
         ap.add_argument({"guidance_scale": "--guidance"}.get(name, "--" + name.replace("_", "-")), dest=name, type=typ)
     ap.add_argument("--no-system-prompt", dest="use_system_prompt", action="store_const", const=False)
     ap.add_argument("--no-templates", dest="add_templates", action="store_const", const=False)
+    ap.add_argument("--video", help="conditioning clip for v2v (.mp4, or .npy uint8 [T, H, W, 3])")
+    ap.add_argument("--condition-frames", dest="condition_frame_indexes", type=_index_list,
+                    help="v2v: latent frames kept clean, e.g. 0,1 (the default)")  # fmt: skip
+    ap.add_argument("--condition-keep", dest="condition_video_keep", choices=("first", "last"))
     if windows:
         ap.add_argument("--window-mode", dest="window_mode", choices=("chained", "kv"), default="chained")
         for name, typ in CLI_WINDOW_PARAMS.items():
@@ -339,5 +416,13 @@ def add_request_arguments(ap, windows: bool = False) -> None:
 
 def params_from_arguments(args) -> dict[str, Any]:
     """The request parameters the user set on the command line (the rest take the deployment's defaults)."""
-    keys = (*CLI_PARAMS, "use_system_prompt", "add_templates", "window_mode", *CLI_WINDOW_PARAMS)
+    keys = (*CLI_PARAMS, "use_system_prompt", "add_templates", "window_mode", *CLI_WINDOW_PARAMS, *CLI_VIDEO_PARAMS)
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
+
+
+CLI_VIDEO_PARAMS = ("condition_frame_indexes", "condition_video_keep")
+
+
+def _index_list(text: str) -> list[int]:
+    """`0,1` → [0, 1] (argparse turns the ValueError into a usage error naming the flag)."""
+    return [int(x) for x in text.split(",") if x.strip()]

@@ -234,15 +234,17 @@ class Scheduler:
         h, w = cfg.token_grid(p.height, p.width)
         shape = (1, cfg.latent_channel, win.length, *cfg.latent_hw(p.height, p.width))
         latents = initial_noise(shape, p.seed + win.index, self.device)
-        clean = 0
+        clean: list[int] = []
         if win.pinned:  # chained: the previous window's tail, clean
             latents[:, :, : win.pinned] = previous[:, :, -win.pinned :]
-            clean = win.pinned
-        elif win.index == 0 and job.prefill.cond_latent is not None:  # i2v: latent frame 0
-            latents[:, :, :1] = job.prefill.cond_latent.to(self.device)
-            clean = 1
+            clean = list(range(win.pinned))
+        elif win.index == 0 and job.prefill.cond_latent is not None:  # i2v: latent frame 0; v2v: the listed frames
+            clean = list(p.clean_frames)
+            latents[:, :, clean] = job.prefill.cond_latent[:, :, clean].to(self.device)
         job.latents = latents
-        job.noisy_frames = torch.arange(clean, win.length, device=self.device)
+        # the pipeline's noisy set: every frame not clean (a gap such as v2v's [0, 2] leaves frame 1 noisy)
+        noisy = [f for f in range(win.length) if f not in clean]
+        job.noisy_frames = torch.tensor(noisy, dtype=torch.long).to(self.device)
         job.branches = tuple(
             Branch((text, *ctx), *self._rotary(text.num_tokens, (win.length, h, w), p.fps, win.rotary_offset))
             for text, ctx in zip(job.text_pages, job.context)

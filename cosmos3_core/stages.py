@@ -1,7 +1,7 @@
 """The two stages Triton hosts around the denoise engine (what crosses between them: wire.py).
 
 PrefillStage: validated request → token ids (templates, chat template) → UND tower once per CFG branch →
-`PrefillResult` (per-branch text K/V `[layers, tokens, kv_heads, head_dim]`, the i2v conditioning latent).
+`PrefillResult` (per-branch text K/V `[layers, tokens, kv_heads, head_dim]`, the i2v/v2v conditioning latents).
 DecodeStage: normalised latents → uint8 frames, whole or a stream's chunks in order (`launch` a chunk event's,
 then wait for its frames), each stream keeping its decoder cache. The offline CLI chains the same objects.
 """
@@ -21,6 +21,7 @@ from .model.layers import UND
 from .model.prompts import PromptEncoder
 from .model.rotary import rotary_tables, text_position_ids
 from .model.towers import prefill_text_kv
+from .model.video_input import encode_video_condition
 from .requests import Defaults, GenerationParams, Limits, RequestError, validate
 from .sampling import checkpoint_shift
 from .windows import pixel_frames_of_chunk
@@ -37,14 +38,16 @@ class PrefillStage:
         self.prompts = PromptEncoder(ckpt.load_tokenizer(), ckpt.default_use_system_prompt)
         self.codec = VaeCodec(ckpt.load_vae(device, dtype))
 
-    def validate(self, prompt: bytes | str, params: dict, image: np.ndarray | None) -> GenerationParams:
+    def validate(
+        self, prompt: bytes | str, params: dict, image: np.ndarray | None, video: np.ndarray | None = None
+    ) -> GenerationParams:
         return validate(
             prompt, params, image, self.defaults, self.limits, self.cfg.pixel_alignment, self.cfg.vae_scale_temporal,
-            self.shift,
+            self.shift, video,
         )  # fmt: skip
 
     @torch.inference_mode()
-    def run(self, p: GenerationParams, image: np.ndarray | None) -> PrefillResult:
+    def run(self, p: GenerationParams, image: np.ndarray | None, video: np.ndarray | None = None) -> PrefillResult:
         # an AR window is generated as a clip of window_frames: its templates describe that clip
         frames = p.num_frames if p.window_mode == "none" else p.window_frames
         cond_ids, uncond_ids = self.prompts.encode(
@@ -61,6 +64,11 @@ class PrefillStage:
             text_k.append(k)
             text_v.append(v)
         cond = self.codec.encode_first_frame(image, p.height, p.width) if image is not None else None
+        if video is not None:  # v2v: [1, C, T_lat, h, w], the clean frames encoded, the rest zero
+            cond = encode_video_condition(
+                self.codec, video, p.condition_frame_indexes, p.condition_video_keep,  # type: ignore[arg-type]
+                p.num_frames, p.height, p.width,
+            ).latents  # fmt: skip
         return PrefillResult(p, text_k, text_v, cond)
 
 

@@ -1,4 +1,5 @@
-"""cosmos3_prefill: validate the request, tokenize, run the understanding tower once, VAE-encode an i2v image.
+"""cosmos3_prefill: validate the request, tokenize, run the understanding tower once, VAE-encode an i2v image or
+the v2v clip's conditioning frames.
 
 Thin adaptor over `cosmos3_core.stages.PrefillStage`; what it sends on is typed in `cosmos3_core/wire.py`.
 """
@@ -43,9 +44,9 @@ class TritonPythonModel:
             if raw_params is not None and raw_params.size != 1:
                 raise RequestError("parameters", "expected exactly one JSON string")
             params = parse_parameters_json(None if raw_params is None else raw_params.reshape(-1)[0])
-            image = input_array(request, "image")
-            p = self.stage.validate(prompt.reshape(-1)[0], params, image)
-            wire = self.stage.run(p, image).to_wire()
+            image, video = input_array(request, "image"), input_array(request, "video")
+            p = self.stage.validate(prompt.reshape(-1)[0], params, image, video)
+            wire = self.stage.run(p, image, video).to_wire()
         except RequestError as e:
             return error_response(str(e))
         except Exception as e:  # noqa: BLE001 - one bad request never takes the instance down
