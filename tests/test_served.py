@@ -83,7 +83,7 @@ def ensemble_requests_ended(server) -> float:
     import urllib.request
 
     text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
-    pattern = r'^nv_inference_request_(?:success|failure)\{model="cosmos3",version="1"\} (\S+)$'
+    pattern = r'^nv_inference_request_(?:success|failure)\{model="cosmos3",(?:reason="\w+",)?version="1"\} (\S+)$'
     return sum(float(v) for v in re.findall(pattern, text, re.M))
 
 
