@@ -85,6 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     video = result.video
     write_frames(out, video, fps)
     print(f"wrote {out}: {video.shape[0]} frames {video.shape[2]}x{video.shape[1]}", file=sys.stderr)
+    if args.audio_out and result.audio is not None:
+        from cosmos3_core.media import write_audio
+
+        write_audio(args.audio_out, result.audio)
+        print(f"wrote {args.audio_out}: audio {list(result.audio.shape)}", file=sys.stderr)
     gaps = [b - a for a, b in zip(result.chunk_times, result.chunk_times[1:])]
     print(
         f"TTFC {result.ttfc_s:.2f}s  e2e {result.e2e_s:.2f}s  frames/s {video.shape[0] / result.e2e_s:.1f}",

@@ -27,6 +27,7 @@ class StreamResult:
     frames: list[np.ndarray] = field(default_factory=list)  # one uint8 [T, H, W, 3] per chunk
     events: list[dict[str, Any]] = field(default_factory=list)
     chunk_times: list[float] = field(default_factory=list)  # seconds since send, per non-empty chunk
+    audio: np.ndarray | None = None  # enable_sound: float32 [2, samples], from the done response
     e2e_s: float = 0.0
 
     @property
@@ -116,6 +117,9 @@ def _generate(url, prompt, params, image, on_event, model, timeout_s, cancel_aft
             if error is not None:
                 raise ServerError(str(error))
             video = result.as_numpy("video")
+            audio = result.as_numpy("audio")
+            if audio is not None and audio.size:
+                out.audio = audio
             event_raw = result.as_numpy("event")
             frames = video if video is not None and video.size else None
             if frames is not None:

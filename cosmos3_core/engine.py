@@ -18,6 +18,7 @@ from .deployment import Deployment
 from .kv_pool import KVPool
 from .model.checkpoint import Checkpoint
 from .model.layers import GEN
+from .model.sound import SoundSpec
 from .model.towers import EAGER, GenKernels
 from .requests import GenerationParams
 from .rows import Row, denoise_step_row
@@ -37,6 +38,14 @@ class _NullSink:
 
     def error(self, message: str) -> None:
         raise RuntimeError(f"warmup request failed: {message}")
+
+
+def sound_spec(ckpt: Checkpoint) -> SoundSpec | None:
+    """The checkpoint's sound, or None when it cannot make sound (a request asking for it is then refused)."""
+    try:
+        return SoundSpec.open(ckpt.root)
+    except (ValueError, OSError):
+        return None
 
 
 class DenoiseEngine:
@@ -62,8 +71,9 @@ class DenoiseEngine:
         self.step = DenoiseStep(self.model, self.pool, GenKernels.compiled() if compile else EAGER, attention,
                                 cuda_graphs)  # fmt: skip
         self.scheduler = Scheduler(
-            cfg, self.pool, ckpt.scheduler_config, ckpt.use_native_flow_schedule, max_queue, decode_chunk
-        )
+            cfg, self.pool, ckpt.scheduler_config, ckpt.use_native_flow_schedule, max_queue, decode_chunk,
+            sound_spec(ckpt),
+        )  # fmt: skip
 
     @classmethod
     def from_deployment(cls, ckpt: Checkpoint, d: Deployment, device: str | None = None) -> DenoiseEngine:
@@ -102,7 +112,9 @@ class DenoiseEngine:
         if job.committing:
             return denoise_step_row(job.latents, 0.0, job.noisy_frames[:0], job.branches, patch, self.dtype, True)
         t = job.timesteps[job.step]
-        return denoise_step_row(job.latents, t, job.noisy_frames, job.branches, patch, self.dtype)
+        return denoise_step_row(
+            job.latents, t, job.noisy_frames, job.branches, patch, self.dtype, sound_latents=job.sound
+        )
 
     # ---- the scheduler's, for the Triton glue and the CLI ----
     def submit(self, prefill: PrefillResult, sink: Sink) -> int:

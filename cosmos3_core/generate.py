@@ -1,7 +1,7 @@
 """Offline CLI: the three serving stages chained in one process.
 
   python -m cosmos3_core.generate --checkpoint DIR --prompt P [--negative-prompt N] [--image IMG]
-      [--video CLIP.mp4|.npy --condition-frames 0,1 --condition-keep first|last]
+      [--video CLIP.mp4|.npy --condition-frames 0,1 --condition-keep first|last] [--sound --audio-out A.wav|.pt]
       [--height H --width W --num-frames F --fps R --steps S --guidance G --shift X --seed K]
       [--no-system-prompt] [--no-templates] --out FILE(.mp4|.png|.npy|.pt)
 
@@ -21,7 +21,7 @@ import torch
 
 from .deployment import DEFAULT_CONFIG, Deployment, resolve_checkpoint
 from .engine import DenoiseEngine
-from .media import FRAME_SUFFIXES, write_frames
+from .media import AUDIO_SUFFIXES, FRAME_SUFFIXES, write_audio, write_frames
 from .model.checkpoint import Checkpoint
 from .model.config import CheckpointError
 from .requests import RequestError, add_request_arguments, params_from_arguments
@@ -51,21 +51,42 @@ class Generator:
         progress: bool = False,
         video: np.ndarray | None = None,
     ) -> torch.Tensor:
+        return self.generate(prompt, params, image, progress, video)[0]
+
+    def generate(
+        self,
+        prompt: str,
+        params: dict,
+        image: np.ndarray | None = None,
+        progress: bool = False,
+        video: np.ndarray | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """→ (final vision latents [1, C, T, h, w], sound latents [sound_dim, T_s] or None)."""
         p = self.prefill.validate(prompt, params, image, video)
-        return self.latents_from(self.prefill.run(p, image, video), progress)
+        return self.run(self.prefill.run(p, image, video), progress)
 
     def latents_from(self, prefilled: PrefillResult, progress: bool = False) -> torch.Tensor:
+        return self.run(prefilled, progress)[0]
+
+    def run(self, prefilled: PrefillResult, progress: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         sink = _CollectSink(prefilled.params.steps, progress)
         self.engine.submit(prefilled, sink)
         self.engine.run_until_idle()
         if sink.failure is not None:
             raise RuntimeError(sink.failure)
-        return sink.latents
+        return sink.latents, sink.sound
 
     def frames(
         self, prompt: str, params: dict, image: np.ndarray | None = None, video: np.ndarray | None = None
     ) -> np.ndarray:
         return self.decode.run(self.latents(prompt, params, image, video=video))
+
+    def frames_and_audio(
+        self, prompt: str, params: dict, image: np.ndarray | None = None, video: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """uint8 frames and the waveform float32 [2, S] ([0, 0] without sound), as the server returns them."""
+        latents, sound = self.generate(prompt, params, image, video=video)
+        return self.decode.run(latents), self.decode.audio(sound)
 
 
 class _CollectSink:
@@ -74,6 +95,7 @@ class _CollectSink:
     def __init__(self, steps: int, progress: bool):
         self.chunks: list[torch.Tensor] = []
         self.latents: torch.Tensor | None = None
+        self.sound: torch.Tensor | None = None
         self.failure: str | None = None
         self.bar = None
         if progress:
@@ -89,8 +111,9 @@ class _CollectSink:
     def chunk(self, latents: torch.Tensor, info: dict) -> None:
         self.chunks.append(latents)
 
-    def done(self, latents: torch.Tensor, info: dict) -> None:
+    def done(self, latents: torch.Tensor, info: dict, sound: torch.Tensor | None = None) -> None:
         self.latents = torch.cat([*self.chunks, latents], dim=2)
+        self.sound = sound
         if self.bar is not None:
             self.bar.close()
 
@@ -145,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if out.suffix not in OUT_SUFFIXES:
             raise RequestError("out", f"suffix must be one of {', '.join(OUT_SUFFIXES)}, got {out.suffix or 'none'!r}")
+        if args.audio_out and (not args.enable_sound or Path(args.audio_out).suffix not in AUDIO_SUFFIXES):
+            raise RequestError("audio_out", f"needs --sound and a suffix in {', '.join(AUDIO_SUFFIXES)}")
         deployment = Deployment.load(
             args.config, checkpoint=args.checkpoint or None, device=args.device, dtype=args.dtype
         )
@@ -155,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         gen = Generator(deployment, ckpt)
         p = gen.prefill.validate(args.prompt, params, image, video)  # fail fast, before any work
         print(f"parameters {json.dumps(p.resolved())}", file=sys.stderr)
-        latents = gen.latents(args.prompt, params, image, progress=True, video=video)
+        latents, sound = gen.generate(args.prompt, params, image, progress=True, video=video)
     except (RequestError, CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -165,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         write_frames(out, gen.decode.run(latents), p.fps)
     print(f"wrote {out}", file=sys.stderr)
+    if args.audio_out:
+        write_audio(args.audio_out, gen.decode.audio(sound))
+        print(f"wrote {args.audio_out}", file=sys.stderr)
     return 0
 
 

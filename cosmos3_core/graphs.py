@@ -2,7 +2,8 @@
 
 A layout is fixed by the packed rows' sizes, branches and commit flags (plus whatever the attention backend's
 shapes depend on: SDPA's prefix lengths; nothing for FlashInfer, whose page tables are plan data). It owns:
-- the packed input buffers `[S, ...]` (tokens, noisy mask, rotary cos/sin), zero padding included, and the
+- the packed input buffers `[S, ...]` (tokens, noisy mask, rotary cos/sin; sound tokens and their row index
+  `sound_rows`, fixed by the layout, so a sound layout captures like any other), zero padding included, and the
   per-segment timesteps, refilled each step by `fill` — no per-step allocation of the step's inputs;
 - the attention plan, updated by `fill` outside the graph (host work, buffer copies) when the segments' pages
   differ from the last step's;
@@ -35,6 +36,8 @@ class PackedStep:
     cos: torch.Tensor  # [S, head_dim]
     sin: torch.Tensor  # [S, head_dim]
     segments: list[Segment]
+    sound: torch.Tensor  # [R, sound_dim]: every segment's sound tokens, in segment order (R = 0: no sound)
+    sound_rows: torch.Tensor  # [R] int64: where they sit in the pack (fixed by the layout)
 
 
 class StepLayout:
@@ -53,6 +56,7 @@ class StepLayout:
         cfg = model.cfg
         dev, dt = attention.pool.k_pages.device, attention.pool.k_pages.dtype
         self.model, self.kernels, self.graph_pool = model, kernels, graph_pool
+        sound_rows = [torch.arange(s.start + s.length - s.sound, s.start + s.length) for s in segments]
         self.packed: PackedStep = PackedStep(
             tokens=torch.zeros(total_rows, token_dim, dtype=dt, device=dev),
             noisy_mask=torch.zeros(total_rows, dtype=torch.bool, device=dev),
@@ -63,6 +67,8 @@ class StepLayout:
             cos=torch.zeros(total_rows, cfg.head_dim, dtype=dt, device=dev),
             sin=torch.zeros(total_rows, cfg.head_dim, dtype=dt, device=dev),
             segments=segments,
+            sound=torch.zeros(sum(s.sound for s in segments), cfg.sound_dim, dtype=dt, device=dev),
+            sound_rows=torch.cat(sound_rows).to(dev),
         )
         for i, s in enumerate(segments):
             self.packed.token_segment[s.start : s.start + s.length] = i
@@ -71,16 +77,20 @@ class StepLayout:
         self.capturable = graph_pool is not None and not any(s.collect_kv for s in segments)
         self.runs = 0
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.graph_out: torch.Tensor | None = None
+        self.graph_out: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
     def fill(self, rows: list[Row], segments: list[Segment]) -> None:
         p = self.packed
         seg = iter(enumerate(segments))
+        at = 0  # next free row of p.sound
         for row in rows:
             for br in row.branches:
                 i, s = next(seg)
                 sl = slice(s.start, s.start + s.length)
-                p.tokens[sl].copy_(row.tokens)
+                p.tokens[s.start : s.start + row.tokens.shape[0]].copy_(row.tokens)
+                if s.sound:  # the same sound tokens in every branch (the uncond branch sees them too)
+                    p.sound[at : at + s.sound].copy_(row.sound)
+                    at += s.sound
                 p.segment_timesteps[i].fill_(row.timestep)  # a kernel argument: no host-to-device copy
                 p.noisy_mask[sl].copy_(row.noisy_mask)
                 p.cos[sl].copy_(br.cos)
@@ -92,18 +102,20 @@ class StepLayout:
             self.plan.update(segments)
             self.planned_for = pages
 
-    def _forward(self) -> tuple[torch.Tensor, dict]:
+    def _forward(self) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
         return gen_forward(self.model, self.packed, self.plan, self.kernels)
 
-    def run(self) -> tuple[torch.Tensor, dict]:
-        """→ (predictions [S, patch_latent_dim], K/V of collecting segments). With a graph, the predictions
-        are the graph's output buffer: valid until the next replay of any layout."""
+    def run(self) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
+        """→ (predictions [S, patch_latent_dim], sound predictions [R, sound_dim] or None, K/V of collecting
+        segments). With a graph, the predictions are the graph's output buffers: valid until the next replay
+        of any layout."""
         self.runs += 1
         if self.graph is None and self.capturable and self.runs >= 2:
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph, pool=self.graph_pool):
-                self.graph_out, _ = self._forward()
+                preds, sound, _ = self._forward()
+                self.graph_out = (preds, sound)
         if self.graph is not None:
             self.graph.replay()
-            return self.graph_out, {}
+            return *self.graph_out, {}  # type: ignore[misc]
         return self._forward()

@@ -10,6 +10,31 @@ from pathlib import Path
 import numpy as np
 
 FRAME_SUFFIXES = (".mp4", ".png", ".npy")
+AUDIO_SUFFIXES = (".wav", ".pt", ".npy")
+
+
+def write_audio(path: str | Path, audio: np.ndarray, rate: int = 48000) -> None:
+    """audio: float32 [channels, samples] in [-1, 1]. .wav: 16-bit PCM (stdlib `wave`); .npy as is; .pt a torch
+    tensor (exactly the pipeline's `out.sound`)."""
+    import wave
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".pt":
+        import torch
+
+        torch.save(torch.from_numpy(np.ascontiguousarray(audio)), path)
+    elif path.suffix == ".npy":
+        np.save(path, audio)
+    elif path.suffix == ".wav":
+        pcm = np.round(np.clip(audio, -1, 1).T * 32767).astype("<i2")  # interleaved [samples, channels]
+        with wave.open(str(path), "wb") as w:
+            w.setnchannels(audio.shape[0])
+            w.setsampwidth(2)
+            w.setframerate(rate)
+            w.writeframes(pcm.tobytes())
+    else:
+        raise ValueError(f"unsupported audio suffix {path.suffix!r}; use one of {', '.join(AUDIO_SUFFIXES)}")
 
 
 def write_frames(path: str | Path, frames: np.ndarray, fps: float) -> None:

@@ -243,6 +243,11 @@ def validate(
             raise RequestError("image", "an image conditions video only (i2v); num_frames must be > 1")
         check_image(image, limits, height, width)
     indexes, keep = _validate_video(video, image, params, num_frames, mode, limits, temporal_factor)
+    sound = bool(_bool(params, "enable_sound", False))
+    if sound and mode != "none":
+        raise RequestError("window_mode", f"sound is not supported with AR windows (window_mode {mode!r})")
+    if sound and num_frames == 1:
+        raise RequestError("enable_sound", "sound comes with a video (t2v, i2v, v2v); num_frames must be > 1")
     td: TaskDefaults = getattr(defaults, task)  # v2v takes i2v's defaults (a conditioned video)
     seed = params.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
@@ -268,7 +273,7 @@ def validate(
         has_video=video is not None,
         condition_frame_indexes=indexes,
         condition_video_keep=keep,
-        enable_sound=bool(_bool(params, "enable_sound", False)),
+        enable_sound=sound,
     )
 
 
@@ -408,6 +413,8 @@ def add_request_arguments(ap, windows: bool = False) -> None:
     ap.add_argument("--condition-frames", dest="condition_frame_indexes", type=_index_list,
                     help="v2v: latent frames kept clean, e.g. 0,1 (the default)")  # fmt: skip
     ap.add_argument("--condition-keep", dest="condition_video_keep", choices=("first", "last"))
+    ap.add_argument("--sound", dest="enable_sound", action="store_const", const=True, help="generate sound too")
+    ap.add_argument("--audio-out", help="the waveform: .wav (16-bit PCM), or .pt (float32 [2, S], the pipeline's)")
     if windows:
         ap.add_argument("--window-mode", dest="window_mode", choices=("chained", "kv"), default="chained")
         for name, typ in CLI_WINDOW_PARAMS.items():
@@ -420,7 +427,7 @@ def params_from_arguments(args) -> dict[str, Any]:
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 
-CLI_VIDEO_PARAMS = ("condition_frame_indexes", "condition_video_keep")
+CLI_VIDEO_PARAMS = ("condition_frame_indexes", "condition_video_keep", "enable_sound")
 
 
 def _index_list(text: str) -> list[int]:

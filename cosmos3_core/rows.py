@@ -9,11 +9,15 @@ Layouts:
   row tokens  [T*h*w, p*p*C] in the model dtype, token order (t, h, w), features (p_h, p_w, C);
               h = ceil(H/p), w = ceil(W/p): a grid that is not a patch multiple is zero-padded (and cropped back)
   velocity    [1, C, T, H, W] fp32, zero on clean (conditioning) frames
+  sound       [T_s, sound_dim] in the model dtype (the sampler's [sound_dim, T_s] transposed), after the vision
+              tokens in each branch's segment (text | vision | sound); every sound token is noisy and gets the
+              row's timestep (the pipeline steps sound with a copy of the vision scheduler: the same t)
+  sound velocity [sound_dim, T_s] fp32
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,15 +30,16 @@ class Branch:
     context frames, oldest first) and the rotary tables of its latent tokens."""
 
     prefix: tuple[PageList, ...]
-    cos: torch.Tensor  # [N, head_dim]
-    sin: torch.Tensor  # [N, head_dim]
+    cos: torch.Tensor  # [N + T_s, head_dim]: vision then sound positions
+    sin: torch.Tensor  # [N + T_s, head_dim]
 
 
 @dataclass(frozen=True)
 class Row:
     tokens: torch.Tensor  # [N, patch_latent_dim], model dtype
+    sound: torch.Tensor  # [T_s, sound_dim] model dtype; T_s = 0 without sound
     timestep: float  # the step's timestep; its embedding goes to noisy tokens only
-    noisy_mask: torch.Tensor  # [N] bool
+    noisy_mask: torch.Tensor  # [N + T_s] bool (sound tokens: all True)
     token_shape: tuple[int, int, int]  # (T, h, w) patches
     latent_hw: tuple[int, int]  # (H, W) latent pixels; h*p, w*p when the grid needed no padding
     branches: tuple[Branch, ...]  # (cond,) or (cond, uncond)
@@ -47,12 +52,14 @@ class Segment:
     length: int
     prefix: tuple[PageList, ...]
     collect_kv: bool
+    sound: int = 0  # the last `sound` of the `length` tokens are sound tokens
 
 
 @dataclass
 class RowOutput:
     velocity: list[torch.Tensor]  # per branch [1, C, T, H, W] fp32; empty for a commit row
     kv: list[tuple[torch.Tensor, torch.Tensor]]  # commit rows: per branch (k, v) [layers, N, kv_heads, d]
+    sound_velocity: list[torch.Tensor] = field(default_factory=list)  # per branch [sound_dim, T_s] fp32
 
 
 def patchify(latents: torch.Tensor, p: int) -> torch.Tensor:
@@ -81,22 +88,29 @@ def denoise_step_row(
     patch: int,
     dtype: torch.dtype,
     commit: bool = False,
+    sound_latents: torch.Tensor | None = None,
 ) -> Row:
     """Build one request's input to a denoise step.
 
     latents [1, C, T, H, W] (any dtype; cast to the model dtype), `timestep` the scheduler's t for this step
     (applied to the frames in `noisy_frames`), `branches` per CFG branch. `commit`: an AR commit pass over
-    clean latents — no noisy frames, no timestep; the step returns the tokens' K/V."""
-    if commit and len(noisy_frames):
-        raise ValueError("a commit row has no noisy frames")
+    clean latents — no noisy frames, no timestep; the step returns the tokens' K/V. `sound_latents`
+    [sound_dim, T_s] (fp32, as sampled): the request's sound band, every token noisy at `timestep`; the
+    branches' rotary tables then cover N + T_s positions."""
+    if commit and (len(noisy_frames) or sound_latents is not None):
+        raise ValueError("a commit row has no noisy frames and no sound")
     _, _, t, h, w = latents.shape
     token_shape = (t, -(-h // patch), -(-w // patch))
     per_frame = token_shape[1] * token_shape[2]
     frame_is_noisy = torch.zeros(t, dtype=torch.bool, device=latents.device)
     frame_is_noisy.index_fill_(0, noisy_frames, True)  # a Python value: no host-to-device copy (a sync)
     noisy_mask = frame_is_noisy.repeat_interleave(per_frame)
+    sound = latents.new_zeros(0, 0, dtype=dtype) if sound_latents is None else sound_latents.t().to(dtype)
+    if len(sound):
+        noisy_mask = torch.cat([noisy_mask, noisy_mask.new_ones(len(sound))])
     return Row(
         tokens=patchify(latents.to(dtype), patch),
+        sound=sound,
         timestep=0.0 if commit else float(timestep),
         noisy_mask=noisy_mask,
         token_shape=token_shape,
@@ -115,8 +129,9 @@ def segments_of(rows: list[Row]) -> tuple[list[Segment], int]:
     request's result does not depend on its neighbours (bit for bit on CPU); padding rows never reach attention."""
     segments, start = [], 0
     for row in rows:
-        n = row.tokens.shape[0]
+        s = row.sound.shape[0]
+        n = row.tokens.shape[0] + s
         for br in row.branches:
-            segments.append(Segment(start, n, br.prefix, row.commit))
+            segments.append(Segment(start, n, br.prefix, row.commit, s))
             start += -(-n // SEGMENT_ALIGN) * SEGMENT_ALIGN
     return segments, start

@@ -30,6 +30,8 @@ from . import faults
 from .kv_pool import KVPool, PageList
 from .model.config import ModelConfig
 from .model.rotary import rotary_tables, vision_position_ids
+from .model.sound import SoundSpec, sound_position_ids
+from .model.sound import initial_noise as sound_initial_noise
 from .requests import GenerationParams, RequestError
 from .rows import Branch, RowOutput
 from .sampling import guided_velocity, initial_noise, make_scheduler
@@ -40,7 +42,7 @@ from .wire import ChunkInfo, PrefillResult
 class Sink(Protocol):
     def progress(self, step: int, steps: int, window: int, windows: int) -> None: ...
     def chunk(self, latents: torch.Tensor, info: ChunkInfo) -> None: ...
-    def done(self, latents: torch.Tensor, info: ChunkInfo) -> None: ...
+    def done(self, latents: torch.Tensor, info: ChunkInfo) -> None: ...  # with sound: also sound=[sound_dim, T_s]
     def error(self, message: str) -> None: ...
     def cancelled(self) -> bool: ...
 
@@ -66,6 +68,8 @@ class Job:
     noisy_frames: torch.Tensor | None = None
     scheduler: Any = None
     timesteps: list[float] = field(default_factory=list)  # the scheduler's, on the host: no sync per step
+    sound: torch.Tensor | None = None  # enable_sound: [sound_dim, T_s] fp32
+    sound_scheduler: Any = None  # the vision scheduler's twin (the pipeline's deepcopy): same timesteps
     step: int = 0
     t_admit: float = 0.0
     t_last_chunk: float = 0.0
@@ -102,12 +106,14 @@ class Scheduler:
         native_flow_schedule: bool,
         max_queue: int,
         decode_chunk: int = 0,
+        sound: SoundSpec | None = None,
     ):
         self.cfg, self.pool = cfg, pool
         self.device, self.dtype = pool.k_pages.device, pool.k_pages.dtype
         self.sampler_config, self.native_flow_schedule = sampler_config, native_flow_schedule
         self.max_queue = max_queue
         self.decode_chunk = decode_chunk  # latent frames per emitted piece; 0: a window's frames at once
+        self.sound = sound  # what the checkpoint says about sound; None: it cannot make sound
         self.stats = EngineStats()
         self.waiting: deque[Job] = deque()
         self.live: list[Job] = []
@@ -145,6 +151,8 @@ class Scheduler:
         if self.draining:
             raise QueueFull("server is shutting down; not admitting new requests")
         p = prefill.params
+        if p.enable_sound and self.sound is None:
+            raise RequestError("enable_sound", "this checkpoint has no sound tokenizer or sound weights")
         plan = self.plan(p)
         reserve = self._context_reserve(p, plan, len(prefill.text_k))
         need = self._pages_needed(prefill, reserve)
@@ -191,7 +199,7 @@ class Scheduler:
                     self._start_window(job, previous=None)
                     ended = False
                 else:
-                    ended = self._advance(job, out.velocity)
+                    ended = self._advance(job, out.velocity, out.sound_velocity)
             except Exception as e:  # noqa: BLE001 - fails this request only
                 self.live.remove(job)
                 self._finish(job, error=f"internal error in denoise step: {e}")
@@ -233,7 +241,12 @@ class Scheduler:
         p, win, cfg = job.params, job.plan.windows[job.window], self.cfg
         h, w = cfg.token_grid(p.height, p.width)
         shape = (1, cfg.latent_channel, win.length, *cfg.latent_hw(p.height, p.width))
-        latents = initial_noise(shape, p.seed + win.index, self.device)
+        if p.enable_sound:  # one generator: vision noise, then sound's (AR windows with sound are refused)
+            latents, job.sound = sound_initial_noise(
+                shape, self.sound.latent_shape(p.num_frames, p.fps), p.seed, self.device
+            )
+        else:
+            latents = initial_noise(shape, p.seed + win.index, self.device)
         clean: list[int] = []
         if win.pinned:  # chained: the previous window's tail, clean
             latents[:, :, : win.pinned] = previous[:, :, -win.pinned :]
@@ -245,21 +258,31 @@ class Scheduler:
         # the pipeline's noisy set: every frame not clean (a gap such as v2v's [0, 2] leaves frame 1 noisy)
         noisy = [f for f in range(win.length) if f not in clean]
         job.noisy_frames = torch.tensor(noisy, dtype=torch.long).to(self.device)
+        sound_len = 0 if job.sound is None else job.sound.shape[1]
         job.branches = tuple(
-            Branch((text, *ctx), *self._rotary(text.num_tokens, (win.length, h, w), p.fps, win.rotary_offset))
+            Branch(
+                (text, *ctx),
+                *self._rotary(text.num_tokens, (win.length, h, w), p.fps, win.rotary_offset, sound_len),
+            )
             for text, ctx in zip(job.text_pages, job.context)
         )
         job.scheduler = make_scheduler(self.sampler_config, p.steps, p.shift, self.native_flow_schedule, self.device)
+        if job.sound is not None:
+            job.sound_scheduler = make_scheduler(
+                self.sampler_config, p.steps, p.shift, self.native_flow_schedule, self.device
+            )
         job.timesteps = job.scheduler.timesteps.tolist()
         job.step = 0
         job.committing = False
 
     def _rotary(
-        self, text_len: int, grid: tuple[int, int, int], fps: float, offset: int
+        self, text_len: int, grid: tuple[int, int, int], fps: float, offset: int, sound_len: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return rotary_tables(
-            self.cfg, vision_position_ids(self.cfg, grid, text_len, fps, offset), self.dtype, self.device
-        )
+        ids = vision_position_ids(self.cfg, grid, text_len, fps, offset)
+        if sound_len:  # text | vision | sound: the sound ids follow the vision ids in the branch's table
+            sound_ids = sound_position_ids(self.cfg, sound_len, text_len, self.sound.latent_fps)
+            ids = torch.cat([ids, sound_ids.to(ids.device, ids.dtype)], dim=1)
+        return rotary_tables(self.cfg, ids, self.dtype, self.device)
 
     def _release(self, job: Job) -> None:
         for pages in job.text_pages + [f for br in job.context for f in br]:
@@ -291,7 +314,9 @@ class Scheduler:
             piece = latents[:, :, a : a + size]
             last = a + size >= n
             info = self._chunk_info(job, final and last, a, piece.shape[2])
-            if final and last:
+            if final and last and job.sound is not None:
+                job.sink.done(piece, info, sound=job.sound)
+            elif final and last:
                 job.sink.done(piece, info)
             else:
                 job.sink.chunk(piece, info)
@@ -332,7 +357,7 @@ class Scheduler:
                 self.pool.write(pages, k[:, rows], v[:, rows])
                 frames.append(pages)
 
-    def _advance(self, job: Job, branch_v: list[torch.Tensor]) -> bool:
+    def _advance(self, job: Job, branch_v: list[torch.Tensor], sound_v: list[torch.Tensor]) -> bool:
         """Scheduler step for one request; returns True when the request has ended."""
         p = job.params
         if faults.FAIL_STEP_SEED is not None and p.seed == faults.FAIL_STEP_SEED:
@@ -340,6 +365,9 @@ class Scheduler:
         v = guided_velocity(branch_v, p.guidance_scale)
         t = job.scheduler.timesteps[job.step]
         job.latents = job.scheduler.step(v.unsqueeze(0), t, job.latents.unsqueeze(0), return_dict=False)[0].squeeze(0)
+        if job.sound is not None:  # the same guidance, in fp32, and the sound scheduler's own step
+            sv = guided_velocity(sound_v, p.guidance_scale)
+            job.sound = job.sound_scheduler.step(sv.unsqueeze(0), t, job.sound.unsqueeze(0), return_dict=False)[0][0]
         job.step += 1
         job.sink.progress(job.step, p.steps, job.window, len(job.plan.windows))
         if job.step < p.steps:

@@ -20,6 +20,7 @@ from .model.conditioning import HostFrames, StreamDecoder, VaeCodec
 from .model.layers import UND
 from .model.prompts import PromptEncoder
 from .model.rotary import rotary_tables, text_position_ids
+from .model.sound import SoundSpec, decode_sound, load_sound_tokenizer
 from .model.towers import prefill_text_kv
 from .model.video_input import encode_video_condition
 from .requests import Defaults, GenerationParams, Limits, RequestError, validate
@@ -37,14 +38,22 @@ class PrefillStage:
         self.model = ckpt.load_transformer({UND}, device, dtype)
         self.prompts = PromptEncoder(ckpt.load_tokenizer(), ckpt.default_use_system_prompt)
         self.codec = VaeCodec(ckpt.load_vae(device, dtype))
+        try:
+            SoundSpec.open(ckpt.root)
+            self.no_sound: str | None = None
+        except (ValueError, OSError) as e:  # a checkpoint without sound still serves everything else
+            self.no_sound = str(e)
 
     def validate(
         self, prompt: bytes | str, params: dict, image: np.ndarray | None, video: np.ndarray | None = None
     ) -> GenerationParams:
-        return validate(
+        p = validate(
             prompt, params, image, self.defaults, self.limits, self.cfg.pixel_alignment, self.cfg.vae_scale_temporal,
             self.shift, video,
         )  # fmt: skip
+        if p.enable_sound and self.no_sound is not None:
+            raise RequestError("enable_sound", f"this checkpoint cannot make sound ({self.no_sound})")
+        return p
 
     @torch.inference_mode()
     def run(self, p: GenerationParams, image: np.ndarray | None, video: np.ndarray | None = None) -> PrefillResult:
@@ -83,6 +92,10 @@ class DecodeStage:
             torch.backends.cudnn.benchmark = True  # the Wan decoder's conv3d shapes repeat every chunk
         compile = compile and cuda  # the fused kernels save memory traffic on the GPU; on CPU, only compile time
         self.codec = VaeCodec(ckpt.load_vae(device, dtype), compile)
+        try:  # the sound tokenizer in the deployment's dtype, as the pipeline loads its components
+            self.sound_tokenizer = load_sound_tokenizer(ckpt.root, device, dtype)
+        except (ValueError, OSError):
+            self.sound_tokenizer = None  # prefill refuses sound requests for this checkpoint
         self.temporal = ckpt.config.vae_scale_temporal
         # stream id → (its decoder, last chunk's time); decoder None: a chunk of it failed, and its later chunks
         # fail too rather than decode as a new stream's start
@@ -118,13 +131,25 @@ class DecodeStage:
             self.streams[stream_id] = (decoder, now)
         return pending
 
-    def launch(self, event: ChunkEvent, latents: torch.Tensor) -> Callable[[], tuple[np.ndarray, ChunkEvent]]:
+    def audio(self, sound: torch.Tensor | None) -> np.ndarray:
+        """Sound latents [sound_dim, T_s] → waveform float32 [channels, T_s·hop] in [-1, 1]; [0, 0] without."""
+        if sound is None or not sound.numel():
+            return np.zeros((0, 0), np.float32)
+        if self.sound_tokenizer is None:
+            raise RuntimeError("sound latents but this checkpoint has no sound tokenizer")
+        return decode_sound(self.sound_tokenizer, sound).cpu().numpy()
+
+    def launch(
+        self, event: ChunkEvent, latents: torch.Tensor, sound: torch.Tensor | None = None
+    ) -> Callable[[], tuple[np.ndarray, ChunkEvent, np.ndarray]]:
         """Start decoding a chunk/done event's latents → a function that waits for its frames (uint8
-        [T, H, W, 3]) and returns them with the event completed (`frames`, `frame_offset`, `timings.decode_s`)."""
+        [T, H, W, 3]) and returns them with the event completed (`frames`, `frame_offset`, `timings.decode_s`)
+        and the waveform of `sound` (the done event's sound latents; [0, 0] without)."""
         t = time.time()
         frames = self.start_chunk(event["id"], latents, last=event["type"] == "done")
 
-        def finish() -> tuple[np.ndarray, ChunkEvent]:
+        def finish() -> tuple[np.ndarray, ChunkEvent, np.ndarray]:
+            audio = self.audio(sound)
             video = frames().numpy()
             if faults.FAIL_DECODE_SEED is not None and event.get("seed") == faults.FAIL_DECODE_SEED:
                 raise faults.InjectedFault(f"injected fault in the decode (seed {event['seed']})")
@@ -133,7 +158,7 @@ class DecodeStage:
                 event["latent_offset"], event["latent_frames"], self.temporal
             )[0]
             event["timings"]["decode_s"] = time.time() - t
-            return video, event
+            return video, event, audio
 
         return finish
 

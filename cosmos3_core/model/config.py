@@ -54,6 +54,9 @@ class ModelConfig:
     # from vae/config.json
     vae_scale_spatial: int
     vae_scale_temporal: int
+    sound_gen: bool = False  # the transformer has audio_proj_in/out and audio_modality_embed
+    sound_dim: int = 0
+    sound_latent_fps: float = 25.0
 
     @property
     def nemotron_norm(self) -> bool:
@@ -142,4 +145,7 @@ class ModelConfig:
             reset_spatial_ids=bool(get(t, "unified_3d_mrope_reset_spatial_ids", transformer_config, True)),
             vae_scale_spatial=int(get(v, "scale_factor_spatial", vae_config, 8)),
             vae_scale_temporal=int(get(v, "scale_factor_temporal", vae_config, 4)),
+            sound_gen=bool(t.get("sound_gen", False)),
+            sound_dim=int(t.get("sound_dim") or 0),
+            sound_latent_fps=float(t.get("sound_latent_fps", 25.0)),
         )

@@ -138,6 +138,10 @@ class Cosmos3Transformer(nn.Module):
             self.proj_in = nn.Linear(cfg.patch_latent_dim, cfg.hidden_size)
             self.proj_out = nn.Linear(cfg.hidden_size, cfg.patch_latent_dim)
             self.time_embedder = TimestepEmbedder(cfg.hidden_size)
+            if cfg.sound_gen:  # sound tokens: their own projections and a modality embedding
+                self.audio_proj_in = nn.Linear(cfg.sound_dim, cfg.hidden_size)
+                self.audio_proj_out = nn.Linear(cfg.hidden_size, cfg.sound_dim)
+                self.audio_modality_embed = nn.Parameter(torch.zeros(cfg.hidden_size))
 
     @property
     def dtype(self) -> torch.dtype:

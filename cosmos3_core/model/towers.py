@@ -111,14 +111,20 @@ EAGER = GenKernels()
 
 def gen_forward(
     model: Cosmos3Transformer, packed, attend: Plan, kernels: GenKernels = EAGER
-) -> tuple[torch.Tensor, dict[int, tuple[torch.Tensor, torch.Tensor]]]:  # packed: graphs.PackedStep
-    """One GEN pass over a packed step → predictions [rows, patch_latent_dim] (every row, clean ones too) and,
+) -> tuple[torch.Tensor, torch.Tensor | None, dict[int, tuple[torch.Tensor, torch.Tensor]]]:  # graphs.PackedStep
+    """One GEN pass over a packed step → predictions [rows, patch_latent_dim] (every row, clean ones too), the
+    sound rows' predictions [R, sound_dim] (None without sound) and,
     for each segment that asks (`collect_kv`), its tokens' K/V [layers, tokens, kv_heads, d]. `attend` is the
     step's attention plan (already updated for these segments). No host synchronisation: capturable."""
     collect = [i for i, seg in enumerate(packed.segments) if seg.collect_kv]
     ks: dict[int, list[torch.Tensor]] = {i: [] for i in collect}
     vs: dict[int, list[torch.Tensor]] = {i: [] for i in collect}
     x = embed_latent_tokens(model, packed.tokens, packed.noisy_mask, packed.segment_timesteps, packed.token_segment)
+    sound_rows = packed.sound_rows
+    if sound_rows.numel():  # sound tokens: audio_proj_in(x) + audio_modality_embed + temb(t), all noisy
+        temb = model.time_embedder(packed.segment_timesteps * model.cfg.timestep_scale).to(x.dtype)
+        sound = model.audio_proj_in(packed.sound) + model.audio_modality_embed
+        x = x.index_put((sound_rows,), sound + temb[packed.token_segment[sound_rows]])
     for i, layer in enumerate(model.layers):
         q, k, v = kernels.qkv(layer, x, packed.cos, packed.sin)
         for j in collect:
@@ -126,7 +132,9 @@ def gen_forward(
             ks[j].append(k[rows])
             vs[j].append(v[rows])
         x = kernels.residual(layer, x, attend(q, k, v, i))
-    return model.proj_out(model.norm_moe_gen(x)), {j: (torch.stack(ks[j]), torch.stack(vs[j])) for j in collect}
+    h = model.norm_moe_gen(x)
+    sound_out = model.audio_proj_out(h[sound_rows]) if sound_rows.numel() else None
+    return model.proj_out(h), sound_out, {j: (torch.stack(ks[j]), torch.stack(vs[j])) for j in collect}
 
 
 @torch.inference_mode()

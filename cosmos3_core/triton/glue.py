@@ -29,6 +29,7 @@ from .cancel import CancelMarks
 
 EMPTY_LATENTS = np.zeros((0, 0, 0, 0, 0), dtype=np.float32)
 EMPTY_VIDEO = np.zeros((0, 0, 0, 3), dtype=np.uint8)
+EMPTY_SOUND = np.zeros((0, 0), dtype=np.float32)  # sound latents / audio of a response that has none
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
@@ -136,8 +137,8 @@ class TritonSink:
         self.meta = meta
         self.marks = marks
 
-    def _send(self, latents: torch.Tensor | np.ndarray, event: Event, final: bool) -> None:
-        self.responder.send(self.sender, lambda: latents_response(latents, event), final)
+    def _send(self, latents: torch.Tensor | np.ndarray, event: Event, final: bool, sound: Any = EMPTY_SOUND) -> None:
+        self.responder.send(self.sender, lambda: latents_response(latents, event, sound), final)
 
     def progress(self, step: int, steps: int, window: int, windows: int) -> None:
         self._send(EMPTY_LATENTS, self.meta.progress(step, steps, window, windows), final=False)
@@ -145,8 +146,9 @@ class TritonSink:
     def chunk(self, latents: torch.Tensor, info: ChunkInfo) -> None:
         self._send(latents.float().cpu(), self.meta.chunk(info, final=False), final=False)
 
-    def done(self, latents: torch.Tensor, info: ChunkInfo) -> None:
-        self._send(latents.float().cpu(), self.meta.chunk(info, final=True), final=True)  # the last chunk rides here
+    def done(self, latents: torch.Tensor, info: ChunkInfo, sound: torch.Tensor | None = None) -> None:
+        s = EMPTY_SOUND if sound is None else sound.float().cpu()  # sound latents [sound_dim, T_s] ride with done
+        self._send(latents.float().cpu(), self.meta.chunk(info, final=True), True, s)  # the last chunk rides here
         self._forget()
 
     def error(self, message: str) -> None:
@@ -164,16 +166,16 @@ class TritonSink:
             self.marks.clear(self.meta.id)
 
 
-def latents_response(latents: torch.Tensor | np.ndarray, event: Event) -> Any:
+def latents_response(latents: torch.Tensor | np.ndarray, event: Event, sound: Any = EMPTY_SOUND) -> Any:
     return pb_utils.InferenceResponse(
-        output_tensors=[output("latents", latents), text_output("event", encode_event(event))]
-    )
+        output_tensors=[output("latents", latents), text_output("event", encode_event(event)), output("sound_latents", sound)]
+    )  # fmt: skip
 
 
-def video_response(video: np.ndarray, event: Event) -> Any:
+def video_response(video: np.ndarray, event: Event, audio: np.ndarray = EMPTY_SOUND) -> Any:
     return pb_utils.InferenceResponse(
-        output_tensors=[output("video", video), text_output("event_out", encode_event(event))]
-    )
+        output_tensors=[output("video", video), text_output("event_out", encode_event(event)), output("audio", audio)]
+    )  # fmt: skip
 
 
 class DecodeLoop:
@@ -216,18 +218,19 @@ class DecodeLoop:
             latents = input_torch(request, "latents")
             if not latents.numel():  # a progress event passes through
                 return lambda: video_response(EMPTY_VIDEO, event)
-            finish = self.stage.launch(event, latents)
+            sound = input_torch(request, "sound_latents")
+            finish = self.stage.launch(event, latents, sound if sound.numel() else None)
         except Exception as e:  # noqa: BLE001
             return self._failed(event, e)
 
         def build(_inputs: Any = (request, latents)) -> Any:  # the inputs outlive the GPU work that reads them
             try:
-                video, out = finish()
+                video, out, audio = finish()
             except Exception as e:  # noqa: BLE001
                 return self._failed(event, e)()
             out["timings"].update(self.metrics.frames_out(out))
             del out["t0"]
-            return video_response(video, out)
+            return video_response(video, out, audio)
 
         return build
 
