@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 
 from cosmos3_core.requests import PARAMETER_KEYS, Limits
 
-INPUTS = ("prompt", "image", "parameters")
+INPUTS = ("prompt", "image", "condition_video", "parameters")
 KNOWN_FIELDS = frozenset((*INPUTS, *PARAMETER_KEYS))
 FAULT_SEEDS = (666, 667)  # the test server injects failures for these (cosmos3_core/faults.py)
 PROBE = (b"a valid probe", {"steps": 1, "num_frames": 1, "height": 32, "width": 32, "seed": 1})
@@ -141,8 +141,13 @@ def near_valid(key: str, limits: Limits) -> st.SearchStrategy[Any]:
         return st.floats(-5, limits.max_guidance + 150, allow_nan=False) | st.sampled_from([0, 1, 1.0, 0.01, 120])
     if key == "window_mode":
         return st.sampled_from(["none", "chained", "kv", "", "KV", "chained ", 1, None])
-    if key in ("use_system_prompt", "add_templates"):
+    if key in ("use_system_prompt", "add_templates", "enable_sound"):
         return st.booleans() | st.sampled_from([0, 1, "true", None])
+    if key == "condition_frame_indexes":
+        index = st.integers(-2, frames) | st.sampled_from([0.0, 1.5, "0", None, True, [0]])
+        return st.lists(index, max_size=4) | st.sampled_from([0, "0,1", None, {}])
+    if key == "condition_video_keep":
+        return st.sampled_from(["first", "last", "middle", "", "FIRST", 1, None])
     return st.text(max_size=40) | st.sampled_from(["", "blurry", "\x00", "x" * (limits.max_prompt_bytes + 1)])
 
 
@@ -195,6 +200,15 @@ def image_array(limits: Limits) -> st.SearchStrategy[np.ndarray]:
     return st.one_of(valid, extreme.map(lambda hw: np.zeros((*hw, 3), np.uint8)), odd)
 
 
+def clip_array() -> st.SearchStrategy[np.ndarray]:
+    valid = st.tuples(st.integers(1, 12), st.integers(1, 48), st.integers(1, 48)).map(
+        lambda thw: np.full((*thw, 3), 100, np.uint8)
+    )
+    odd_shape = st.lists(st.integers(0, 5), min_size=0, max_size=5).map(tuple)
+    odd = st.tuples(st.sampled_from(DTYPES), odd_shape).map(lambda d: np.zeros(d[1], dtype=d[0]))
+    return st.one_of(valid, valid, odd)
+
+
 @st.composite
 def cases(draw: st.DrawFn, limits: Limits) -> Case:
     inputs: dict[str, tuple[str, np.ndarray]] = {}
@@ -224,6 +238,9 @@ def cases(draw: st.DrawFn, limits: Limits) -> Case:
     if draw(st.integers(0, 3)) == 0:
         image = draw(image_array(limits))
         inputs["image"] = (_triton_dtype(image.dtype), image)
+    if draw(st.integers(0, 3)) == 0:  # v2v: a clip of any length, size, rank and dtype
+        clip = draw(clip_array())
+        inputs["condition_video"] = (_triton_dtype(clip.dtype), clip)
     if draw(st.integers(0, 30)) == 0:
         inputs["images"] = ("UINT8", np.zeros((2, 2, 3), np.uint8))  # an input the model does not have
     return Case(inputs, keys)
