@@ -293,20 +293,20 @@ def _validate_video(
                 raise RequestError(key, "only applies with a `video` input (v2v)")
         return (), "first"
     if image is not None:
-        raise RequestError("video", "pass either `image` (i2v) or `video` (v2v), not both")
+        raise RequestError("condition_video", "pass either `image` (i2v) or `condition_video` (v2v), not both")
     if num_frames == 1:
-        raise RequestError("video", "a clip conditions video only (v2v); num_frames must be > 1")
+        raise RequestError("condition_video", "a clip conditions video only (v2v); num_frames must be > 1")
     if mode != "none":
-        raise RequestError("video", f"v2v is not supported with window_mode {mode!r}")
+        raise RequestError("condition_video", f"v2v is not supported with window_mode {mode!r}")
     if video.dtype != np.uint8:
-        raise RequestError("video", f"must be UINT8, got {video.dtype}")
+        raise RequestError("condition_video", f"must be UINT8, got {video.dtype}")
     if video.ndim != 4 or video.shape[3] != 3:
-        raise RequestError("video", f"must be [T, H, W, 3] RGB, got shape {list(video.shape)}")
+        raise RequestError("condition_video", f"must be [T, H, W, 3] RGB, got shape {list(video.shape)}")
     t, h, w = video.shape[:3]
     if not 1 <= t <= limits.max_video_frames:
-        raise RequestError("video", f"has {t} frames, allowed 1..{limits.max_video_frames}")
+        raise RequestError("condition_video", f"has {t} frames, allowed 1..{limits.max_video_frames}")
     if h < 1 or w < 1 or h * w > limits.max_image_pixels:
-        raise RequestError("video", f"has {h}x{w} pixels per frame, allowed 1..{limits.max_image_pixels}")
+        raise RequestError("condition_video", f"has {h}x{w} pixels per frame, allowed 1..{limits.max_image_pixels}")
     indexes = params.get("condition_frame_indexes", [0, 1])
     latent = (num_frames - 1) // temporal + 1
     # bool is an int the pipeline accepts too (isinstance(True, int))

@@ -131,14 +131,14 @@ def test_packed_v2v_and_t2v_equal_each_alone(parts):
 
 
 BAD = [  # (params, image, video, message)
-    ({}, np.zeros((8, 8, 3), np.uint8), make_clip(3), "video: pass either `image` (i2v) or `video` (v2v)"),
-    ({"num_frames": 1}, None, make_clip(3), "video: a clip conditions video only"),
-    ({}, None, np.zeros((3, 8, 8), np.uint8), "video: must be [T, H, W, 3]"),
-    ({}, None, np.zeros((3, 8, 8, 4), np.uint8), "video: must be [T, H, W, 3]"),
-    ({}, None, np.zeros((3, 8, 8, 3), np.float32), "video: must be UINT8"),
-    ({}, None, np.zeros((0, 8, 8, 3), np.uint8), "video: has 0 frames"),
-    ({}, None, np.zeros((65, 8, 8, 3), np.uint8), "video: has 65 frames"),
-    ({}, None, np.zeros((2, 300, 300, 3), np.uint8), "video: has 300x300 pixels"),
+    ({}, np.zeros((8, 8, 3), np.uint8), make_clip(3), "condition_video: pass either `image` (i2v) or `condition_video` (v2v)"),
+    ({"num_frames": 1}, None, make_clip(3), "condition_video: a clip conditions video only"),
+    ({}, None, np.zeros((3, 8, 8), np.uint8), "condition_video: must be [T, H, W, 3]"),
+    ({}, None, np.zeros((3, 8, 8, 4), np.uint8), "condition_video: must be [T, H, W, 3]"),
+    ({}, None, np.zeros((3, 8, 8, 3), np.float32), "condition_video: must be UINT8"),
+    ({}, None, np.zeros((0, 8, 8, 3), np.uint8), "condition_video: has 0 frames"),
+    ({}, None, np.zeros((65, 8, 8, 3), np.uint8), "condition_video: has 65 frames"),
+    ({}, None, np.zeros((2, 300, 300, 3), np.uint8), "condition_video: has 300x300 pixels"),
     ({"condition_frame_indexes": [0, 5]}, None, make_clip(3), "condition_frame_indexes: must be < 5"),
     ({"condition_frame_indexes": [0, -1]}, None, make_clip(3), "condition_frame_indexes: must be a list"),
     ({"condition_frame_indexes": [0, 1.5]}, None, make_clip(3), "condition_frame_indexes: must be a list"),
@@ -147,7 +147,7 @@ BAD = [  # (params, image, video, message)
     ({"condition_frame_indexes": [0]}, None, None, "condition_frame_indexes: only applies with a `video`"),
     ({"condition_video_keep": "middle"}, None, make_clip(3), "condition_video_keep: must be 'first' or 'last'"),
     ({"condition_video_keep": "last"}, None, None, "condition_video_keep: only applies"),
-    ({"window_mode": "chained", "num_frames": 33}, None, make_clip(3), "video: v2v is not supported with window_mode"),
+    ({"window_mode": "chained", "num_frames": 33}, None, make_clip(3), "condition_video: v2v is not supported with window_mode"),
 ]
 
 
@@ -185,8 +185,8 @@ def test_served_v2v_equals_offline(server, offline):
 @pytest.mark.parametrize(
     "params,image,video,message",
     [
-        ({}, np.zeros((8, 8, 3), np.uint8), make_clip(3), "video: pass either"),
-        ({"num_frames": 1}, None, make_clip(3), "video: a clip conditions video only"),
+        ({}, np.zeros((8, 8, 3), np.uint8), make_clip(3), "condition_video: pass either"),
+        ({"num_frames": 1}, None, make_clip(3), "condition_video: a clip conditions video only"),
         ({}, None, np.zeros((3, 8, 8), np.uint8), "input 'condition_video'"),  # wrong rank: Triton names the input
         ({}, None, np.zeros((3, 8, 8, 3), np.float32), "input 'condition_video'"),  # wrong dtype: likewise
         ({"condition_frame_indexes": [0, 9]}, None, make_clip(3), "condition_frame_indexes: must be <"),

@@ -44,7 +44,7 @@ class TritonPythonModel:
             if raw_params is not None and raw_params.size != 1:
                 raise RequestError("parameters", "expected exactly one JSON string")
             params = parse_parameters_json(None if raw_params is None else raw_params.reshape(-1)[0])
-            image, video = input_array(request, "image"), input_array(request, "video")
+            image, video = input_array(request, "image"), input_array(request, "condition_video")
             p = self.stage.validate(prompt.reshape(-1)[0], params, image, video)
             wire = self.stage.run(p, image, video).to_wire()
         except RequestError as e:
