@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     bar.close()
     done = next((e for e in result.events if e["type"] == "done"), {})
     video = result.video
-    write_frames(out, video, fps)
+    write_frames(out, video, fps, result.audio)  # .mp4 carries the audio track
     print(f"wrote {out}: {video.shape[0]} frames {video.shape[2]}x{video.shape[1]}", file=sys.stderr)
     if args.audio_out and result.audio is not None:
         from cosmos3_core.media import write_audio

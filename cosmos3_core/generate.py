@@ -184,14 +184,15 @@ def main(argv: list[str] | None = None) -> int:
     except (RequestError, CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    audio = gen.decode.audio(sound) if sound is not None else None
     if out.suffix == ".pt":
         out.parent.mkdir(parents=True, exist_ok=True)
         torch.save(latents.cpu(), out)
     else:
-        write_frames(out, gen.decode.run(latents), p.fps)
+        write_frames(out, gen.decode.run(latents), p.fps, audio)  # .mp4 carries the audio track
     print(f"wrote {out}", file=sys.stderr)
-    if args.audio_out:
-        write_audio(args.audio_out, gen.decode.audio(sound))
+    if args.audio_out and audio is not None:
+        write_audio(args.audio_out, audio)
         print(f"wrote {args.audio_out}", file=sys.stderr)
     return 0
 

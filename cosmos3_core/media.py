@@ -1,6 +1,7 @@
-"""Write generated frames: .mp4 (H.264 via imageio-ffmpeg), .png (first frame), .npy (uint8 [T, H, W, 3]).
+"""Write generated frames: .mp4 (H.264 via imageio-ffmpeg; with audio, H.264 + AAC via PyAV), .png (first frame),
+.npy (uint8 [T, H, W, 3]).
 
-numpy + imageio only, so the client can use it without torch.
+numpy + imageio + av only, so the client can use it without torch.
 """
 
 from __future__ import annotations
@@ -37,8 +38,10 @@ def write_audio(path: str | Path, audio: np.ndarray, rate: int = 48000) -> None:
         raise ValueError(f"unsupported audio suffix {path.suffix!r}; use one of {', '.join(AUDIO_SUFFIXES)}")
 
 
-def write_frames(path: str | Path, frames: np.ndarray, fps: float) -> None:
-    """frames: uint8 [T, H, W, 3]."""
+def write_frames(
+    path: str | Path, frames: np.ndarray, fps: float, audio: np.ndarray | None = None, sample_rate: int = 48000
+) -> None:
+    """frames: uint8 [T, H, W, 3]; audio (.mp4 only, ignored otherwise): float32 [2, S] in [-1, 1]."""
     import imageio.v2 as imageio
 
     path = Path(path)
@@ -47,6 +50,8 @@ def write_frames(path: str | Path, frames: np.ndarray, fps: float) -> None:
         np.save(path, frames)
     elif path.suffix == ".png":
         imageio.imwrite(path, frames[0])
+    elif path.suffix == ".mp4" and audio is not None and audio.size:
+        _mux_mp4(path, frames, fps, audio, sample_rate)
     elif path.suffix == ".mp4":
         # macro_block_size=1 keeps odd-multiple sizes exact instead of resizing
         with imageio.get_writer(path, fps=fps, codec="libx264", quality=8, macro_block_size=1) as writer:
@@ -54,3 +59,24 @@ def write_frames(path: str | Path, frames: np.ndarray, fps: float) -> None:
                 writer.append_data(frame)
     else:
         raise ValueError(f"unsupported output suffix {path.suffix!r}; use one of {', '.join(FRAME_SUFFIXES)}")
+
+
+def _mux_mp4(path: Path, frames: np.ndarray, fps: float, audio: np.ndarray, sample_rate: int) -> None:
+    """H.264 video + stereo AAC audio in one mp4 (PyAV; its encoder regroups the samples into AAC frames)."""
+    from fractions import Fraction
+
+    import av
+
+    with av.open(str(path), "w") as container:
+        video = container.add_stream("libx264", rate=Fraction(fps).limit_denominator(1001))
+        video.width, video.height = frames.shape[2], frames.shape[1]
+        video.pix_fmt = "yuv444p" if frames.shape[1] % 2 or frames.shape[2] % 2 else "yuv420p"
+        sound = container.add_stream("aac", rate=sample_rate, layout="stereo")
+        for frame in frames:
+            container.mux(video.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")))
+        container.mux(video.encode())
+        planar = np.ascontiguousarray(np.clip(audio, -1, 1), dtype=np.float32)  # fltp: [channels, samples]
+        samples = av.AudioFrame.from_ndarray(planar, format="fltp", layout="stereo")
+        samples.sample_rate, samples.pts = sample_rate, 0
+        container.mux(sound.encode(samples))
+        container.mux(sound.encode())

@@ -62,3 +62,15 @@ def test_no_sound_no_audio_and_bad_enable_sound(sound_server):
         generate(sound_server, PROMPT, {"steps": 1, "enable_sound": "yes"})
     again = generate(sound_server, PROMPT, {"steps": 1, "seed": 2, "enable_sound": True})
     assert again.video.shape == (9, 32, 64, 3) and again.audio is not None and again.audio.shape == (2, 15 * 1920)
+
+
+def test_client_mp4_carries_sound(sound_server, tmp_path):
+    from client.__main__ import main
+    from tests.test_media import read_mp4
+
+    out = tmp_path / "c.mp4"
+    assert (
+        main(["generate", "--url", sound_server, "--prompt", PROMPT, "--steps", "1", "--sound", "--out", str(out)]) == 0
+    )
+    count, tracks = read_mp4(out)
+    assert count == 9 and len(tracks) == 1 and tracks[0][:2] == (2, 48000) and abs(tracks[0][2] - 0.6) < 0.05
