@@ -131,7 +131,12 @@ def test_packed_v2v_and_t2v_equal_each_alone(parts):
 
 
 BAD = [  # (params, image, video, message)
-    ({}, np.zeros((8, 8, 3), np.uint8), make_clip(3), "condition_video: pass either `image` (i2v) or `condition_video` (v2v)"),
+    (
+        {},
+        np.zeros((8, 8, 3), np.uint8),
+        make_clip(3),
+        "condition_video: pass either `image` (i2v) or `condition_video` (v2v)",
+    ),
     ({"num_frames": 1}, None, make_clip(3), "condition_video: a clip conditions video only"),
     ({}, None, np.zeros((3, 8, 8), np.uint8), "condition_video: must be [T, H, W, 3]"),
     ({}, None, np.zeros((3, 8, 8, 4), np.uint8), "condition_video: must be [T, H, W, 3]"),
@@ -147,7 +152,12 @@ BAD = [  # (params, image, video, message)
     ({"condition_frame_indexes": [0]}, None, None, "condition_frame_indexes: only applies with a `video`"),
     ({"condition_video_keep": "middle"}, None, make_clip(3), "condition_video_keep: must be 'first' or 'last'"),
     ({"condition_video_keep": "last"}, None, None, "condition_video_keep: only applies"),
-    ({"window_mode": "chained", "num_frames": 33}, None, make_clip(3), "condition_video: v2v is not supported with window_mode"),
+    (
+        {"window_mode": "chained", "num_frames": 33},
+        None,
+        make_clip(3),
+        "condition_video: v2v is not supported with window_mode",
+    ),
 ]
 
 
