@@ -64,9 +64,9 @@ def run_variant(gen: Generator, params: dict, repeat: int) -> dict:
 def reference(args, params) -> dict:
     from diffusers import Cosmos3OmniPipeline, Cosmos3OmniTransformer, UniPCMultistepScheduler
 
-    from cosmos3_core.deployment import resolve_checkpoint
     from cosmos3_core.model.checkpoint import Checkpoint
     from cosmos3_core.model.config import read_json
+    from cosmos3_core.tools.checkpoints import resolve_checkpoint
 
     root = resolve_checkpoint(f"random:{args.preset}")
     ckpt = Checkpoint.open(root)
@@ -125,8 +125,8 @@ def main() -> None:
         result["diffusers"] = reference(args, params)
     result["diffusers_peak_mem_gb"] = torch.cuda.max_memory_allocated() / 1e9
 
-    from cosmos3_core.deployment import resolve_checkpoint
     from cosmos3_core.model.checkpoint import Checkpoint
+    from cosmos3_core.tools.checkpoints import resolve_checkpoint
 
     cfg = Checkpoint.open(resolve_checkpoint(f"random:{args.preset}")).config
     tokens = tokens_for(cfg, args.height, args.width, args.frames)

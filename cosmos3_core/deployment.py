@@ -21,7 +21,7 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml
 
 @dataclass(frozen=True)
 class Deployment:
-    checkpoint: str = ""  # empty: the tiny checkpoint made on first use (see `resolve_checkpoint`)
+    checkpoint: str = ""  # empty: the tiny checkpoint (tools/checkpoints.py); rendered deployments hold the path
     device: str = "auto"  # auto: cuda if available else cpu
     dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
     pool_pages: int = 256
@@ -71,34 +71,3 @@ class Deployment:
         if given.get("vae_decode", 1) != 1:
             raise ValueError(f"{path}: instances.vae_decode must be 1: a stream's chunks share one decoder cache")
         return cls(**raw, instances={**INSTANCES, **given}, defaults=Defaults(**d, **tasks), limits=limits)
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """An explicit path as is; empty: the tiny checkpoint; `random:<preset>`: real shapes, random weights
-    (see tools/random_checkpoint.py). Generated ones are written on first use, atomically."""
-    import os
-    import shutil
-    import tempfile
-
-    from .tools.make_tiny import make_tiny
-    from .tools.random_checkpoint import write_skeleton
-
-    cache = Path(os.environ.get("COSMOS3_CACHE", Path.home() / ".cache" / "cosmos3"))
-    if path and not str(path).startswith("random:"):
-        return Path(path)
-    if path:
-        preset = str(path).split(":", 1)[1]
-        target, make = cache / f"random-{preset}", lambda d: write_skeleton(d, preset)
-    else:
-        target = Path(os.environ.get("COSMOS3_TINY_CHECKPOINT", cache / "tiny-nano"))
-        make = lambda d: make_tiny(d, variant="nano", seed=0)  # noqa: E731
-    if not (target / "model_index.json").is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
-        make(tmp / "ckpt")
-        try:
-            (tmp / "ckpt").rename(target)
-        except OSError:  # another process won the race; theirs is identical
-            pass
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target

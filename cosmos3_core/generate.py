@@ -19,13 +19,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .deployment import DEFAULT_CONFIG, Deployment, resolve_checkpoint
+from .deployment import DEFAULT_CONFIG, Deployment
 from .engine import DenoiseEngine
 from .media import AUDIO_SUFFIXES, FRAME_SUFFIXES, write_audio, write_frames
 from .model.checkpoint import Checkpoint
 from .model.config import CheckpointError
 from .requests import RequestError, add_request_arguments, params_from_arguments
 from .stages import DecodeStage, PrefillStage
+from .tools.checkpoints import resolve_checkpoint
 from .wire import PrefillResult
 
 OUT_SUFFIXES = (*FRAME_SUFFIXES, ".pt")

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from cosmos3_core.deployment import Deployment, resolve_checkpoint
+from cosmos3_core.deployment import Deployment
 from cosmos3_core.model.checkpoint import Checkpoint
 from cosmos3_core.requests import validate
+from cosmos3_core.tools.checkpoints import resolve_checkpoint
 
 CONFIGS = sorted(Path(__file__).parent.parent.glob("configs/*.yaml"))
 

@@ -26,7 +26,8 @@ from string import Template
 
 import yaml
 
-from ..deployment import DEFAULT_CONFIG, Deployment, resolve_checkpoint
+from ..deployment import DEFAULT_CONFIG, Deployment
+from ..tools.checkpoints import resolve_checkpoint
 from .cancel import CancelMarks
 from .launcher import (
     ServerConfig,

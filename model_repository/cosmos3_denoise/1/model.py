@@ -8,7 +8,6 @@ progress events and, in the final response, the finished latents. Thin adaptor o
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from cosmos3_core.deployment import resolve_checkpoint
 from cosmos3_core.engine import DenoiseEngine, QueueFull
 from cosmos3_core.model.checkpoint import Checkpoint
 from cosmos3_core.requests import RequestError, validate
@@ -30,7 +29,7 @@ from cosmos3_core.wire import PrefillResult, RequestMeta
 class TritonPythonModel:
     def initialize(self, args):
         d, device = deployment_from_args(args)
-        ckpt = Checkpoint.open(resolve_checkpoint(d.checkpoint))
+        ckpt = Checkpoint.open(d.checkpoint)
         self.engine = DenoiseEngine.from_deployment(ckpt, d, device)
         cfg, shift = ckpt.config, checkpoint_shift(ckpt.scheduler_config)
         warmup = [

@@ -6,7 +6,6 @@ Thin adaptor over `cosmos3_core.stages.DecodeStage`. `execute` only queues; the 
 the chunk's frames on the host and sends them, while the GPU decodes the next chunk.
 """
 
-from cosmos3_core.deployment import resolve_checkpoint
 from cosmos3_core.model.checkpoint import Checkpoint
 from cosmos3_core.stages import DecodeStage
 from cosmos3_core.triton.cancel import CancelMarks
@@ -16,7 +15,7 @@ from cosmos3_core.triton.glue import DecodeLoop, DecodeMetrics, deployment_from_
 class TritonPythonModel:
     def initialize(self, args):
         d, device = deployment_from_args(args)
-        stage = DecodeStage(Checkpoint.open(resolve_checkpoint(d.checkpoint)), device, d.torch_dtype, d.compile)
+        stage = DecodeStage(Checkpoint.open(d.checkpoint), device, d.torch_dtype, d.compile)
         metrics = DecodeMetrics({"model": args["model_name"], "instance": args["model_instance_name"]})
         self.loop = DecodeLoop(stage, CancelMarks(d.cancel_dir), metrics, device)
 
