@@ -341,7 +341,12 @@ def _add_sound_and_action(transformer: nn.Module, tcfg: dict[str, Any], sound: b
         _randomize_(tokenizer)
         with torch.no_grad():
             for name, p in tokenizer.named_parameters():
-                if name.endswith((".alpha", ".beta")):  # Snake, log-scale, zero upstream: a swap must show
+                # Snake x + sin²(αx)/β, log-scale, zero upstream: redrawn so a swap of α and β shows. α around
+                # e^-1: at α ~ 1 the stacked Snakes turn a 1e-6 change of the latents into 6e-3 of the waveform,
+                # which no parity bar can see through; at e^-1 it is 5e-6
+                if name.endswith(".alpha"):
+                    p.copy_(-1.0 + 0.5 * torch.randn_like(p))
+                elif name.endswith(".beta"):
                     p.copy_(0.5 * torch.randn_like(p))
             # random weights put the waveform at std ~5, almost all of it clamped to +-1 by decode(), which would
             # hide any difference; this gain brings it to std ~0.3 (a few samples still exercise the clamp)
