@@ -15,6 +15,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -44,16 +45,6 @@ class Generator:
         self.engine.warmup([self.prefill.validate("warmup", r, None) for r in d.warmup_requests])
         self.decode = DecodeStage(self.ckpt, device, dtype, d.compile)
 
-    def latents(
-        self,
-        prompt: str,
-        params: dict,
-        image: np.ndarray | None = None,
-        progress: bool = False,
-        video: np.ndarray | None = None,
-    ) -> torch.Tensor:
-        return self.generate(prompt, params, image, progress, video)[0]
-
     def generate(
         self,
         prompt: str,
@@ -66,6 +57,10 @@ class Generator:
         p = self.prefill.validate(prompt, params, image, video)
         return self.run(self.prefill.run(p, image, video), progress)
 
+    def latents(self, prompt: str, params: dict, image: np.ndarray | None = None, **kw: Any) -> torch.Tensor:
+        """`generate`'s vision latents (same arguments)."""
+        return self.generate(prompt, params, image, **kw)[0]
+
     def latents_from(self, prefilled: PrefillResult, progress: bool = False) -> torch.Tensor:
         return self.run(prefilled, progress)[0]
 
@@ -77,17 +72,16 @@ class Generator:
             raise RuntimeError(sink.failure)
         return sink.latents, sink.sound
 
-    def frames(
-        self, prompt: str, params: dict, image: np.ndarray | None = None, video: np.ndarray | None = None
-    ) -> np.ndarray:
-        return self.decode.run(self.latents(prompt, params, image, video=video))
-
     def frames_and_audio(
         self, prompt: str, params: dict, image: np.ndarray | None = None, video: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
         """uint8 frames and the waveform float32 [2, S] ([0, 0] without sound), as the server returns them."""
         latents, sound = self.generate(prompt, params, image, video=video)
         return self.decode.run(latents), self.decode.audio(sound)
+
+    def frames(self, prompt: str, params: dict, image: np.ndarray | None = None, **kw: Any) -> np.ndarray:
+        """The uint8 frames of `frames_and_audio` (same arguments)."""
+        return self.frames_and_audio(prompt, params, image, **kw)[0]
 
 
 class _CollectSink:
