@@ -12,7 +12,7 @@ ADDRESS ?= 127.0.0.1
 PROMPT ?= A robot arm stacks red and blue cubes on a wooden table, soft daylight.
 OUT ?= out/demo.mp4
 
-.PHONY: setup serve demo stop test lint bench soak fuzz conformance parity docker clean
+.PHONY: setup serve demo stop test lint bench soak fuzz conformance parity device-wheels docker clean
 
 setup: $(VENV)/.installed
 
@@ -61,6 +61,16 @@ bench: setup
 parity: setup
 	mkdir -p out
 	$(PY) -m bench.parity --preset $(or $(PRESET),tiny) --json out/parity_$(or $(PRESET),tiny).json $(if $(MD),--md $(MD))
+
+# wheels the H200 lacks, for the device tool's carry (each folder under 64 MiB): parity = diffusers + flashinfer,
+# env = the Triton stub's numpy<2 + tritonclient, pytriton = the bundled tritonserver (bench/device_*.sh)
+WHEEL_PLATFORMS = --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	$(foreach v,manylinux_2_35 manylinux_2_28 manylinux_2_27 manylinux_2_24 manylinux_2_17 manylinux2014,--platform $(v)_x86_64)
+device-wheels:
+	pip download -q $(WHEEL_PLATFORMS) -d .whl/parity diffusers==0.42.1 flashinfer-python==0.6.1 \
+		apache-tvm-ffi==0.1.15.post2 nvidia-cudnn-frontend==1.32.0
+	pip download -q $(WHEEL_PLATFORMS) -d .whl/env numpy==1.26.4 tritonclient==2.73.0 python-rapidjson==1.25
+	pip download -q $(WHEEL_PLATFORMS) -d .whl/pytriton nvidia-pytriton==0.7.0
 
 docker:
 	docker build -f docker/Dockerfile -t cosmos3-triton .

@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
-# On the H200, right after `bench/device_env.sh` on the same (warm) machine, carrying .whl (nvidia-pytriton only):
+# On the H200, right after `bench/device_env.sh` on the same (warm) machine, carrying .whl/pytriton (nvidia-pytriton 0.7.0):
 # served benchmarks, each on a fresh server. Arguments pick them (default: edge nano_chained):
-#   edge          Edge t2v 832x480x121, 20 steps, single-shot at c=1 (3 requests) and c=4 (8 requests), then the
+#   edge          Edge t2v 832x480x121, 20 steps, single-shot at c=1 (3 requests) and c=4 ($C4, default 8), then the
 #                 same request in-process (2) and through diffusers (2), in the same run
 #   nano_chained  Nano AR chained streams, 832x480, 45 frames (2 windows), config steps (35), c=1 and c=4
 #   nano_kv       the same with kv windows (context K/V kept in the pool)
 set -uo pipefail
 [ -x /tmp/v/bin/python ] || { echo "no /tmp/v: run bench/device_env.sh first on this machine"; exit 3; }
-/tmp/v/bin/python -m pip install -q --no-index --no-deps .whl/*.whl 2>&1 | grep -v -e "already exists" -e WARNING | tail -3
+/tmp/v/bin/python -m pip install -q --no-index --no-deps .whl/pytriton/*.whl 2>&1 | grep -v -e "already exists" -e WARNING | tail -3
 export COSMOS3_CACHE=/tmp/c3cache FLASHINFER_WORKSPACE_BASE=/tmp/fiws
 runs=("$@"); [ ${#runs[@]} -gt 0 ] || runs=(edge nano_chained)
 for run in "${runs[@]}"; do
   case $run in
-    edge) args=(--config configs/bench_edge.yaml --c1 3 --c4 8 --inprocess ${INPROCESS:-2} --diffusers ${DIFFUSERS:-2}) ;;
+    edge) args=(--config configs/bench_edge.yaml --c1 3 --c4 ${C4:-8} --inprocess ${INPROCESS:-2} --diffusers ${DIFFUSERS:-2}) ;;
     nano_chained) args=(--config configs/bench_nano_ar.yaml --c1 0 --c4 0 --ar 1 --ar-params '{"window_mode": "chained", "num_frames": 45}') ;;
     nano_kv) args=(--config configs/bench_nano_ar.yaml --c1 0 --c4 0 --ar 1 --ar-params '{"window_mode": "kv", "num_frames": 45}') ;;
     *) echo "unknown run $run"; exit 2 ;;
