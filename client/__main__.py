@@ -38,18 +38,19 @@ def main(argv: list[str] | None = None) -> int:
     if not args.out.endswith(FRAME_SUFFIXES):
         print(f"error: out: suffix must be one of {', '.join(FRAME_SUFFIXES)}", file=sys.stderr)
         return 2
-    params = params_from_arguments(args)
-    image = video = None
-    if args.image or args.video:
-        from cosmos3_core.generate import load_image, load_video
-        from cosmos3_core.requests import RequestError
+    from cosmos3_core.requests import RequestError
 
-        try:
+    image = video = None
+    try:
+        params = params_from_arguments(args)  # --cache's JSON is parsed here; the server checks the rest
+        if args.image or args.video:
+            from cosmos3_core.generate import load_image, load_video
+
             image = load_image(args.image) if args.image else None
             video = load_video(args.video) if args.video else None
-        except RequestError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+    except RequestError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
     from tqdm import tqdm
 

@@ -1,9 +1,10 @@
 """The denoise engine: the GEN tower, the paged K/V pool, and the step loop over every live request.
 
 Each `tick` is schedule → rows → run → update: the `Scheduler` (scheduler.py, no model) admits and returns the
-live jobs; the row builder (`step.denoise_step_row`) turns each into its row (both CFG branches, any size, any
-step index, AR commit passes too); `DenoiseStep` runs them all as ONE packed GEN forward; the scheduler applies
-each job's output. Requests join and leave between ticks.
+live jobs, having decided which CFG branches of cached requests reuse a residual this step (cache.py); the row
+builder (`step.denoise_step_row`) turns each into its row (both CFG branches, any size, any step index, AR commit
+passes too); `DenoiseStep` runs them all — but the reusing branches — as ONE packed GEN forward; the scheduler
+applies each job's output. Requests join and leave between ticks.
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ class DenoiseEngine:
         stats = self.scheduler.stats
         stats.ticks += 1
         stats.request_steps += len(jobs)
-        stats.rows_last_tick = sum(r.tokens.shape[0] * len(r.branches) for r in rows)
+        stats.rows_last_tick = sum(r.tokens.shape[0] * sum(x is None for x in r.reuse) for r in rows)
         stats.max_requests_in_tick = max(stats.max_requests_in_tick, len(jobs))
         self.scheduler.update(jobs, outputs)
         return len(jobs)
@@ -113,8 +114,9 @@ class DenoiseEngine:
             return denoise_step_row(job.latents, 0.0, job.noisy_frames[:0], job.branches, patch, self.dtype, True)
         t = job.timesteps[job.step]
         return denoise_step_row(
-            job.latents, t, job.noisy_frames, job.branches, patch, self.dtype, sound_latents=job.sound
-        )
+            job.latents, t, job.noisy_frames, job.branches, patch, self.dtype, sound_latents=job.sound,
+            reuse=job.reuse, record=job.cache is not None,
+        )  # fmt: skip
 
     # ---- the scheduler's, for the Triton glue and the CLI ----
     def submit(self, prefill: PrefillResult, sink: Sink) -> int:

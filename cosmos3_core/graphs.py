@@ -1,7 +1,9 @@
 """Step layouts: what a packed step of one shape owns, and its CUDA graph.
 
-A layout is fixed by the packed rows' sizes, branches and commit flags (plus whatever the attention backend's
-shapes depend on: SDPA's prefix lengths; nothing for FlashInfer, whose page tables are plan data). It owns:
+A layout is fixed by the packed rows' sizes, branches that run (not reused: cache.py) and commit flags, whether
+the forward returns the block stack's residual (a cached request is in the pack), plus whatever the attention
+backend's shapes depend on (SDPA's prefix lengths; nothing for FlashInfer, whose page tables are plan data). It
+owns:
 - the packed input buffers `[S, ...]` (tokens, noisy mask, rotary cos/sin; sound tokens and their row index
   `sound_rows`, fixed by the layout, so a sound layout captures like any other), zero padding included, and the
   per-segment timesteps, refilled each step by `fill` — no per-step allocation of the step's inputs;
@@ -38,6 +40,7 @@ class PackedStep:
     segments: list[Segment]
     sound: torch.Tensor  # [R, sound_dim]: every segment's sound tokens, in segment order (R = 0: no sound)
     sound_rows: torch.Tensor  # [R] int64: where they sit in the pack (fixed by the layout)
+    residual: bool  # the forward also returns the block stack's residual [S, hidden] (fixed by the layout)
 
 
 class StepLayout:
@@ -52,6 +55,7 @@ class StepLayout:
         token_dim: int,
         segments: list[Segment],
         graph_pool: tuple | None,
+        residual: bool = False,
     ):
         cfg = model.cfg
         dev, dt = attention.pool.k_pages.device, attention.pool.k_pages.dtype
@@ -69,6 +73,7 @@ class StepLayout:
             segments=segments,
             sound=torch.zeros(sum(s.sound for s in segments), cfg.sound_dim, dtype=dt, device=dev),
             sound_rows=torch.cat(sound_rows).to(dev),
+            residual=residual,
         )
         for i, s in enumerate(segments):
             self.packed.token_segment[s.start : s.start + s.length] = i
@@ -77,14 +82,16 @@ class StepLayout:
         self.capturable = graph_pool is not None and not any(s.collect_kv for s in segments)
         self.runs = 0
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.graph_out: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self.graph_out: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
 
     def fill(self, rows: list[Row], segments: list[Segment]) -> None:
         p = self.packed
         seg = iter(enumerate(segments))
         at = 0  # next free row of p.sound
         for row in rows:
-            for br in row.branches:
+            for br, reuse in zip(row.branches, row.reuse):
+                if reuse is not None:  # a reused branch has no segment
+                    continue
                 i, s = next(seg)
                 sl = slice(s.start, s.start + s.length)
                 p.tokens[s.start : s.start + row.tokens.shape[0]].copy_(row.tokens)
@@ -102,19 +109,19 @@ class StepLayout:
             self.plan.update(segments)
             self.planned_for = pages
 
-    def _forward(self) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
+    def _forward(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, dict]:
         return gen_forward(self.model, self.packed, self.plan, self.kernels)
 
-    def run(self) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
-        """→ (predictions [S, patch_latent_dim], sound predictions [R, sound_dim] or None, K/V of collecting
-        segments). With a graph, the predictions are the graph's output buffers: valid until the next replay
-        of any layout."""
+    def run(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, dict]:
+        """→ (predictions [S, patch_latent_dim], sound predictions [R, sound_dim] or None, the block stack's
+        residual [S, hidden] or None, K/V of collecting segments). With a graph, the tensors are the graph's output
+        buffers: valid until the next replay of any layout."""
         self.runs += 1
         if self.graph is None and self.capturable and self.runs >= 2:
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph, pool=self.graph_pool):
-                preds, sound, _ = self._forward()
-                self.graph_out = (preds, sound)
+                preds, sound, residual, _ = self._forward()
+                self.graph_out = (preds, sound, residual)
         if self.graph is not None:
             self.graph.replay()
             return *self.graph_out, {}  # type: ignore[misc]

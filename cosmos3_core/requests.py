@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -45,6 +45,66 @@ class TaskDefaults:
     shift: float | None = None  # None: the checkpoint scheduler's flow_shift, as the pipeline samples
 
 
+CACHE_POLICIES = ("sea",)
+MAX_CACHE_STEPS = 1_000_000  # step-count fields: any value past a request's steps means "all of them"
+
+
+@dataclass(frozen=True)
+class SeaCacheParams:
+    """`parameters.cache` with policy "sea": diffusers' `SeaCacheConfig` (0.42.1, `hooks/sea_cache.py`) — the same
+    fields, defaults and checks — without its `raw_vision_callback` (a Python hook; Cosmos3's built-in adapter is
+    what cosmos3_core/cache.py implements). What each field does: cache.py."""
+
+    policy: str = "sea"
+    threshold: float = 0.25  # accumulated relative-L1 budget of the indicator; larger reuses more often
+    residual_order: int = 1  # 0: reuse the last residual; 1: extrapolate from the last two full executions
+    retention_steps: int = 1  # the first steps always run in full
+    cache_end_steps: int = 1  # the last steps always run in full
+    max_consecutive_cached: int = 2  # reuses in a row before a forced full step; 0: no limit
+    power_exp: float = 3.0  # exponent of the SEA filter's clean-signal power prior
+
+
+def parse_cache(value: Any) -> SeaCacheParams | None:
+    """`parameters.cache` (a JSON object, or null: off) → its policy's parameters. Errors name the field
+    (`cache.threshold: ...`)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise RequestError("cache", f'must be a JSON object such as {{"policy": "sea"}}, or null; got {value!r:.64}')
+    policy = value.get("policy")
+    if policy not in CACHE_POLICIES:
+        raise RequestError("cache.policy", f"must be one of {', '.join(CACHE_POLICIES)}, got {policy!r:.64}")
+    known = [f.name for f in fields(SeaCacheParams)]
+    unknown = sorted(set(value) - set(known), key=str)
+    if unknown:
+        key = unknown[0]
+        name = f"cache.{key}" if key.isidentifier() else "cache"
+        raise RequestError(name, f"unknown field {key[:64]!r}; known: {', '.join(known)}")
+    d = SeaCacheParams()
+    threshold = _number(value, "threshold", d.threshold)
+    if threshold < 0:
+        raise RequestError("cache.threshold", f"must be a finite number >= 0, got {threshold}")
+    power_exp = _number(value, "power_exp", d.power_exp)
+    if power_exp <= 0:
+        raise RequestError("cache.power_exp", f"must be a finite number > 0, got {power_exp}")
+    order = value.get("residual_order", d.residual_order)
+    if isinstance(order, bool) or not isinstance(order, int) or order not in (0, 1):
+        raise RequestError("cache.residual_order", f"must be 0 or 1, got {order!r:.64}")
+    counts = {
+        k: _int(value, k, getattr(d, k), 0, MAX_CACHE_STEPS, f"cache.{k}")
+        for k in ("retention_steps", "cache_end_steps", "max_consecutive_cached")
+    }
+    return SeaCacheParams(policy, threshold, order, power_exp=power_exp, **counts)
+
+
+def _number(params: dict[str, Any], key: str, default: float) -> float:
+    value = params.get(key, default)
+    # an int past float range (1e400 as JSON digits) is finite but has no float: reject it with the others
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or abs(value) > 1e300 or not math.isfinite(value):
+        raise RequestError(f"cache.{key}", f"must be a finite number, got {value!r:.64}")
+    return float(value)
+
+
 @dataclass(frozen=True)
 class Defaults:
     """A request's unset parameters. Built-in values are the reference pipeline's defaults, so a request with no
@@ -60,6 +120,11 @@ class Defaults:
     window_frames: int = 29  # AR window, pixel frames (8 latent)
     overlap_frames: int = 8  # chained overlap, pixel frames (2 latent; the minimum)
     context_frames: int = 61  # kv context horizon, pixel frames (16 latent); 0 keeps everything
+    cache: SeaCacheParams | None = None  # step caching of requests without windows; None: off (the pipeline's)
+
+    def __post_init__(self) -> None:  # a config's `cache:` mapping, checked like a request's
+        if not isinstance(self.cache, (SeaCacheParams, type(None))):
+            object.__setattr__(self, "cache", parse_cache(self.cache))
 
 
 @dataclass(frozen=True)
@@ -85,9 +150,12 @@ class GenerationParams:
     condition_frame_indexes: tuple[int, ...] = ()  # v2v: latent frames kept clean (as given; () without video)
     condition_video_keep: str = "first"  # v2v: which end of a longer clip is kept
     enable_sound: bool = False
+    cache: SeaCacheParams | None = None  # step caching (cache.py); None: every step runs in full
 
-    def __post_init__(self) -> None:  # JSON gives a list back: keep the field a tuple
+    def __post_init__(self) -> None:  # JSON gives a list and a mapping back: keep the field types
         object.__setattr__(self, "condition_frame_indexes", tuple(self.condition_frame_indexes))
+        if isinstance(self.cache, dict):
+            object.__setattr__(self, "cache", SeaCacheParams(**self.cache))
 
     @property
     def task(self) -> str:
@@ -124,20 +192,22 @@ class GenerationParams:
 PARAMETER_KEYS = (
     "negative_prompt", "height", "width", "num_frames", "fps", "steps", "guidance_scale", "shift", "seed",
     "use_system_prompt", "add_templates", "window_mode", "window_frames", "overlap_frames", "context_frames",
-    "max_windows", "condition_frame_indexes", "condition_video_keep", "enable_sound",
+    "max_windows", "condition_frame_indexes", "condition_video_keep", "enable_sound", "cache",
 )  # fmt: skip
 WINDOW_MODES = ("none", "chained", "kv")
 MIN_CHAINED_OVERLAP_LATENT = 2
 
 
-def _int(params: dict[str, Any], key: str, default: int, lo: int, hi: int) -> int:
+def _int(params: dict[str, Any], key: str, default: int, lo: int, hi: int, name: str = "") -> int:
+    """`name`: the field the error names (default `key`)."""
     value = params.get(key, default)
+    name = name or key
     # int() of inf / NaN (JSON Infinity, NaN, 1e400) raises: reject non-finite floats first
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value) or value != int(value):
-        raise RequestError(key, f"must be an integer in [{lo}, {hi}], got {value!r}")
+        raise RequestError(name, f"must be an integer in [{lo}, {hi}], got {value!r}")
     value = int(value)
     if not lo <= value <= hi:
-        raise RequestError(key, f"must be in [{lo}, {hi}], got {value}")
+        raise RequestError(name, f"must be in [{lo}, {hi}], got {value}")
     return value
 
 
@@ -248,6 +318,11 @@ def validate(
         raise RequestError("window_mode", f"sound is not supported with AR windows (window_mode {mode!r})")
     if sound and num_frames == 1:
         raise RequestError("enable_sound", "sound comes with a video (t2v, i2v, v2v); num_frames must be > 1")
+    cache = parse_cache(params["cache"]) if "cache" in params else defaults.cache
+    if cache is not None and mode != "none":
+        if "cache" in params:
+            raise RequestError("cache", f"step caching is not supported with AR windows (window_mode {mode!r})")
+        cache = None  # a deployment's default applies to single-shot requests only
     td: TaskDefaults = getattr(defaults, task)  # v2v takes i2v's defaults (a conditioned video)
     seed = params.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
@@ -274,6 +349,7 @@ def validate(
         condition_frame_indexes=indexes,
         condition_video_keep=keep,
         enable_sound=sound,
+        cache=cache,
     )
 
 
@@ -415,6 +491,8 @@ def add_request_arguments(ap, windows: bool = False) -> None:
     ap.add_argument("--condition-keep", dest="condition_video_keep", choices=("first", "last"))
     ap.add_argument("--sound", dest="enable_sound", action="store_const", const=True, help="generate sound too")
     ap.add_argument("--audio-out", help="the waveform: .wav (16-bit PCM), or .pt (float32 [2, S], the pipeline's)")
+    ap.add_argument("--cache", help='step caching, the `cache` parameter as JSON: \'{"policy": "sea", "threshold": 0.25}\' '
+                    "(null: off, overriding the config's default)")  # fmt: skip
     if windows:
         ap.add_argument("--window-mode", dest="window_mode", choices=("chained", "kv"), default="chained")
         for name, typ in CLI_WINDOW_PARAMS.items():
@@ -424,7 +502,13 @@ def add_request_arguments(ap, windows: bool = False) -> None:
 def params_from_arguments(args) -> dict[str, Any]:
     """The request parameters the user set on the command line (the rest take the deployment's defaults)."""
     keys = (*CLI_PARAMS, "use_system_prompt", "add_templates", "window_mode", *CLI_WINDOW_PARAMS, *CLI_VIDEO_PARAMS)
-    return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
+    params = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
+    if getattr(args, "cache", None) is not None:  # JSON text: checked by `validate` like the server's `parameters`
+        try:
+            params["cache"] = json.loads(args.cache)
+        except (ValueError, RecursionError) as e:
+            raise RequestError("cache", f"is not valid JSON ({e})") from e
+    return params
 
 
 CLI_VIDEO_PARAMS = ("condition_frame_indexes", "condition_video_keep", "enable_sound")

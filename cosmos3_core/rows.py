@@ -13,6 +13,8 @@ Layouts:
               tokens in each branch's segment (text | vision | sound); every sound token is noisy and gets the
               row's timestep (the pipeline steps sound with a copy of the vision scheduler: the same t)
   sound velocity [sound_dim, T_s] fp32
+  residual    [N + T_s, hidden] model dtype: a branch's GEN block-stack residual (output after the final norm
+              minus input after the embedding), over its segment's tokens — what step caching (cache.py) reuses
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ class Row:
     latent_hw: tuple[int, int]  # (H, W) latent pixels; h*p, w*p when the grid needed no padding
     branches: tuple[Branch, ...]  # (cond,) or (cond, uncond)
     commit: bool  # return the tokens' K/V instead of a velocity
+    # per branch: None runs the branch in the packed forward; a residual skips its block stack (no segment)
+    reuse: tuple[torch.Tensor | None, ...]
+    record: bool  # return the block-stack residual of each branch that runs (a cached request's)
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,7 @@ class RowOutput:
     velocity: list[torch.Tensor]  # per branch [1, C, T, H, W] fp32; empty for a commit row
     kv: list[tuple[torch.Tensor, torch.Tensor]]  # commit rows: per branch (k, v) [layers, N, kv_heads, d]
     sound_velocity: list[torch.Tensor] = field(default_factory=list)  # per branch [sound_dim, T_s] fp32
+    residual: list[torch.Tensor | None] = field(default_factory=list)  # record rows: per branch, None if reused
 
 
 def patchify(latents: torch.Tensor, p: int) -> torch.Tensor:
@@ -89,6 +95,8 @@ def denoise_step_row(
     dtype: torch.dtype,
     commit: bool = False,
     sound_latents: torch.Tensor | None = None,
+    reuse: tuple[torch.Tensor | None, ...] = (),
+    record: bool = False,
 ) -> Row:
     """Build one request's input to a denoise step.
 
@@ -96,9 +104,14 @@ def denoise_step_row(
     (applied to the frames in `noisy_frames`), `branches` per CFG branch. `commit`: an AR commit pass over
     clean latents — no noisy frames, no timestep; the step returns the tokens' K/V. `sound_latents`
     [sound_dim, T_s] (fp32, as sampled): the request's sound band, every token noisy at `timestep`; the
-    branches' rotary tables then cover N + T_s positions."""
+    branches' rotary tables then cover N + T_s positions. `reuse`: per branch, the block-stack residual to reuse
+    instead of running it ([N + T_s, hidden]) or None (); () runs every branch. `record`: the step returns the
+    residual of each branch it runs."""
     if commit and (len(noisy_frames) or sound_latents is not None):
         raise ValueError("a commit row has no noisy frames and no sound")
+    reuse = reuse or (None,) * len(branches)
+    if len(reuse) != len(branches) or (commit and any(r is not None for r in reuse)):
+        raise ValueError("reuse: one entry per branch, and a commit row reuses nothing")
     _, _, t, h, w = latents.shape
     token_shape = (t, -(-h // patch), -(-w // patch))
     per_frame = token_shape[1] * token_shape[2]
@@ -117,6 +130,8 @@ def denoise_step_row(
         latent_hw=(h, w),
         branches=branches,
         commit=commit,
+        reuse=reuse,
+        record=record,
     )
 
 
@@ -124,14 +139,17 @@ SEGMENT_ALIGN = 64  # rows; see segments_of
 
 
 def segments_of(rows: list[Row]) -> tuple[list[Segment], int]:
-    """One segment per CFG branch, each starting at a multiple of SEGMENT_ALIGN rows (zero padding after it) →
-    (segments, total rows). Aligned segments see the same GEMM blocking whatever they are packed with, so a
-    request's result does not depend on its neighbours (bit for bit on CPU); padding rows never reach attention."""
+    """One segment per CFG branch that runs (not reused), each starting at a multiple of SEGMENT_ALIGN rows (zero
+    padding after it) → (segments, total rows). Aligned segments see the same GEMM blocking whatever they are packed
+    with, so a request's result does not depend on its neighbours (bit for bit on CPU); padding rows never reach
+    attention."""
     segments, start = [], 0
     for row in rows:
         s = row.sound.shape[0]
         n = row.tokens.shape[0] + s
-        for br in row.branches:
+        for br, reuse in zip(row.branches, row.reuse):
+            if reuse is not None:
+                continue
             segments.append(Segment(start, n, br.prefix, row.commit, s))
             start += -(-n // SEGMENT_ALIGN) * SEGMENT_ALIGN
     return segments, start

@@ -12,6 +12,11 @@ frame, and frames older than the context horizon are released), a `chained` stre
 the next window's first frames. Pages: text at admission; a kv stream's largest context is reserved at
 admission so a stream never stalls for pages mid-way.
 
+Step caching (cache.py): `schedule()` also decides, for each live request with a cache policy, which of its CFG
+branches reuse a residual this step (`Job.reuse`) — before the engine builds the rows, since a reusing branch
+contributes none — reading every request's gate distance back in one transfer; `update` records the residuals of
+the branches that ran. The `done` info then carries `cache_skipped`.
+
 Events go to the request's `Sink`: `progress` after each step, `chunk` per finished piece of a non-final window,
 then exactly one of `done` (the last frames) or `error`.
 """
@@ -27,6 +32,7 @@ from typing import Any, Protocol
 import torch
 
 from . import faults
+from .cache import SeaCache, host_distances
 from .kv_pool import KVPool, PageList
 from .model.config import ModelConfig
 from .model.rotary import rotary_tables, vision_position_ids
@@ -70,6 +76,8 @@ class Job:
     timesteps: list[float] = field(default_factory=list)  # the scheduler's, on the host: no sync per step
     sound: torch.Tensor | None = None  # enable_sound: [sound_dim, T_s] fp32
     sound_scheduler: Any = None  # the vision scheduler's twin (the pipeline's deepcopy): same timesteps
+    cache: SeaCache | None = None  # the request's step-caching state (params.cache); None: every step in full
+    reuse: tuple[torch.Tensor | None, ...] = ()  # this tick: per branch the residual to reuse, or None; (): none
     step: int = 0
     t_admit: float = 0.0
     t_last_chunk: float = 0.0
@@ -187,7 +195,15 @@ class Scheduler:
         for job in [j for j in self.live if j.sink.cancelled()]:
             self.live.remove(job)
             self._finish(job, cancelled=True)
+        self._decide_reuse(self.live)
         return list(self.live)
+
+    def _decide_reuse(self, jobs: list[Job]) -> None:
+        """Each cached request's per-branch decision for its step, with one host read for all of them."""
+        cached = [j for j in jobs if j.cache is not None and not j.committing]
+        distances = host_distances([j.cache.measure(j.latents, j.step) for j in cached])  # type: ignore[union-attr]
+        for job, distance in zip(cached, distances):
+            job.reuse = job.cache.decide(job.step, distance)  # type: ignore[union-attr]
 
     def update(self, jobs: list[Job], outputs: list[RowOutput]) -> None:
         """Apply each job's output of the forward; a failure ends that request only."""
@@ -199,6 +215,8 @@ class Scheduler:
                     self._start_window(job, previous=None)
                     ended = False
                 else:
+                    if job.cache is not None:
+                        job.cache.record(job.step, out.residual)
                     ended = self._advance(job, out.velocity, out.sound_velocity)
             except Exception as e:  # noqa: BLE001 - fails this request only
                 self.live.remove(job)
@@ -272,6 +290,10 @@ class Scheduler:
                 self.sampler_config, p.steps, p.shift, self.native_flow_schedule, self.device
             )
         job.timesteps = job.scheduler.timesteps.tolist()
+        job.cache, job.reuse = None, ()
+        if p.cache is not None:  # per trajectory; the sigma at each step is what the pipeline gives SeaCache
+            sigmas = job.scheduler.sigmas[: len(job.timesteps)].tolist()
+            job.cache = SeaCache(p.cache, len(job.branches), sigmas, self.dtype)
         job.step = 0
         job.committing = False
 
@@ -333,6 +355,8 @@ class Scheduler:
         }
         if final:
             info["timings"]["denoise_s"] = now - job.t_admit
+            if job.cache is not None:
+                info["cache_skipped"] = job.cache.skipped
         job.t_last_chunk = now
         return info
 

@@ -4,6 +4,11 @@
 (`graphs.StepLayout`: buffers, attention plan, CUDA graph), runs the GEN tower once over the pack and returns
 each row's per-branch velocity, or, for a commit row (an AR window's clean latents, no timestep), its per-branch,
 per-layer K/V to append to the stream's context. Tensor layouts: rows.py.
+
+Step caching (cache.py): a branch a row reuses (`Row.reuse`) has no segment in the pack; its velocity comes from
+its own embedding plus the reused residual through the output heads (`towers.embed_row`, `output_heads`), so the
+packed forward — and every other request's result — is the one it would be without it. For a row that records
+(`Row.record`), each branch that runs also returns its block-stack residual, sliced off the pack's.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from .attention import SdpaAttention, make_attention
 from .graphs import StepLayout
 from .kv_pool import KVPool
 from .model.layers import Cosmos3Transformer
-from .model.towers import EAGER, GenKernels
+from .model.towers import EAGER, GenKernels, embed_row, output_heads
 from .rows import Row, RowOutput, Segment, segments_of, unpatchify
 
 
@@ -47,13 +52,17 @@ class DenoiseStep:
     def layout(self, rows: list[Row]) -> tuple[StepLayout, list[Segment]]:
         segments, total = segments_of(rows)
         attention = self.attention if self.attention.supports(segments) else self.sdpa
+        running = [(r, sum(x is None for x in r.reuse)) for r in rows]
+        running = [(r, n) for r, n in running if n]  # a row whose branches all reuse is not in the pack
+        residual = any(r.record for r, _ in running)
         key = (
-            tuple((r.tokens.shape[0], r.sound.shape[0], len(r.branches), r.commit) for r in rows),
+            tuple((r.tokens.shape[0], r.sound.shape[0], n, r.commit) for r, n in running),
+            residual,
             attention.name,
             attention.shape_key(segments),
         )
         layout = self.layouts.pop(key, None) or StepLayout(
-            self.model, self.kernels, attention, total, rows[0].tokens.shape[1], segments, self.graph_pool
+            self.model, self.kernels, attention, total, rows[0].tokens.shape[1], segments, self.graph_pool, residual
         )
         self.layouts[key] = layout
         while len(self.layouts) > self.MAX_LAYOUTS:
@@ -62,30 +71,46 @@ class DenoiseStep:
 
     @torch.inference_mode()
     def __call__(self, rows: list[Row]) -> list[RowOutput]:
-        """One GEN pass over all rows → per row its per-branch velocity (fp32, zero on clean frames) and sound
-        velocity, or K/V."""
-        layout, segments = self.layout(rows)
-        layout.fill(rows, segments)
-        had_graph = layout.graph is not None
-        preds, sound_preds, collected = layout.run()
-        self.captures += layout.graph is not None and not had_graph
+        """One GEN pass over all rows' running branches (none when every branch reuses) → per row its per-branch
+        velocity (fp32, zero on clean frames) and sound velocity, and for a recording row the residuals; or K/V."""
+        preds = sound_preds = residual = None
+        collected: dict = {}
+        segments: list[Segment] = []
+        if any(x is None for r in rows for x in r.reuse):
+            layout, segments = self.layout(rows)
+            layout.fill(rows, segments)
+            had_graph = layout.graph is not None
+            preds, sound_preds, residual, collected = layout.run()
+            self.captures += layout.graph is not None and not had_graph
         p = self.model.cfg.latent_patch_size
         out: list[RowOutput] = []
         seg = at = 0  # at: the next row of sound_preds
         for row in rows:
             n, s = row.tokens.shape[0], row.sound.shape[0]
             result = RowOutput([], [])
-            for _ in row.branches:
+            embedded = None  # a reusing row's block-stack input: the same in both branches (no text in it)
+            for reuse in row.reuse:
                 if row.commit:
                     result.kv.append(collected[seg])
+                    seg += 1
+                    continue
+                ran = None  # a running branch's block-stack residual (a copy: the layout's buffer is reused)
+                if reuse is not None:
+                    if embedded is None:
+                        embedded = embed_row(self.model, row.tokens, row.sound, row.noisy_mask, row.timestep)
+                    v, sv = output_heads(self.model, embedded + reuse, n)
                 else:
                     start = segments[seg].start
-                    # zero on clean tokens; the product is a new tensor (preds is the layout's, reused next step)
-                    v = preds[start : start + n].float() * row.noisy_mask[:n, None]
-                    result.velocity.append(unpatchify(v, row.token_shape, p, row.latent_hw))
-                    if s:  # every sound token is noisy: its velocity as predicted, [sound_dim, T_s]
-                        result.sound_velocity.append(sound_preds[at : at + s].float().t().clone())
-                        at += s
-                seg += 1
+                    v, sv = preds[start : start + n], sound_preds[at : at + s] if s else None  # type: ignore[index]
+                    ran = residual[start : start + n + s].clone() if row.record else None  # type: ignore[index]
+                    at += s
+                    seg += 1
+                if row.record:
+                    result.residual.append(ran)
+                # zero on clean tokens; the product is a new tensor (preds is the layout's, reused next step)
+                v = v.float() * row.noisy_mask[:n, None]
+                result.velocity.append(unpatchify(v, row.token_shape, p, row.latent_hw))
+                if s:  # every sound token is noisy: its velocity as predicted, [sound_dim, T_s]
+                    result.sound_velocity.append(sv.float().t().clone())  # type: ignore[union-attr]
             out.append(result)
         return out

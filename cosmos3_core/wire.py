@@ -35,7 +35,11 @@ class ProgressEvent(TypedDict):
     windows: int
 
 
-class ChunkInfo(TypedDict):
+class _CacheReport(TypedDict, total=False):
+    cache_skipped: dict[str, list[int]]  # done only, with a cache policy: per branch (cond, uncond) 0-based steps
+
+
+class ChunkInfo(_CacheReport):
     """Where a piece of latents lands in the video, and the engine's timings (seconds)."""
 
     window: int

@@ -4,7 +4,10 @@
   GEN-facing K (`k_norm_und_for_gen(norm_k(K))`, rotated) and V, `[layers, tokens, kv_heads, head_dim]`.
   Exact: UND tokens attend causally to text only, so this K/V never depends on the denoise step.
 - `gen_forward`: the GEN tower over a packed step (many requests' rows, both CFG branches), attending to
-  [text K/V from the pool | the segment's own tokens] → `[rows, patch_latent_dim]` predictions.
+  [text K/V from the pool | the segment's own tokens] → `[rows, patch_latent_dim]` predictions (and, for step
+  caching, the block stack's residual).
+- `embed_row` / `output_heads`: one row's GEN input and output heads alone — a branch that reuses a cached
+  block-stack residual (cosmos3_core/cache.py) runs only these.
 - `fused_reference`: the whole stack every step, as the reference model runs it. Tests only.
 """
 
@@ -111,9 +114,12 @@ EAGER = GenKernels()
 
 def gen_forward(
     model: Cosmos3Transformer, packed, attend: Plan, kernels: GenKernels = EAGER
-) -> tuple[torch.Tensor, torch.Tensor | None, dict[int, tuple[torch.Tensor, torch.Tensor]]]:  # graphs.PackedStep
+) -> tuple[
+    torch.Tensor, torch.Tensor | None, torch.Tensor | None, dict[int, tuple[torch.Tensor, torch.Tensor]]
+]:  # packed: graphs.PackedStep
     """One GEN pass over a packed step → predictions [rows, patch_latent_dim] (every row, clean ones too), the
-    sound rows' predictions [R, sound_dim] (None without sound) and,
+    sound rows' predictions [R, sound_dim] (None without sound), with `packed.residual` the block stack's residual
+    [rows, hidden] (its output after `norm_moe_gen` minus its input after the embedding; else None) and,
     for each segment that asks (`collect_kv`), its tokens' K/V [layers, tokens, kv_heads, d]. `attend` is the
     step's attention plan (already updated for these segments). No host synchronisation: capturable."""
     collect = [i for i, seg in enumerate(packed.segments) if seg.collect_kv]
@@ -125,6 +131,7 @@ def gen_forward(
         temb = model.time_embedder(packed.segment_timesteps * model.cfg.timestep_scale).to(x.dtype)
         sound = model.audio_proj_in(packed.sound) + model.audio_modality_embed
         x = x.index_put((sound_rows,), sound + temb[packed.token_segment[sound_rows]])
+    stack_input = x
     for i, layer in enumerate(model.layers):
         q, k, v = kernels.qkv(layer, x, packed.cos, packed.sin)
         for j in collect:
@@ -134,7 +141,28 @@ def gen_forward(
         x = kernels.residual(layer, x, attend(q, k, v, i))
     h = model.norm_moe_gen(x)
     sound_out = model.audio_proj_out(h[sound_rows]) if sound_rows.numel() else None
-    return model.proj_out(h), sound_out, {j: (torch.stack(ks[j]), torch.stack(vs[j])) for j in collect}
+    residual = h - stack_input if packed.residual else None
+    return model.proj_out(h), sound_out, residual, {j: (torch.stack(ks[j]), torch.stack(vs[j])) for j in collect}
+
+
+def embed_row(
+    model: Cosmos3Transformer, tokens: torch.Tensor, sound: torch.Tensor, noisy_mask: torch.Tensor, timestep: float
+) -> torch.Tensor:
+    """One row's block-stack input, embedded as `gen_forward` embeds it in a pack: tokens [N, patch_latent_dim],
+    sound [T_s, sound_dim] (T_s may be 0; all noisy), noisy_mask [N + T_s] → [N + T_s, hidden]."""
+    n = tokens.shape[0]
+    t = torch.full((1,), timestep, dtype=torch.float32, device=tokens.device)  # a fill: no host-to-device copy
+    x = embed_latent_tokens(model, tokens, noisy_mask[:n], t)
+    if sound.shape[0]:
+        temb = model.time_embedder(t * model.cfg.timestep_scale).to(x.dtype)
+        x = torch.cat([x, model.audio_proj_in(sound) + model.audio_modality_embed + temb])
+    return x
+
+
+def output_heads(model: Cosmos3Transformer, h: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A row's block-stack output [N + T_s, hidden] → (predictions [N, patch_latent_dim], sound predictions
+    [T_s, sound_dim] or None without sound)."""
+    return model.proj_out(h[:n]), (model.audio_proj_out(h[n:]) if h.shape[0] > n else None)
 
 
 @torch.inference_mode()
