@@ -3,10 +3,11 @@
   python -m cosmos3_core.generate --checkpoint DIR --prompt P [--negative-prompt N] [--image IMG]
       [--video CLIP.mp4|.npy --condition-frames 0,1 --condition-keep first|last] [--sound --audio-out A.wav|.pt]
       [--height H --width W --num-frames F --fps R --steps S --guidance G --shift X --seed K]
-      [--no-system-prompt] [--no-templates] --out FILE(.mp4|.png|.npy|.pt)
+      [--no-system-prompt] [--no-templates] [--cache '{"policy": "sea", ...}'] --out FILE(.mp4|.png|.npy|.pt)
 
 `.pt` holds the final latents [1, C, T, h, w] fp32 (the reference pipeline's `output_type="latent"`);
-`.npy` the uint8 frames [T, H, W, 3]. Bad arguments print one line and exit with code 2.
+`.npy` the uint8 frames [T, H, W, 3]. Bad arguments print one line and exit with code 2. With step caching, the
+steps each CFG branch skipped are printed, as the server's `done` event reports them.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from .model.config import CheckpointError
 from .requests import RequestError, add_request_arguments, params_from_arguments
 from .stages import DecodeStage, PrefillStage
 from .tools.checkpoints import resolve_checkpoint
-from .wire import PrefillResult
+from .wire import ChunkInfo, PrefillResult
 
 OUT_SUFFIXES = (*FRAME_SUFFIXES, ".pt")
 
@@ -65,12 +66,18 @@ class Generator:
         return self.run(prefilled, progress)[0]
 
     def run(self, prefilled: PrefillResult, progress: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.run_reported(prefilled, progress)[:2]
+
+    def run_reported(
+        self, prefilled: PrefillResult, progress: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None, ChunkInfo]:
+        """`run`, and the engine's info of the last piece (what the `done` event carries: timings, cache_skipped)."""
         sink = _CollectSink(prefilled.params.steps, progress)
         self.engine.submit(prefilled, sink)
         self.engine.run_until_idle()
         if sink.failure is not None:
             raise RuntimeError(sink.failure)
-        return sink.latents, sink.sound
+        return sink.latents, sink.sound, sink.info
 
     def frames_and_audio(
         self, prompt: str, params: dict, image: np.ndarray | None = None, video: np.ndarray | None = None
@@ -91,6 +98,7 @@ class _CollectSink:
         self.chunks: list[torch.Tensor] = []
         self.latents: torch.Tensor | None = None
         self.sound: torch.Tensor | None = None
+        self.info: ChunkInfo | None = None  # the done piece's
         self.failure: str | None = None
         self.bar = None
         if progress:
@@ -109,6 +117,7 @@ class _CollectSink:
     def done(self, latents: torch.Tensor, info: dict, sound: torch.Tensor | None = None) -> None:
         self.latents = torch.cat([*self.chunks, latents], dim=2)
         self.sound = sound
+        self.info = info
         if self.bar is not None:
             self.bar.close()
 
@@ -175,10 +184,12 @@ def main(argv: list[str] | None = None) -> int:
         gen = Generator(deployment, ckpt)
         p = gen.prefill.validate(args.prompt, params, image, video)  # fail fast, before any work
         print(f"parameters {json.dumps(p.resolved())}", file=sys.stderr)
-        latents, sound = gen.generate(args.prompt, params, image, progress=True, video=video)
+        latents, sound, info = gen.run_reported(gen.prefill.run(p, image, video), progress=True)
     except (RequestError, CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if "cache_skipped" in info:
+        print(f"cache_skipped {json.dumps(info['cache_skipped'])}", file=sys.stderr)
     audio = gen.decode.audio(sound) if sound is not None else None
     if out.suffix == ".pt":
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,272 @@
+"""Step caching (SeaCache, cosmos3_core/cache.py) against diffusers' own: `Cosmos3OmniPipeline` with
+`pipe.transformer.enable_cache(SeaCacheConfig(...))` on the same tiny checkpoint, seed and request (fp32, CPU).
+
+Our latents equal the pipeline's (rel-L2 <= 1e-4) and each CFG branch skips the same steps — a diffusers call
+skipped when its transformer's block stack did not run (a forward hook on its first layer says) — for t2v and
+i2v, guidance 1 and > 1, the default config and non-default ones (order-1 extrapolation, order 0, no run limit);
+every case skips steps, and a skipped step moves the latents far past the tolerance. A cached request packed with
+uncached and differently cached ones equals each alone, and a reusing request runs no forward. Bad `cache` fields
+are refused naming the field (request, deployment config, CLI); served equals offline (one served test).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from cosmos3_core.deployment import Deployment
+from cosmos3_core.engine import DenoiseEngine
+from cosmos3_core.generate import Generator, main
+from cosmos3_core.model.checkpoint import Checkpoint
+from cosmos3_core.requests import Defaults, Limits, RequestError, SeaCacheParams, validate
+from cosmos3_core.stages import PrefillStage
+from tests.conftest import reference_pipeline, rel_l2, run_reference
+
+PROMPT = "a red cube slides across a wooden table"
+TASKS = {
+    "t2v": (dict(num_frames=9, height=32, width=64, steps=10, guidance_scale=6.0, shift=10.0, seed=3, fps=16.0), False),
+    "t2v_guidance1": (dict(num_frames=9, height=32, width=64, steps=10, guidance_scale=1.0, shift=10.0, seed=3), False),
+    "i2v": (dict(num_frames=9, height=32, width=64, steps=10, guidance_scale=5.0, shift=8.0, seed=2), True),
+    "i2v_guidance1": (dict(num_frames=5, height=32, width=32, steps=8, guidance_scale=1.0, shift=5.0, seed=5), True),
+}  # fmt: skip
+CONFIGS = {
+    "default": {},  # reuses at steps 1 and 2 from one residual, then the run limit forces step 3
+    "extrapolate": {"threshold": 1.0, "retention_steps": 2, "max_consecutive_cached": 0},  # order 1 from 2 residuals
+    "order0": {"threshold": 0.6, "residual_order": 0, "cache_end_steps": 2},
+}
+
+
+class StackCalls:
+    """Which of the transformer's calls ran its block stack: a forward pre-hook on the model opens a call, one on
+    its first decoder layer marks it as run. The pipeline calls cond then uncond at each step."""
+
+    def __init__(self, transformer):
+        self.ran: list[bool] = []
+        self.handles = [
+            transformer.register_forward_pre_hook(lambda m, a: self.ran.append(False)),
+            transformer.layers[0].register_forward_pre_hook(lambda m, a: self.ran.__setitem__(-1, True)),
+        ]
+
+    def skipped(self, branches: int) -> dict[str, list[int]]:
+        names = ("cond", "uncond")
+        return {
+            name: [k // branches for k, ran in enumerate(self.ran) if k % branches == b and not ran]
+            for b, name in enumerate(names[:branches])
+        } | {name: [] for name in names[branches:]}
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def reference(pipe, params: dict, config: dict, image) -> tuple[torch.Tensor, dict[str, list[int]]]:
+    """The pipeline's latents with SeaCache on, and the steps each branch skipped."""
+    from diffusers import SeaCacheConfig
+
+    pipe.transformer.enable_cache(SeaCacheConfig(**config))
+    calls = StackCalls(pipe.transformer)
+    try:
+        latents = run_reference(pipe, PROMPT, params, image)
+    finally:
+        calls.remove()
+        pipe.transformer.disable_cache()
+    return latents, calls.skipped(1 if params["guidance_scale"] == 1.0 else 2)
+
+
+@pytest.fixture(scope="module")
+def stacks(tiny_ckpts):
+    """Per variant: (the reference pipeline, our offline Generator) on the same checkpoint, fp32 CPU."""
+    made: dict = {}
+
+    def get(variant: str):
+        if variant not in made:
+            d = Deployment.load(None, checkpoint=str(tiny_ckpts[variant]), device="cpu", dtype="float32")
+            made[variant] = (reference_pipeline(tiny_ckpts[variant]), Generator(d))
+        return made[variant]
+
+    return get
+
+
+def ours(gen: Generator, params: dict, config: dict, image) -> tuple[torch.Tensor, dict[str, list[int]]]:
+    p = gen.prefill.validate(PROMPT, {**params, "cache": {"policy": "sea", **config}}, image)
+    latents, _, info = gen.run_reported(gen.prefill.run(p, image))
+    return latents, info["cache_skipped"]
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("task", list(TASKS))
+@pytest.mark.parametrize("variant", ["nano", "edge"])
+def test_cached_latents_and_skips_equal_pipeline(stacks, variant, task, config, test_image):
+    pipe, gen = stacks(variant)
+    params, with_image = TASKS[task]
+    image = test_image if with_image else None
+    theirs, their_skips = reference(pipe, params, CONFIGS[config], image)
+    mine, my_skips = ours(gen, params, CONFIGS[config], image)
+    assert their_skips["cond"], "the case must skip steps, else it checks nothing"
+    assert my_skips == their_skips
+    assert mine.shape == theirs.shape
+    assert rel_l2(mine, theirs) <= 1e-4
+
+
+@pytest.mark.parametrize("task", ["t2v", "i2v"])
+def test_skipped_steps_move_latents_past_the_tolerance(stacks, task, test_image):
+    """The equality above could not hold by accident: with and without SeaCache the pipeline's latents differ by
+    more than three times the tolerance (5e-4 to 7e-2 here)."""
+    pipe, gen = stacks("nano")
+    params, with_image = TASKS[task]
+    image = test_image if with_image else None
+    uncached = gen.latents(PROMPT, params, image)
+    for config in CONFIGS.values():
+        cached, _ = reference(pipe, params, config, image)
+        assert rel_l2(cached, uncached) > 3e-4, config
+
+
+@pytest.fixture(scope="module")
+def engine_parts(nano_ckpt):
+    ckpt = Checkpoint.open(nano_ckpt)
+    prefill = PrefillStage(ckpt, "cpu", torch.float32, Defaults(height=32, width=32, num_frames=5), Limits())
+    return ckpt, prefill
+
+
+class Done:
+    def __init__(self):
+        self.latents, self.info, self.errors = None, None, []
+
+    def progress(self, step, steps, window, windows): ...
+    def chunk(self, latents, info): ...
+
+    def done(self, latents, info):
+        self.latents, self.info = latents, info
+
+    def error(self, message):
+        self.errors.append(message)
+
+    def cancelled(self):
+        return False
+
+
+PACKED = [  # a cached request with CFG, an uncached one, and one cached otherwise at guidance 1, other sizes
+    {"seed": 1, "steps": 10, "cache": {"policy": "sea"}},
+    {"seed": 2, "steps": 7, "num_frames": 9},
+    {"seed": 3, "steps": 9, "height": 48, "guidance_scale": 1.0, "cache": {"policy": "sea", **CONFIGS["extrapolate"]}},
+]
+
+
+def run_engine(engine_parts, requests: list[dict]) -> tuple[list[Done], DenoiseEngine, list[tuple[int, int]]]:
+    """→ the requests' sinks, the engine, and per tick (requests in it, rows in its packed forward)."""
+    ckpt, prefill = engine_parts
+    engine = DenoiseEngine(ckpt, "cpu", torch.float32, pool_pages=512, page_size=16, max_queue=8)
+    sinks = [Done() for _ in requests]
+    for params, sink in zip(requests, sinks):
+        engine.submit(prefill.run(prefill.validate("a prompt", params, None), None), sink)
+    ticks = []
+    while engine.has_work():
+        ticks.append((engine.tick(), engine.stats.rows_last_tick))
+    assert not any(s.errors for s in sinks)
+    return sinks, engine, ticks
+
+
+def test_packed_cached_and_uncached_requests_equal_each_alone(engine_parts):
+    packed, _, ticks = run_engine(engine_parts, PACKED)
+    # rows per request (tokens × branches): 2×2, 3×2 and 4×1; a tick of all three where the first reuses both
+    # branches packs only the others' 10 rows (and all 14 when every branch runs)
+    assert (3, 14) in ticks and (3, 10) in ticks
+    for params, got in zip(PACKED, packed):
+        (alone,), _, _ = run_engine(engine_parts, [params])
+        assert torch.equal(got.latents, alone.latents), params
+        assert got.info.get("cache_skipped") == alone.info.get("cache_skipped")
+    assert packed[0].info["cache_skipped"]["cond"] and "cache_skipped" not in packed[1].info
+
+
+def test_reusing_request_runs_no_forward(engine_parts):
+    """A request alone whose branches both reuse at a step adds no rows: that step runs no packed forward."""
+    (done,), engine, _ = run_engine(engine_parts, [PACKED[0]])
+    skipped = done.info["cache_skipped"]
+    assert skipped["cond"] == skipped["uncond"] and skipped["cond"]
+    forwards = sum(layout.runs for layout in engine.step.layouts.values())
+    assert forwards == PACKED[0]["steps"] - len(skipped["cond"])
+
+
+def check(params: dict, defaults: Defaults | None = None):
+    return validate("p", params, None, defaults or Defaults(), Limits(), 16, 4, 3.0)
+
+
+@pytest.mark.parametrize(
+    "cache, message",
+    [
+        ("sea", "cache: must be a JSON object"),
+        ({}, "cache.policy: must be one of sea, got None"),
+        ({"policy": "tea"}, "cache.policy: must be one of sea, got 'tea'"),
+        ({"policy": "sea", "threshhold": 0.3}, "cache.threshhold: unknown field"),
+        ({"policy": "sea", "a b": 1}, "cache: unknown field 'a b'"),
+        ({"policy": "sea", "threshold": -0.1}, "cache.threshold: must be a finite number >= 0"),
+        ({"policy": "sea", "threshold": float("nan")}, "cache.threshold: must be a finite number"),
+        ({"policy": "sea", "threshold": "0.3"}, "cache.threshold: must be a finite number"),
+        ({"policy": "sea", "residual_order": 2}, "cache.residual_order: must be 0 or 1"),
+        ({"policy": "sea", "residual_order": True}, "cache.residual_order: must be 0 or 1"),
+        ({"policy": "sea", "retention_steps": -1}, "cache.retention_steps: must be in [0,"),
+        ({"policy": "sea", "retention_steps": 1.5}, "cache.retention_steps: must be an integer"),
+        ({"policy": "sea", "cache_end_steps": "x"}, "cache.cache_end_steps: must be an integer"),
+        ({"policy": "sea", "max_consecutive_cached": True}, "cache.max_consecutive_cached: must be an integer"),
+        ({"policy": "sea", "power_exp": 0}, "cache.power_exp: must be a finite number > 0"),
+        ({"policy": "sea", "power_exp": 10**400}, "cache.power_exp: must be a finite number"),
+    ],
+)
+def test_bad_cache_fields_are_named(cache, message):
+    with pytest.raises(RequestError) as e:
+        check({"cache": cache})
+    assert message in str(e.value)
+
+
+def test_cache_defaults_and_deployment_default(tmp_path):
+    assert check({"cache": {"policy": "sea"}}).cache == SeaCacheParams()  # diffusers' SeaCacheConfig() defaults
+    assert check({}).cache is None  # off by default
+    on = Defaults(cache={"policy": "sea", "threshold": 0.5})
+    assert check({}, on).cache == SeaCacheParams(threshold=0.5)
+    assert check({"cache": None}, on).cache is None  # a request turns a deployment's default off
+    assert check({"num_frames": 17, "window_mode": "chained"}, on).cache is None  # not applied to AR streams
+    with pytest.raises(RequestError, match="cache: step caching is not supported with AR windows"):
+        check({"num_frames": 17, "window_mode": "chained", "cache": {"policy": "sea"}})
+    p = check({"cache": {"policy": "sea", "residual_order": 0}})
+    assert p.resolved()["cache"] == {**vars(SeaCacheParams(residual_order=0))}  # echoed with `done`
+    assert type(p).from_json(p.to_json()) == p
+    config = tmp_path / "bad.yaml"
+    config.write_text(yaml.safe_dump({"defaults": {"cache": {"policy": "sea", "threshold": -1}}}))
+    with pytest.raises(ValueError, match="cache.threshold"):
+        Deployment.load(config)
+
+
+def test_cli_cache_option(nano_ckpt, tmp_path, capsys):
+    base = ["--checkpoint", str(nano_ckpt), "--prompt", PROMPT, "--out", str(tmp_path / "o.pt"), "--height", "32",
+            "--width", "32", "--num-frames", "5", "--steps", "6", "--seed", "1"]  # fmt: skip
+    for bad, message in (
+        ("{not json", "cache: is not valid JSON"),
+        ('{"policy": "sea", "power_exp": -1}', "cache.power_exp: must be a finite number > 0"),
+    ):
+        assert main([*base, "--cache", bad]) == 2
+        assert message in capsys.readouterr().err
+    assert main([*base, "--cache", '{"policy": "sea", "threshold": 1.0}']) == 0
+    err = capsys.readouterr().err
+    line = next(x for x in err.splitlines() if x.startswith("cache_skipped "))
+    skipped = json.loads(line.removeprefix("cache_skipped "))
+    assert skipped["cond"] and skipped["cond"] == skipped["uncond"]
+
+
+@pytest.mark.served
+def test_served_cache_equals_offline_and_names_bad_fields(server, offline):
+    from client.stream import ServerError, generate
+
+    params = {"num_frames": 9, "steps": 8, "seed": 4, "cache": {"policy": "sea", "threshold": 0.6}}
+    served = generate(server.url, "a lighthouse at dusk", params)
+    p = offline.prefill.validate("a lighthouse at dusk", params, None)
+    latents, _, info = offline.run_reported(offline.prefill.run(p, None))
+    assert np.array_equal(served.video, offline.decode.run(latents))
+    done = next(e for e in served.events if e["type"] == "done")
+    assert done["cache_skipped"] == info["cache_skipped"] and info["cache_skipped"]["cond"]
+    assert done["params"]["cache"] == p.resolved()["cache"]
+    with pytest.raises(ServerError, match="cache.residual_order: must be 0 or 1"):
+        generate(server.url, "x", {**params, "cache": {"policy": "sea", "residual_order": 3}})
