@@ -148,6 +148,12 @@ def near_valid(key: str, limits: Limits) -> st.SearchStrategy[Any]:
         return st.lists(index, max_size=4) | st.sampled_from([0, "0,1", None, {}])
     if key == "condition_video_keep":
         return st.sampled_from(["first", "last", "middle", "", "FIRST", 1, None])
+    if key == "cache":  # a SeaCache object with fields on, off and across their edges (one misspelt)
+        names = st.sampled_from(["policy", "threshold", "residual_order", "retention_steps", "cache_end_steps",
+                                 "max_consecutive_cached", "power_exp", "threshhold", ""])  # fmt: skip
+        values = st.integers(-2, 4) | st.floats(-1, 5) | st.sampled_from([None, True, "sea", "0.3", [], 10**400])
+        objects = st.dictionaries(names, values, max_size=3).map(lambda d: {"policy": "sea", **d})
+        return objects | st.sampled_from([None, "sea", {}, {"policy": "tea"}, [], {"policy": "sea"}])
     return st.text(max_size=40) | st.sampled_from(["", "blurry", "\x00", "x" * (limits.max_prompt_bytes + 1)])
 
 
@@ -315,7 +321,7 @@ def named_field(message: str, sent_keys: frozenset[str]) -> str | None:
     text = message.split("in ensemble 'cosmos3', ", 1)[-1]
     text = re.sub(r"^\[request id: [^\]]*\] ", "", text)
     fields = KNOWN_FIELDS | sent_keys | {"images"}
-    m = re.match(r"(\w+): ", text)
+    m = re.match(r"(\w+)(?:\.\w+)?: ", text)  # `cache.threshold: ...` names a field of the `cache` object
     if m and m.group(1) in fields:
         return m.group(1)
     for name in re.findall(r"input(?:\(s\))?:? \[?'(\w+)'", text):

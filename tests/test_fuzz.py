@@ -28,6 +28,9 @@ def check(params: dict, image: np.ndarray | None = None, prompt: bytes | str = "
         ({"negative_prompt": "\ud800"}, "negative_prompt"),  # JSON "\ud800": a lone surrogate, not UTF-8
         ({"": 1}, "parameters"),  # an unknown key that is no name: the error names `parameters`
         ({"a: b": 1}, "parameters"),
+        ({"cache": {"policy": "sea", "power_exp": 10**400}}, "cache.power_exp"),  # a field of the `cache` object
+        ({"cache": {"policy": "sea", "threshold": float("inf")}}, "cache.threshold"),
+        ({"cache": {"policy": "sea", "": 1}}, "cache"),  # an unknown field that is no name
     ],
 )
 def test_bad_values_are_rejected_naming_their_field(params, field):
