@@ -5,6 +5,8 @@ weights at the real shapes, and the compute floor.
 
 Each variant (attention backend, `+graphs` for CUDA-graph replay) runs the same requests on one loaded engine
 (its step is swapped); then diffusers on the same weights. Prints a table and writes JSON to --json. Needs CUDA.
+A request with `cache` (bench.served --params) runs diffusers with its own SeaCache on the same fields, and both
+report the share of branch-steps that skipped the block stack.
 """
 
 from __future__ import annotations
@@ -21,6 +23,40 @@ from cosmos3_core.generate import Generator
 from cosmos3_core.step import DenoiseStep
 
 from .floor import H200_BF16_FLOPS, denoise_flops, tokens_for
+from .report import skipped_fraction
+
+
+class StackCalls:
+    """Which of a diffusers transformer's calls ran its block stack: a forward pre-hook on the model opens a call,
+    one on its first decoder layer marks it as run (SeaCache skips the whole stack). The pipeline calls cond, then
+    uncond, at each step."""
+
+    def __init__(self, transformer):
+        self.ran: list[bool] = []
+        self.handles = [
+            transformer.register_forward_pre_hook(lambda m, a: self.ran.append(False)),
+            transformer.layers[0].register_forward_pre_hook(lambda m, a: self.ran.__setitem__(-1, True)),
+        ]
+
+    def skipped(self, branches: int) -> dict[str, list[int]]:
+        """Per branch the 0-based steps whose call skipped the stack, as our `done` event's `cache_skipped`."""
+        names = ("cond", "uncond")
+        return {
+            name: [k // branches for k, ran in enumerate(self.ran) if k % branches == b and not ran]
+            for b, name in enumerate(names[:branches])
+        } | {name: [] for name in names[branches:]}
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def sea_cache_config(params: dict):
+    """diffusers' `SeaCacheConfig` with a request's `cache` fields (policy "sea"), or None without one."""
+    from diffusers import SeaCacheConfig
+
+    cache = params.get("cache")
+    return None if cache is None else SeaCacheConfig(**{k: v for k, v in cache.items() if k != "policy"})
 
 
 def sync_time() -> float:
@@ -47,18 +83,21 @@ def run_variant(gen: Generator, params: dict, repeat: int) -> dict:
     gen.frames(PROMPT, {**params, "steps": 3})  # warm-up: allocator, cuBLAS/flash heuristics, compile, capture
     warmup_s = time.perf_counter() - t0
     phases = {"prefill": [], "denoise": [], "decode": [], "e2e": []}
+    skipped = []
     for _ in range(repeat):
         marks = [sync_time()]
         pre = gen.prefill.run(gen.prefill.validate(PROMPT, params, None), None)
         marks.append(sync_time())
-        lat = gen.latents_from(pre)
+        lat, _, info = gen.run_reported(pre)
         marks.append(sync_time())
+        skipped.append(skipped_fraction(info.get("cache_skipped"), pre.params.steps, pre.params.cfg_branches))
         gen.decode.run(lat)
         marks.append(sync_time())
         for name, a, b in (("prefill", 0, 1), ("denoise", 1, 2), ("decode", 2, 3), ("e2e", 0, 3)):
             phases[name].append(marks[b] - marks[a])
     captures = gen.engine.step.captures
-    return {"phases": phases, "text_tokens": pre.text_k[0].shape[1], "warmup_s": warmup_s, "captures": captures}
+    return {"phases": phases, "text_tokens": pre.text_k[0].shape[1], "warmup_s": warmup_s, "captures": captures,
+            "skipped_fraction": statistics.mean(skipped)}  # fmt: skip
 
 
 def reference(args, params) -> dict:
@@ -87,12 +126,19 @@ def reference(args, params) -> dict:
                     generator=torch.Generator().manual_seed(0), output_type="np", enable_safety_check=False)  # fmt: skip
 
     run(2)
-    e2e = []
+    config = sea_cache_config(params)
+    if config is not None:  # diffusers' own SeaCache, on the same fields as ours
+        pipe.transformer.enable_cache(config)
+    e2e, skipped = [], []
     for _ in range(args.repeat):
+        calls = StackCalls(pipe.transformer)
         t0 = sync_time()
         run(params["steps"])
         e2e.append(sync_time() - t0)
-    return {"e2e": e2e}
+        calls.remove()
+        branches = 1 if params["guidance_scale"] == 1.0 else 2
+        skipped.append(skipped_fraction(calls.skipped(branches), params["steps"], branches))
+    return {"e2e": e2e, "skipped_fraction": statistics.mean(skipped)}
 
 
 PROMPT = "A robot arm stacks red and blue cubes on a wooden table, soft daylight, static camera."

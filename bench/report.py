@@ -29,3 +29,9 @@ def _module() -> str:
     main = sys.modules["__main__"]
     spec = getattr(main, "__spec__", None)
     return spec.name if spec else Path(sys.argv[0]).stem
+
+
+def skipped_fraction(cache_skipped: dict[str, list[int]] | None, steps: int, branches: int) -> float:
+    """The share of a request's branch-steps (steps × CFG branches) that reused a residual instead of running the
+    block stack, from a `done` event's `cache_skipped` (None or absent: no cache, 0)."""
+    return sum(len(v) for v in (cache_skipped or {}).values()) / (steps * branches)

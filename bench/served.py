@@ -6,7 +6,9 @@
 Reports c=1 end-to-end p50, c=4 videos/min and e2e p50 (single-shot t2v), and for `--ar N` Nano-style AR
 streams (chained windows): TTFC, chunk gap and aggregate frames/s at c=1 and c=4. `--inprocess N --diffusers N`
 then run the same single-shot request, in the same run, through our in-process engine and through diffusers'
-`Cosmos3OmniPipeline` on the same random weights (CUDA, `random:` checkpoints).
+`Cosmos3OmniPipeline` on the same random weights (CUDA, `random:` checkpoints). Step caching:
+`--params '{"cache": {"policy": "sea"}}'` (diffusers then runs its own SeaCache with the same fields); each time
+is reported with the share of branch-steps that skipped the block stack (`skipped`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from cosmos3_core.triton.launcher import stop_server, wait_until_ready
 from cosmos3_core.triton.serve import start
 
 from .pool import run_pool
+from .report import skipped_fraction
 
 PROMPT = "A robot arm stacks red and blue cubes on a wooden table, soft daylight, static camera."
 
@@ -35,8 +38,11 @@ def drive(url: str, params: dict, count: int, concurrency: int) -> dict:
     def one(i: int) -> dict:
         r = generate(url, PROMPT, {**params, "seed": i})
         gaps = [b - a for a, b in zip(r.chunk_times, r.chunk_times[1:])]
-        server = next(e for e in r.events if e["type"] == "done")["timings"]
-        return {"e2e": r.e2e_s, "ttfc": r.ttfc_s, "gaps": gaps, "frames": int(r.video.shape[0]), "server": server}
+        done = next(e for e in r.events if e["type"] == "done")
+        p = done["params"]
+        skipped = skipped_fraction(done.get("cache_skipped"), p["steps"], 1 if p["guidance_scale"] == 1.0 else 2)
+        return {"e2e": r.e2e_s, "ttfc": r.ttfc_s, "gaps": gaps, "frames": int(r.video.shape[0]),
+                "server": done["timings"], "skipped": skipped}  # fmt: skip
 
     t0 = time.perf_counter()
     results = run_pool(range(count), concurrency, one)
@@ -44,7 +50,8 @@ def drive(url: str, params: dict, count: int, concurrency: int) -> dict:
     e2e = [r["e2e"] for r in results]
     out = {"count": count, "concurrency": concurrency, "wall_s": wall, "e2e_p50": statistics.median(e2e), "e2e": e2e,
            "videos_per_min": 60 * count / wall, "frames_per_s": sum(r["frames"] for r in results) / wall,
-           "ttfc_p50": statistics.median(r["ttfc"] for r in results)}  # fmt: skip
+           "ttfc_p50": statistics.median(r["ttfc"] for r in results),
+           "skipped_fraction": statistics.mean(r["skipped"] for r in results)}  # fmt: skip
     out["server_p50"] = {k: statistics.median(r["server"][k] for r in results) for k in results[0]["server"]}
     gaps = [g for r in results for g in r["gaps"]]
     if gaps:
@@ -71,8 +78,8 @@ def side_by_side(deployment: Deployment, overrides: dict, inprocess: int, diffus
     if inprocess:
         args = SimpleNamespace(preset=preset, repeat=inprocess, compile=deployment.compile,
                                variants=[deployment.attention + ("+graphs" if deployment.cuda_graphs else "")])  # fmt: skip
-        phases = next(iter(ours(args, params).values()))["phases"]
-        out["inprocess"] = {"e2e": phases["e2e"], "phases": phases}
+        r = next(iter(ours(args, params).values()))
+        out["inprocess"] = {"e2e": r["phases"]["e2e"], "phases": r["phases"], "skipped_fraction": r["skipped_fraction"]}
     if diffusers:
         import gc
 
@@ -136,12 +143,13 @@ def main() -> int:
                 f"  chunk gap p50 {r['chunk_gap_p50']:.2f}s" if "chunk_gap_p50" in r else ""
             )
             print(f"{key:6s} n={r['count']:2d}  e2e p50 {r['e2e_p50']:7.2f}s  videos/min {r['videos_per_min']:6.2f}  "
-                  f"frames/s {r['frames_per_s']:6.1f}{extra}")  # fmt: skip
+                  f"frames/s {r['frames_per_s']:6.1f}{extra}  skipped {100 * r['skipped_fraction']:.0f}%")  # fmt: skip
             print("        server-side p50: " + "  ".join(f"{k} {v:.2f}" for k, v in r["server_p50"].items()))
     print(f"server startup (load + compile + warmup) {result['startup_s']:.0f}s")
     for key in ("inprocess", "diffusers"):
         if key in result:
-            print(f"{key:10s} e2e p50 {statistics.median(result[key]['e2e']):7.2f}s  (n={len(result[key]['e2e'])})")
+            print(f"{key:10s} e2e p50 {statistics.median(result[key]['e2e']):7.2f}s  (n={len(result[key]['e2e'])})  "
+                  f"skipped {100 * result[key]['skipped_fraction']:.0f}%")  # fmt: skip
     if "c1" in result and "diffusers" in result:
         served, theirs = result["c1"]["e2e_p50"], statistics.median(result["diffusers"]["e2e"])
         print(f"diffusers / served c=1 e2e: {theirs / served:.2f}x")
@@ -165,6 +173,7 @@ def main() -> int:
                 if "chunk_gap_p50" in r:
                     figures[f"{key} chunk gap p50 s"] = r["chunk_gap_p50"]
                 figures[f"{key} server denoise p50 s"] = r["server_p50"]["denoise_s"]
+                figures[f"{key} skipped"] = r["skipped_fraction"]
         figures["startup s"] = result["startup_s"]
         gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
         print(append_row(args.md, gpu, figures))

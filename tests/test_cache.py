@@ -2,9 +2,10 @@
 `pipe.transformer.enable_cache(SeaCacheConfig(...))` on the same tiny checkpoint, seed and request (fp32, CPU).
 
 Our latents equal the pipeline's (rel-L2 <= 1e-4) and each CFG branch skips the same steps — a diffusers call
-skipped when its transformer's block stack did not run (a forward hook on its first layer says) — for t2v and
-i2v, guidance 1 and > 1, the default config and non-default ones (order-1 extrapolation, order 0, no run limit);
-every case skips steps, and a skipped step moves the latents far past the tolerance. A cached request packed with
+skipped when its transformer's block stack did not run (`bench.inprocess.StackCalls`: a forward hook on its first
+layer, what the benchmark counts too) — for t2v and i2v, guidance 1 and > 1, the default config and non-default
+ones (order-1 extrapolation, order 0, no run limit); every case skips steps, and skipping moves the pipeline's
+latents past three times the tolerance. A cached request packed with
 uncached and differently cached ones equals each alone, and a reusing request runs no forward. Bad `cache` fields
 are refused naming the field (request, deployment config, CLI); served equals offline (one served test).
 """
@@ -18,6 +19,7 @@ import pytest
 import torch
 import yaml
 
+from bench.inprocess import StackCalls, sea_cache_config
 from cosmos3_core.deployment import Deployment
 from cosmos3_core.engine import DenoiseEngine
 from cosmos3_core.generate import Generator, main
@@ -40,34 +42,9 @@ CONFIGS = {
 }
 
 
-class StackCalls:
-    """Which of the transformer's calls ran its block stack: a forward pre-hook on the model opens a call, one on
-    its first decoder layer marks it as run. The pipeline calls cond then uncond at each step."""
-
-    def __init__(self, transformer):
-        self.ran: list[bool] = []
-        self.handles = [
-            transformer.register_forward_pre_hook(lambda m, a: self.ran.append(False)),
-            transformer.layers[0].register_forward_pre_hook(lambda m, a: self.ran.__setitem__(-1, True)),
-        ]
-
-    def skipped(self, branches: int) -> dict[str, list[int]]:
-        names = ("cond", "uncond")
-        return {
-            name: [k // branches for k, ran in enumerate(self.ran) if k % branches == b and not ran]
-            for b, name in enumerate(names[:branches])
-        } | {name: [] for name in names[branches:]}
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-
-
 def reference(pipe, params: dict, config: dict, image) -> tuple[torch.Tensor, dict[str, list[int]]]:
     """The pipeline's latents with SeaCache on, and the steps each branch skipped."""
-    from diffusers import SeaCacheConfig
-
-    pipe.transformer.enable_cache(SeaCacheConfig(**config))
+    pipe.transformer.enable_cache(sea_cache_config({"cache": {"policy": "sea", **config}}))
     calls = StackCalls(pipe.transformer)
     try:
         latents = run_reference(pipe, PROMPT, params, image)
@@ -270,3 +247,22 @@ def test_served_cache_equals_offline_and_names_bad_fields(server, offline):
     assert done["params"]["cache"] == p.resolved()["cache"]
     with pytest.raises(ServerError, match="cache.residual_order: must be 0 or 1"):
         generate(server.url, "x", {**params, "cache": {"policy": "sea", "residual_order": 3}})
+
+
+def test_scheduler_decides_each_branch_before_the_rows_and_extrapolates():
+    """Without a model (hand-made outputs, residual k at step k): with a threshold nothing reaches, the decisions
+    follow the forced steps alone — step 0 (retention), 3 (after 2 reuses), 5 (the end) run; the reuse at step 4
+    extrapolates from steps 0 and 3 (3 + (3 - 0) · 1/3 = 4); `done` reports the skipped steps per branch."""
+    from tests.test_scheduler import Recorder, output, request, scheduler
+
+    s, sink = scheduler(), Recorder()
+    s.submit(request(steps=6, cache=SeaCacheParams(threshold=1e9)), sink)
+    seen = []
+    for _ in range(6):
+        (job,) = s.schedule()
+        seen.append([None if r is None else r.unique().tolist() for r in job.reuse])
+        out = output(job)
+        out.residual = [torch.full((4, 8), float(job.step)) if r is None else None for r in job.reuse]
+        s.update([job], [out])
+    assert seen == [[None, None], [[0.0]] * 2, [[0.0]] * 2, [None, None], [[4.0]] * 2, [None, None]]
+    assert sink.final["cache_skipped"] == {"cond": [1, 2, 4], "uncond": [1, 2, 4]}
