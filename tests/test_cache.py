@@ -12,6 +12,7 @@ are refused naming the field (request, deployment config, CLI); served equals of
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -211,6 +212,9 @@ def test_cache_defaults_and_deployment_default(tmp_path):
     p = check({"cache": {"policy": "sea", "residual_order": 0}})
     assert p.resolved()["cache"] == {**vars(SeaCacheParams(residual_order=0))}  # echoed with `done`
     assert type(p).from_json(p.to_json()) == p
+    rendered = tmp_path / "rendered.yaml"  # as serve.render hands the deployment to the Triton models
+    rendered.write_text(yaml.safe_dump(dataclasses.asdict(Deployment(defaults=on))))
+    assert Deployment.load(rendered).defaults.cache == SeaCacheParams(threshold=0.5)
     config = tmp_path / "bad.yaml"
     config.write_text(yaml.safe_dump({"defaults": {"cache": {"policy": "sea", "threshold": -1}}}))
     with pytest.raises(ValueError, match="cache.threshold"):
@@ -266,3 +270,28 @@ def test_scheduler_decides_each_branch_before_the_rows_and_extrapolates():
         s.update([job], [out])
     assert seen == [[None, None], [[0.0]] * 2, [[0.0]] * 2, [None, None], [[4.0]] * 2, [None, None]]
     assert sink.final["cache_skipped"] == {"cond": [1, 2, 4], "uncond": [1, 2, 4]}
+
+
+def test_cached_sound_request_equals_pipeline(tmp_path_factory):
+    """With sound the GEN sequence is vision then sound tokens: the residual a skip reuses covers both, and the
+    vision latents and the waveform equal the pipeline's with the same SeaCache (the same steps skipped)."""
+    from cosmos3_core.tools.make_tiny import make_tiny
+
+    ckpt = make_tiny(tmp_path_factory.mktemp("snd") / "nano", variant="nano", seed=7, sound=True)
+    pipe = reference_pipeline(ckpt)
+    gen = Generator(Deployment.load(None, checkpoint=str(ckpt), device="cpu", dtype="float32"))
+    params = dict(num_frames=9, height=32, width=48, steps=10, guidance_scale=5.0, shift=8.0, seed=2, fps=16.0)
+    config = CONFIGS["extrapolate"]
+    pipe.scheduler = pipe.scheduler.from_config(pipe.scheduler.config, flow_shift=params["shift"])
+    pipe.transformer.enable_cache(sea_cache_config({"cache": {"policy": "sea", **config}}))
+    calls = StackCalls(pipe.transformer)
+    theirs = pipe(prompt=PROMPT, num_frames=9, height=32, width=48, fps=16.0, num_inference_steps=10,
+                  guidance_scale=5.0, generator=torch.Generator().manual_seed(2), output_type="latent",
+                  enable_sound=True, enable_safety_check=False)  # fmt: skip
+    calls.remove()
+    p = gen.prefill.validate(PROMPT, {**params, "enable_sound": True, "cache": {"policy": "sea", **config}}, None)
+    latents, sound, info = gen.run_reported(gen.prefill.run(p, None))
+    assert info["cache_skipped"] == calls.skipped(2) and info["cache_skipped"]["cond"]
+    assert rel_l2(latents, theirs.video) <= 1e-4
+    wave = torch.as_tensor(gen.decode.audio(sound))
+    assert rel_l2(wave, theirs.sound.float().reshape(wave.shape)) <= 1e-4
