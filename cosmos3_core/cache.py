@@ -62,10 +62,10 @@ def sea_filter(latents: torch.Tensor, sigma: float, power_exp: float) -> torch.T
         shape = [1] * x.ndim
         shape[axis] = axis_gain.shape[0]
         gain = axis_gain.reshape(shape) if gain is None else gain * axis_gain.reshape(shape)
-    # unit mean over the spectrum, so distances compare across steps (the paper's Eq. 7)
+    # unit mean over the spectrum, so distances compare across steps (the paper's Eq. 7); chosen on the device,
+    # not with diffusers' `if` on the mean (a host sync per request and step): the same values
     mean_gain = gain.mean()
-    if torch.isfinite(mean_gain) and mean_gain > 0:
-        gain = gain / mean_gain
+    gain = torch.where(torch.isfinite(mean_gain) & (mean_gain > 0), gain / mean_gain, gain)
     return torch.fft.ifftn(spectrum * gain, dim=dims).real.to(dtype)
 
 

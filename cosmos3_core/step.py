@@ -55,11 +55,11 @@ class DenoiseStep:
         running = [(r, sum(x is None for x in r.reuse)) for r in rows]
         running = [(r, n) for r, n in running if n]  # a row whose branches all reuse is not in the pack
         residual = any(r.record for r, _ in running)
-        key = (
+        key = (  # key[1] names the backend (bench.parity and tests read it)
             tuple((r.tokens.shape[0], r.sound.shape[0], n, r.commit) for r, n in running),
-            residual,
             attention.name,
             attention.shape_key(segments),
+            residual,
         )
         layout = self.layouts.pop(key, None) or StepLayout(
             self.model, self.kernels, attention, total, rows[0].tokens.shape[1], segments, self.graph_pool, residual

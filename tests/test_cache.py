@@ -295,3 +295,17 @@ def test_cached_sound_request_equals_pipeline(tmp_path_factory):
     assert rel_l2(latents, theirs.video) <= 1e-4
     wave = torch.as_tensor(gen.decode.audio(sound))
     assert rel_l2(wave, theirs.sound.float().reshape(wave.shape)) <= 1e-4
+
+
+def test_sea_filter_equals_diffusers():
+    """The indicator's filter, bit for bit (a 1-frame latent, sigma at and beyond the clamps, other priors)."""
+    from diffusers.hooks.sea_cache import _apply_sea_filter
+
+    from cosmos3_core.cache import sea_filter
+
+    g = torch.Generator().manual_seed(0)
+    for shape in ((3, 4, 6, 8), (1, 2, 2, 16)):
+        x = torch.randn(shape, generator=g)
+        for sigma in (0.0, 0.3, 0.9999999, 1.0):
+            for power in (0.5, 3.0):
+                assert torch.equal(sea_filter(x, sigma, power), _apply_sea_filter(x, sigma, power))
