@@ -22,9 +22,10 @@ forward — so the scheduler decides every branch of every request *before* the 
 (`Scheduler.schedule`): a reusing branch contributes no rows to the packed forward, while the other requests
 (and the request's other branch) still compute. The step (step.py) returns the block-stack residual of each
 computed branch of a cached request, read off the packed forward (its input and post-norm output are there
-anyway), and computes a reusing branch's velocity on its own from `towers.reuse_residual`: embedding, + residual,
-output heads — a few small GEMMs. Decisions need the distance on the host; `host_distances` reads all the
-tick's requests in one transfer (diffusers reads once per branch).
+anyway), and computes a reusing branch's velocity on its own (`towers.embed_row`, + residual,
+`towers.output_heads`: a few small GEMMs). Decisions need the distance on the host; `host_distances` reads all
+the tick's requests in one transfer (diffusers reads once per branch). One trajectory per request: AR windows
+are refused with a cache (requests.py), as diffusers has no windowed pipeline to compare with.
 
 Both branches see the same latents at the same steps, so diffusers' two per-branch previous indicators are
 always equal: one is kept per request and its distance computed once; the accumulator, the run of reuses and
