@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .caches import use_kernel_caches
 from .deployment import DEFAULT_CONFIG, Deployment
 from .engine import DenoiseEngine
 from .media import AUDIO_SUFFIXES, FRAME_SUFFIXES, write_audio, write_frames
@@ -159,6 +160,7 @@ def load_video(path: str) -> np.ndarray:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    use_kernel_caches()
     out = Path(args.out)
     try:
         if out.suffix not in OUT_SUFFIXES:

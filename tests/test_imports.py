@@ -12,7 +12,7 @@ PKG = Path(__file__).resolve().parent.parent / "cosmos3_core"
 LAYERS: list[set[str]] = [
     {"__init__", "faults", "media", "windows", "requests", "sampling", "kv_pool", "model.__init__", "model.config",
      "model.prompts", "model.wan_decoder", "tools.__init__", "tools.make_tiny", "tools.random_checkpoint",
-     "tools.checkpoints"},
+     "tools.checkpoints", "caches"},
     {"model.layers", "model.rotary", "model.conditioning", "model.sound", "model.video_input", "rows", "wire"},
     {"attention", "model.checkpoint"},
     {"model.towers"},
@@ -22,7 +22,7 @@ LAYERS: list[set[str]] = [
     {"scheduler"},
     {"engine"},
     {"generate"},
-    {"triton.__init__", "triton.cancel", "triton.launcher", "triton.glue", "triton.serve"},
+    {"triton.__init__", "triton.cancel", "triton.launcher", "triton.glue", "triton.serve", "tools.warm"},
 ]  # fmt: skip
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 
