@@ -49,6 +49,11 @@ class Generator:
         self.engine.warmup([self.prefill.validate("warmup", r, None) for r in d.warmup_requests])
         self.decode = DecodeStage.from_deployment(self.ckpt, d, device, self.group)
 
+    def close(self) -> None:
+        """End the worker processes, if the deployment has a group (they also end when this process does)."""
+        if self.group is not None:
+            self.group.close()
+
     def generate(
         self,
         prompt: str,

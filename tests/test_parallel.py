@@ -14,6 +14,7 @@ import torch
 
 from cosmos3_core.deployment import Deployment
 from cosmos3_core.engine import DenoiseEngine
+from cosmos3_core.generate import Generator
 from cosmos3_core.model.checkpoint import Checkpoint
 from cosmos3_core.parallel.config import ParallelConfig
 from cosmos3_core.parallel.denoise import assign
@@ -121,50 +122,40 @@ def test_kv_heads_and_assignment():
     assert assign([row(10, 2), row(5, 1)], cfg=1) == [[0, 0], [0]]
 
 
-@pytest.mark.parametrize("split", [{"cfg": 2}, {"ulysses": 2}])
-def test_two_processes_equal_one(parts, single, split):
+def test_ulysses2_equals_one_process(parts, single):
     ckpt, prefilled = parts
-    group = Group(deployment(ckpt, **split).worker_spec(ckpt.root, ("denoise",)))
+    group = Group(deployment(ckpt, ulysses=2).worker_spec(ckpt.root, ("denoise",)))
     try:
-        engine = DenoiseEngine.from_deployment(ckpt, deployment(ckpt, **split), group=group)
+        engine = DenoiseEngine.from_deployment(ckpt, deployment(ckpt, ulysses=2), group=group)
         check_equal(run_batch(engine, prefilled), single)
     finally:
         group.close()
 
 
-@pytest.mark.parametrize("split", [{"cfg": 2, "ulysses": 2}, {"ulysses": 4}])
+@pytest.mark.parametrize("split", [{"cfg": 2, "ulysses": 2, "vae": 4}, {"ulysses": 4}])
 def test_four_processes_equal_one(parts, single, split):
     ckpt, prefilled = parts
-    group = Group(deployment(ckpt, **split).worker_spec(ckpt.root, ("denoise",)))
+    gen = Generator(deployment(ckpt, **split), ckpt)
     try:
-        engine = DenoiseEngine.from_deployment(ckpt, deployment(ckpt, **split), group=group)
-        check_equal(run_batch(engine, prefilled), single)
+        check_equal(run_batch(gen.engine, prefilled), single)
+        if split.get("vae"):
+            check_decode(ckpt, gen.decode)
     finally:
-        group.close()
+        gen.close()
 
 
-def test_worker_killed_mid_request_fails_it_then_serves(parts, single):
-    ckpt, prefilled = parts
-    d = deployment(ckpt, cfg=2)
-    group = Group(d.worker_spec(ckpt.root, ("denoise",)))
-    try:
-        engine = DenoiseEngine.from_deployment(ckpt, d, group=group)
-        sinks = [Collect(), Collect()]
-        for pre, sink in zip(prefilled[:2], sinks):
-            engine.submit(pre, sink)
-        engine.tick()
-        os.kill(group.procs[0].pid, signal.SIGKILL)
-        group.procs[0].wait()
-        with pytest.raises(RuntimeError, match="parallel worker lost during 'step'.*rank 1 .* exited with code -9"):
-            engine.tick()
-        engine.fail_live("denoise tick failed")  # what EngineThread does with a failed tick
-        assert all(s.errors for s in sinks) and engine.pool.pages_used == 0 and not group.running
-        t0 = time.monotonic()
-        check_equal(run_batch(engine, prefilled), single)  # a fresh group, the same results
-        assert group.generation == 2 and group.running
-        print(f"restart + batch: {time.monotonic() - t0:.1f}s")
-    finally:
-        group.close()
+@pytest.fixture(scope="module")
+def cli2(parts):
+    """The offline CLI's path: one group of 2 processes for CFG-parallel denoise and the row-split decode. (A
+    process drives one group at a time: the tests above close theirs, these share this one.)"""
+    ckpt, _ = parts
+    gen = Generator(deployment(ckpt, cfg=2, vae=2), ckpt)
+    yield gen
+    gen.close()
+
+
+def test_cfg2_equals_one_process(parts, single, cli2):
+    check_equal(run_batch(cli2.engine, parts[1]), single)
 
 
 def close_enough(got, want) -> None:
@@ -173,18 +164,36 @@ def close_enough(got, want) -> None:
     assert got.shape == want.shape and diff.max() <= 1 and (diff > 0).mean() < 1e-3, (diff.max(), (diff > 0).mean())
 
 
-@pytest.mark.parametrize("ranks", [2, 4])
-def test_row_split_decode_equals_one_decode(parts, ranks):
-    """Whole videos and a stream's chunks (the causal cache per rank across chunks), with uneven row splits."""
-    ckpt, _ = parts
-    one = DecodeStage(ckpt, "cpu", torch.float32)
-    split = DecodeStage.from_deployment(ckpt, deployment(ckpt, vae=ranks), "cpu")
-    try:
-        g = torch.Generator().manual_seed(0)
-        latents = torch.randn(1, ckpt.config.latent_channel, 3, 6, 5, generator=g)  # 6 latent rows: 2+2+1+1 on 4
-        whole = one.run(latents)
-        close_enough(split.run(latents), whole)
-        pieces = [split.start_chunk("s", latents[:, :, a:b], last=b == 3)().numpy() for a, b in ((0, 1), (1, 3))]
-        close_enough(torch.cat([torch.from_numpy(x) for x in pieces]).numpy(), whole)
-    finally:
-        split.codec.decoder.group.close()
+def check_decode(ckpt: Checkpoint, split: DecodeStage) -> None:
+    """Whole videos and a stream's chunks (the causal cache per rank across chunks); uneven row splits."""
+    g = torch.Generator().manual_seed(0)
+    latents = torch.randn(1, ckpt.config.latent_channel, 3, 6, 5, generator=g)  # 6 latent rows: 2+2+1+1 on 4
+    whole = DecodeStage(ckpt, "cpu", torch.float32).run(latents)
+    close_enough(split.run(latents), whole)
+    pieces = [split.start_chunk("s", latents[:, :, a:b], last=b == 3)().numpy() for a, b in ((0, 1), (1, 3))]
+    close_enough(torch.cat([torch.from_numpy(x) for x in pieces]).numpy(), whole)
+
+
+def test_row_split_decode_equals_one_decode(parts, cli2):
+    check_decode(parts[0], cli2.decode)
+
+
+def test_worker_killed_mid_request_fails_it_then_serves(parts, single, cli2):
+    ckpt, prefilled = parts
+    engine, group = cli2.engine, cli2.group
+    generation = group.generation
+    sinks = [Collect(), Collect()]
+    for pre, sink in zip(prefilled[:2], sinks):
+        engine.submit(pre, sink)
+    engine.tick()
+    os.kill(group.procs[0].pid, signal.SIGKILL)
+    group.procs[0].wait()
+    with pytest.raises(RuntimeError, match="parallel worker lost during 'step'.*rank 1 .* exited with code -9"):
+        engine.tick()
+    engine.fail_live("denoise tick failed")  # what EngineThread does with a failed tick
+    assert all(s.errors for s in sinks) and engine.pool.pages_used == 0 and not group.running
+    t0 = time.monotonic()
+    check_equal(run_batch(engine, prefilled), single)  # a fresh group, the same results
+    check_decode(ckpt, cli2.decode)
+    assert group.generation == generation + 1 and group.running
+    print(f"restart + batch + decode: {time.monotonic() - t0:.1f}s")

@@ -124,6 +124,8 @@ class Group:
         with self._lock:
             if self.running:
                 return
+            if dist.is_initialized():  # torch.distributed has one default group per process
+                raise RuntimeError("parallel: this process already drives a group (one group per process)")
             for k, v in NO_MULTICAST.items():  # rank 0's own NCCL reads them too (at communicator creation)
                 os.environ.setdefault(k, v)
             timeout = datetime.timedelta(seconds=self.timeout_s)
