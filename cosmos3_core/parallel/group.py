@@ -20,6 +20,7 @@ import contextlib
 import datetime
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -71,10 +72,13 @@ class WorkerSpec:
 
 
 def worker_python() -> str:
-    """The interpreter of this environment. In a Triton stub `sys.executable` is not a Python; the environment's
-    own `bin/python3` is (the stub runs on it)."""
-    candidate = Path(sys.prefix) / "bin" / "python3"
-    return str(candidate) if candidate.exists() else sys.executable
+    """The interpreter for the workers. Ours when we run on one (`sys.executable` sits in `sys.prefix/bin`); in a
+    Triton stub `sys.executable` is not a Python, and the stub's packages come from the `python3` first on PATH
+    (the venv's: see triton.md), so that one."""
+    exe = Path(sys.executable) if sys.executable else None
+    if exe is not None and exe.parent == Path(sys.prefix) / "bin":
+        return str(exe)
+    return shutil.which("python3") or sys.executable
 
 
 def _end(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
