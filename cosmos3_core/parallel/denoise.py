@@ -29,7 +29,7 @@ import torch.distributed as dist
 from ..kv_pool import KVPool, PageList
 from ..model.layers import Cosmos3Transformer
 from ..model.towers import GenKernels
-from ..rows import Branch, Row, RowOutput
+from ..rows import Branch, Row, RowOutput, denoise_step_row, unpatchify
 from ..step import DenoiseStep
 from .comm import Comm
 from .group import Group, WorkerLost
@@ -53,16 +53,21 @@ def assign(rows: list[Row], cfg: int) -> list[list[int]]:
     return out
 
 
-def encode_rows(rows: list[Row], groups: list[list[int]]) -> tuple[list[dict[str, Any]], list[torch.Tensor]]:
-    """Rows → (metadata, tensors) for a "step" command (see `decode_rows`)."""
+def encode_rows(
+    rows: list[Row], groups: list[list[int]], patch: int
+) -> tuple[list[dict[str, Any]], list[torch.Tensor]]:
+    """Rows → (metadata, tensors) for a "step" command: each row as the row builder's inputs (latents recovered
+    from its tokens, its noisy frames, sound latents), so workers rebuild it with `denoise_step_row` itself."""
     meta, tensors = [], []
     for row, gs in zip(rows, groups):
+        t, h, w = row.token_shape
+        noisy = row.noisy_mask[: t * h * w].view(t, h * w)[:, 0].nonzero().flatten()
         meta.append({
-            "t": row.timestep, "shape": row.token_shape, "hw": row.latent_hw, "commit": row.commit, "groups": gs,
-            "sound": row.sound.shape[0] > 0,
+            "t": row.timestep, "commit": row.commit, "groups": gs, "sound": row.sound.shape[0] > 0,
             "prefix": [[(list(p.pages), p.num_tokens) for p in br.prefix] for br in row.branches],
         })  # fmt: skip
-        tensors += [row.tokens, row.noisy_mask, *([row.sound] if row.sound.shape[0] else [])]
+        tensors += [unpatchify(row.tokens, row.token_shape, patch, row.latent_hw), noisy]
+        tensors += [row.sound.t()] if row.sound.shape[0] else []
         for br in row.branches:
             tensors += [br.cos, br.sin]
     return meta, tensors
@@ -84,15 +89,15 @@ class PageLists:
 
 
 def decode_rows(
-    meta: list[dict[str, Any]], tensors: list[torch.Tensor], lists: PageLists, dtype: torch.dtype
+    meta: list[dict[str, Any]], tensors: list[torch.Tensor], lists: PageLists, patch: int, dtype: torch.dtype
 ) -> list[Row]:
     it = iter(tensors)
     rows = []
     for m in meta:
-        tokens, mask = next(it), next(it)
-        sound = next(it) if m["sound"] else tokens.new_zeros(0, 0)
+        latents, noisy = next(it), next(it)
+        sound = next(it) if m["sound"] else None
         branches = tuple(Branch(tuple(lists(p, n) for p, n in prefix), next(it), next(it)) for prefix in m["prefix"])
-        rows.append(Row(tokens, sound, m["t"], mask, tuple(m["shape"]), tuple(m["hw"]), branches, m["commit"]))
+        rows.append(denoise_step_row(latents, m["t"], noisy, branches, patch, dtype, m["commit"], sound))
     return rows
 
 
@@ -193,7 +198,7 @@ class ParallelStep:
         p = self.local.model.cfg.latent_patch_size
         cfg = g.spec.parallel.cfg
         groups = assign(rows, cfg)
-        meta, tensors = encode_rows(rows, groups)
+        meta, tensors = encode_rows(rows, groups, p)
         try:
             with g.session("step", {"rows": meta}, tensors) as comm:
                 if self._seen is None:  # a new group: layouts (plans, graphs) of an old one hold dead communicators
@@ -275,6 +280,7 @@ class DenoiseWorker:
         self.pool = KVPool(pool_pages, page_size, cfg.num_hidden_layers, n, cfg.head_dim, self.dtype, device)
         self.step = local_step(model, self.pool, comm, kernels, attention, cuda_graphs)
         self.lists = PageLists(device)
+        self.patch = cfg.latent_patch_size
 
     def write(self, header: dict[str, Any], tensors: list[torch.Tensor]) -> None:
         k, v = tensors
@@ -283,7 +289,7 @@ class DenoiseWorker:
 
     def run(self, header: dict[str, Any], tensors: list[torch.Tensor]) -> None:
         meta = header["rows"]
-        rows = decode_rows(meta, tensors, self.lists, self.dtype)
+        rows = decode_rows(meta, tensors, self.lists, self.patch, self.dtype)
         groups = [m["groups"] for m in meta]
         share = run_share(self.step, rows, groups, self.comm.cfg_index)
         if share and self.comm.cfg_index > 0 and self.comm.ulysses_index == 0:
