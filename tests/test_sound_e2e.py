@@ -63,7 +63,10 @@ def gen(ckpt):
     from cosmos3_core.deployment import Deployment
     from cosmos3_core.generate import Generator
 
-    return Generator(Deployment.load("configs/tiny.yaml", checkpoint=str(ckpt), device="cpu", dtype="float32"))
+    # a sound warmup request: warmup passes the sound band through the real step like any request
+    warmup = [{**BASE, "steps": 2, "enable_sound": True}]
+    d = Deployment.load("configs/tiny.yaml", checkpoint=str(ckpt), device="cpu", dtype="float32", warmup_requests=warmup)
+    return Generator(d)
 
 
 @pytest.mark.parametrize("task", ["t2v", "i2v", "v2v", "t2v_guidance1"])
