@@ -65,7 +65,9 @@ def gen(ckpt):
 
     # a sound warmup request: warmup passes the sound band through the real step like any request
     warmup = [{**BASE, "steps": 2, "enable_sound": True}]
-    d = Deployment.load("configs/tiny.yaml", checkpoint=str(ckpt), device="cpu", dtype="float32", warmup_requests=warmup)
+    d = Deployment.load(
+        "configs/tiny.yaml", checkpoint=str(ckpt), device="cpu", dtype="float32", warmup_requests=warmup
+    )
     return Generator(d)
 
 
