@@ -113,7 +113,14 @@ class DenoiseEngine:
             return denoise_step_row(job.latents, 0.0, job.noisy_frames[:0], job.branches, patch, self.dtype, True)
         t = job.timesteps[job.step]
         return denoise_step_row(
-            job.latents, t, job.noisy_frames, job.branches, patch, self.dtype, sound_latents=job.sound
+            job.latents,
+            t,
+            job.noisy_frames,
+            job.branches,
+            patch,
+            self.dtype,
+            sound_latents=job.sound,
+            action=job.action,
         )
 
     # ---- the scheduler's, for the Triton glue and the CLI ----
