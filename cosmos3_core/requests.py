@@ -141,13 +141,17 @@ class GenerationParams:
         return 1 if self.guidance_scale == 1.0 else 2
 
     def resolved(self) -> dict[str, Any]:
-        """Every parameter as sampled (defaults filled in), echoed with `done` so any result can be reproduced."""
-        hidden = {"prompt", "negative_prompt", "has_image", "has_video"}
+        """Every parameter as sampled (defaults filled in), echoed with `done` so any result can be reproduced by
+        sending them back (an action request's as `action`, without the sizes its chunk and tier set)."""
+        hidden = {"prompt", "negative_prompt", "has_image", "has_video", *ACTION_FIELDS, "video_height", "video_width"}
         if not self.has_video or self.action_mode:  # v2v's own parameters only apply with a clip
             hidden |= {"condition_frame_indexes", "condition_video_keep"}
-        if not self.action_mode:
-            hidden |= {*ACTION_FIELDS, "video_height", "video_width"}
-        return {k: v for k, v in asdict(self).items() if k not in hidden}
+        if self.action_mode:
+            hidden |= set(NOT_WITH_ACTION)
+        out = {k: v for k, v in asdict(self).items() if k not in hidden}
+        if self.action_mode:
+            out["action"] = dict(zip(ACTION_KEYS, (getattr(self, f) for f in ACTION_FIELDS), strict=True))
+        return out
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
