@@ -170,6 +170,43 @@ def test_anchor_encode_is_frame_0_of_the_full_clip(pipe, codec, tier, chunk, fra
     assert torch.equal(inverse, full)  # inverse dynamics: the whole clip, as the pipeline encodes it
 
 
+@pytest.mark.parametrize(
+    "h,w,tier,frames",
+    [(40, 56, 256, 1), (400, 280, 256, 3), (30, 500, 480, 2), (720, 1280, 720, 1), (17, 33, 704, 4), (96, 96, 480, 5)],
+)
+def test_sizes_and_canvas_match_pipeline(pipe, h, w, tier, frames):
+    """Stretch, bin, downscale, pad (reflect and replicate) and latent crop, as the pipeline derives them."""
+    from cosmos3_core.model.action import canvas_frames
+
+    clip = make_clip(frames, h, w, seed=h + w)
+    chunk_frames = frames + 2  # the last frame repeated
+    ref, size, th, tw = pipe._prepare_action_video_conditioning(
+        [Image.fromarray(f) for f in clip], tier, chunk_frames, "cpu", torch.float32
+    )
+    geo = ActionGeometry.of(h, w, tier, 16)
+    assert geo.canvas == (th, tw) and geo.content == tuple(int(v) for v in size[2:].tolist())
+    latent = pipe._remove_action_video_padding_from_latent(torch.zeros(1, 1, 1, th // 16, tw // 16), size)
+    assert geo.latent == tuple(latent.shape[-2:])
+    assert torch.equal(canvas_frames(clip, geo, chunk_frames), ref)
+
+
+@pytest.mark.parametrize("chunk,fps,tier", [(8, 24.0, 256), (1, 24.0, 480), (6, 16.0, 720), (13, 30.0, 704)])
+def test_caption_and_positions_match_pipeline(pipe, action_ckpt, chunk, fps, tier):
+    from cosmos3_core.model.action import action_position_ids
+    from cosmos3_core.model.config import ModelConfig
+    from cosmos3_core.model.prompts import VIEW_POINTS, action_caption
+
+    th, tw = ActionGeometry.of(48, 64, tier, 16).canvas
+    for view in (*VIEW_POINTS, None):
+        expected = pipe._build_action_json_prompt(
+            PROMPT, view_point=view, num_frames=chunk + 1, fps=fps, height=th, width=tw
+        )
+        assert action_caption(PROMPT, view, chunk + 1, fps, th, tw) == expected
+    cfg = ModelConfig.from_files(action_ckpt / "transformer" / "config.json", action_ckpt / "vae" / "config.json")
+    segment = pipe._prepare_action_segment(torch.zeros(chunk, 16), [], 57 + 15000, fps, 0, "cpu")
+    assert torch.equal(action_position_ids(cfg, chunk, 57, fps), segment["action_mrope_ids"].float())
+
+
 @pytest.fixture(scope="module")
 def stage(action_ckpt):
     ckpt = Checkpoint.open(action_ckpt)
