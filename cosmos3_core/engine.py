@@ -34,7 +34,9 @@ __all__ = ["DenoiseEngine", "QueueFull", "Sink"]
 class _NullSink:
     def progress(self, step: int, steps: int, window: int, windows: int) -> None: ...
     def chunk(self, latents: torch.Tensor, info: dict) -> None: ...
-    def done(self, latents: torch.Tensor, info: dict) -> None: ...
+    def done(
+        self, latents: torch.Tensor, info: dict, sound: torch.Tensor | None = None, actions: torch.Tensor | None = None
+    ) -> None: ...
     def cancelled(self) -> bool:
         return False
 
@@ -127,7 +129,14 @@ class DenoiseEngine:
             return denoise_step_row(job.latents, 0.0, job.noisy_frames[:0], job.branches, patch, self.dtype, True)
         t = job.timesteps[job.step]
         return denoise_step_row(
-            job.latents, t, job.noisy_frames, job.branches, patch, self.dtype, sound_latents=job.sound
+            job.latents,
+            t,
+            job.noisy_frames,
+            job.branches,
+            patch,
+            self.dtype,
+            sound_latents=job.sound,
+            action=job.action,
         )
 
     # ---- the scheduler's, for the Triton glue and the CLI ----

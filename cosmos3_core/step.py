@@ -53,7 +53,7 @@ class DenoiseStep:
         segments, total = segments_of(rows)
         attention = self.attention if self.attention.supports(segments) else self.sdpa
         key = (
-            tuple((r.tokens.shape[0], r.sound.shape[0], len(r.branches), r.commit) for r in rows),
+            tuple((r.tokens.shape[0], r.sound.shape[0], r.action.shape[0], len(r.branches), r.commit) for r in rows),
             attention.name,
             attention.shape_key(segments),
         )
@@ -67,18 +67,18 @@ class DenoiseStep:
 
     @torch.inference_mode()
     def __call__(self, rows: list[Row]) -> list[RowOutput]:
-        """One GEN pass over all rows → per row its per-branch velocity (fp32, zero on clean frames) and sound
-        velocity, or K/V."""
+        """One GEN pass over all rows → per row its per-branch velocity (fp32, zero on clean frames), sound and
+        action velocities, or K/V."""
         layout, segments = self.layout(rows)
         layout.fill(rows, segments)
         had_graph = layout.graph is not None
-        preds, sound_preds, collected = layout.run()
+        preds, sound_preds, action_preds, collected = layout.run()
         self.captures += layout.graph is not None and not had_graph
         p = self.model.cfg.latent_patch_size
         out: list[RowOutput] = []
-        seg = at = 0  # at: the next row of sound_preds
+        seg = at = at_a = 0  # at, at_a: the next row of sound_preds, action_preds
         for row in rows:
-            n, s = row.tokens.shape[0], row.sound.shape[0]
+            n, s, a = row.tokens.shape[0], row.sound.shape[0], row.action.shape[0]
             result = RowOutput([], [])
             for _ in row.branches:
                 if row.commit:
@@ -91,6 +91,10 @@ class DenoiseStep:
                     if s:  # every sound token is noisy: its velocity as predicted, [sound_dim, T_s]
                         result.sound_velocity.append(sound_preds[at : at + s].float().t().clone())
                         at += s
+                    if a:  # zero on clean action tokens (forward dynamics); the product is a new tensor
+                        mask = row.noisy_mask[n + s :, None]
+                        result.action_velocity.append(action_preds[at_a : at_a + a].float() * mask)
+                        at_a += a
                 seg += 1
             out.append(result)
         return out
