@@ -1,6 +1,7 @@
-"""Several processes per request (cosmos3_core/parallel) on the CPU with gloo, tiny checkpoint, fp32: every split's
-latents equal one process's (single-shot and AR windows, batched with other requests), the row-split VAE decode
-equals one decode, and a worker killed mid-request fails the requests in flight, then the group serves again."""
+"""Several processes per request (cosmos3_core/parallel) on the CPU with gloo, tiny checkpoint with sound and an action
+head, fp32: every split's latents, sound latents and actions equal one process's (single-shot and AR windows, sound,
+robot actions of each band kind, batched with other requests), the row-split VAE decode equals one decode, and a
+worker killed mid-request fails the requests in flight, then the group serves again."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import signal
 import time
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -22,22 +24,37 @@ from cosmos3_core.parallel.group import Group
 from cosmos3_core.requests import Defaults, Limits
 from cosmos3_core.stages import DecodeStage, PrefillStage
 from tests.conftest import rel_l2
+from tests.test_video_input import make_clip
 
 H, W, FPS = 64, 96, 16.0
-# a batch of strangers: CFG t2v, a guidance-1 request (one branch), a chained and a kv AR stream
+IMAGE, CLIP = make_clip(1, 40, 56, seed=1)[0], make_clip(5, 48, 64, seed=2)
+RAW = np.random.default_rng(0).standard_normal((4, 9)).astype(np.float32)
+# a batch of strangers: CFG t2v, a guidance-1 request (one branch), a chained and a kv AR stream, t2v with sound,
+# robot actions (policy with CFG: a noisy band; forward dynamics at guidance 1: a clean one; policy with sound: vision
+# | sound | action in one segment); (prompt, parameters, image, clip, raw actions)
 REQUESTS = [
-    ("a robot stacks cubes", {"seed": 1, "steps": 3, "guidance_scale": 6.0, "num_frames": 9}),
-    ("a cat on a sofa", {"seed": 2, "steps": 2, "guidance_scale": 1.0, "num_frames": 5}),
+    ("a robot stacks cubes", {"seed": 1, "steps": 3, "guidance_scale": 6.0, "num_frames": 9}, None, None, None),
+    ("a cat on a sofa", {"seed": 2, "steps": 2, "guidance_scale": 1.0, "num_frames": 5}, None, None, None),
     ("a train crosses a bridge", {"seed": 3, "steps": 2, "guidance_scale": 4.0, "num_frames": 37,
-                                  "window_mode": "chained", "window_frames": 17, "overlap_frames": 8}),
+                                  "window_mode": "chained", "window_frames": 17, "overlap_frames": 8}, None, None, None),
     ("waves on a beach", {"seed": 4, "steps": 2, "guidance_scale": 5.0, "num_frames": 25, "window_mode": "kv",
-                          "window_frames": 9, "context_frames": 5}),
+                          "window_frames": 9, "context_frames": 5}, None, None, None),
+    ("a dog barks", {"seed": 5, "steps": 2, "guidance_scale": 5.0, "num_frames": 9, "enable_sound": True},
+     None, None, None),
+    ("pick up the red cube", {"seed": 6, "steps": 3, "negative_prompt": "blurry", "action": {
+        "mode": "policy", "chunk_size": 8, "domain": "bridge_orig_lerobot", "resolution_tier": 256}}, IMAGE, None, None),
+    ("drive forward", {"seed": 7, "steps": 2, "guidance_scale": 1.0, "action": {
+        "mode": "forward_dynamics", "chunk_size": 4, "domain": "av", "resolution_tier": 256}}, None, CLIP, RAW),
+    ("push the block", {"seed": 8, "steps": 2, "enable_sound": True, "action": {
+        "mode": "policy", "chunk_size": 5, "domain": "pusht", "resolution_tier": 256}}, IMAGE, None, None),
 ]  # fmt: skip
 
 
 class Collect:
     def __init__(self):
         self.chunks: list[torch.Tensor] = []
+        self.sound: torch.Tensor | None = None
+        self.actions: torch.Tensor | None = None
         self.errors: list[str] = []
         self.steps = 0
 
@@ -47,8 +64,9 @@ class Collect:
     def chunk(self, latents, info):
         self.chunks.append(latents.clone())
 
-    def done(self, latents, info, sound=None):
+    def done(self, latents, info, sound=None, actions=None):
         self.chunk(latents, info)
+        self.sound, self.actions = sound, actions
 
     def error(self, message):
         self.errors.append(message)
@@ -62,15 +80,17 @@ class Collect:
 
 
 @pytest.fixture(scope="module")
-def parts(nano_ckpt):
-    ckpt = Checkpoint.open(nano_ckpt)
+def parts(action_ckpt):
+    ckpt = Checkpoint.open(action_ckpt)
     prefill = PrefillStage(ckpt, "cpu", torch.float32, Defaults(height=H, width=W, fps=FPS), Limits(max_windows=8))
-    prefilled = [prefill.run(prefill.validate(prompt, params, None), None) for prompt, params in REQUESTS]
+    prefilled = [prefill.run(prefill.validate(prompt, params, image, clip, raw), image, clip, raw)
+                 for prompt, params, image, clip, raw in REQUESTS]  # fmt: skip
     return ckpt, prefilled
 
 
 def deployment(ckpt: Checkpoint, **parallel) -> Deployment:
-    return Deployment(checkpoint=str(ckpt.root), device="cpu", dtype="float32", pool_pages=128,
+    # JSON captions are long in a byte-level tokenizer: pages for the whole batch's text at once
+    return Deployment(checkpoint=str(ckpt.root), device="cpu", dtype="float32", pool_pages=512,
                       parallel=ParallelConfig(**parallel))  # fmt: skip
 
 
@@ -88,13 +108,24 @@ def run_batch(engine: DenoiseEngine, prefilled) -> list[Collect]:
 def single(parts):
     ckpt, prefilled = parts
     engine = DenoiseEngine.from_deployment(ckpt, deployment(ckpt))
-    return [s.latents for s in run_batch(engine, prefilled)]
+    sinks = run_batch(engine, prefilled)
+    # what the batch must exercise: sound, noisy and clean action bands, returned actions
+    assert [s.sound is not None for s in sinks] == [False] * 4 + [True, False, False, True]
+    shapes = [None if s.actions is None else tuple(s.actions.shape) for s in sinks]
+    assert shapes == [None] * 5 + [(8, 10), None, (5, 2)]
+    assert engine.stats.max_requests_in_tick > 4
+    return sinks
 
 
-def check_equal(got: list[Collect], want: list[torch.Tensor]) -> None:
-    for s, ref in zip(got, want):
-        assert s.latents.shape == ref.shape
-        assert rel_l2(s.latents, ref) <= 1e-5, rel_l2(s.latents, ref)
+def check_equal(got: list[Collect], want: list[Collect]) -> None:
+    for i, (s, ref) in enumerate(zip(got, want)):
+        for name in ("latents", "sound", "actions"):
+            a, b = getattr(s, name), getattr(ref, name)
+            if b is None:
+                assert a is None, (i, name)
+                continue
+            assert a.shape == b.shape, (i, name)
+            assert rel_l2(a, b) <= 1e-5, (i, name, rel_l2(a, b))
 
 
 def test_config_errors_name_the_field(tmp_path):
@@ -114,12 +145,16 @@ def test_kv_heads_and_assignment():
     assert [p.kv_heads_of(j, 4, 2) for j in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]  # shared K/V heads
     assert [ParallelConfig(ulysses=2).kv_heads_of(j, 16, 8) for j in range(2)] == [(0, 4), (4, 8)]
 
-    def row(n: int, branches: int) -> SimpleNamespace:
-        return SimpleNamespace(tokens=torch.zeros(n, 1), sound=torch.zeros(0, 1), branches=(None,) * branches)
+    def row(n: int, branches: int, sound: int = 0, action: int = 0) -> SimpleNamespace:
+        return SimpleNamespace(tokens=torch.zeros(n, 1), sound=torch.zeros(sound, 1), action=torch.zeros(action, 1),
+                               branches=(None,) * branches)  # fmt: skip
 
     # two-branch rows split by branch; one-branch rows (guidance 1) go where there is least work
     assert assign([row(10, 2), row(5, 1), row(5, 1), row(20, 1)], cfg=2) == [[0, 1], [0], [1], [0]]
     assert assign([row(10, 2), row(5, 1)], cfg=1) == [[0, 0], [0]]
+    # sound and action tokens are work too
+    assert assign([row(4, 1, sound=3), row(6, 1), row(1, 1)], cfg=2) == [[0], [1], [1]]
+    assert assign([row(4, 1, action=3), row(6, 1), row(1, 1)], cfg=2) == [[0], [1], [1]]
 
 
 def test_ulysses2_equals_one_process(parts, single):

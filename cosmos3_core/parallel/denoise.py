@@ -4,8 +4,8 @@ Rank 0 runs the whole engine (scheduler, sinks, AR windows) unchanged; only its 
 - `ShardedPool` (rank 0's pool): page ids are allocated on rank 0 alone; each `write` (text K/V at admission, an
   AR commit's K/V) is also a "write" command, after which every rank holds the same pages with its Ulysses
   rank's K/V heads `[layers, pages, page_size, kv_heads_of(rank), d]`.
-- `ParallelStep` (rank 0's step): each tick, the rows (tokens, noisy mask, sound, per-branch rotary tables and
-  prefix page lists) go to every rank as a "step" command, with each branch assigned to a CFG group
+- `ParallelStep` (rank 0's step): each tick, the rows (tokens, noisy mask, sound, the action band, per-branch
+  rotary tables and prefix page lists) go to every rank as a "step" command, with each branch assigned to a CFG group
   (`assign`). Every rank runs the branches of its group through its local step (`DenoiseStep`, or
   `ulysses.UlyssesStep` when ulysses > 1) — attention is per segment, so a branch's result does not depend on
   which others it is packed with, and the split is exact. The leader of each other CFG group sends its outputs
@@ -29,7 +29,7 @@ import torch.distributed as dist
 from ..kv_pool import KVPool, PageList
 from ..model.layers import Cosmos3Transformer
 from ..model.towers import GenKernels
-from ..rows import Branch, Row, RowOutput, denoise_step_row, unpatchify
+from ..rows import ActionBand, Branch, Row, RowOutput, denoise_step_row, unpatchify
 from ..step import DenoiseStep
 from .comm import Comm
 from .group import Group, WorkerLost
@@ -42,7 +42,7 @@ def assign(rows: list[Row], cfg: int) -> list[list[int]]:
     load = [0] * cfg
     out = []
     for row in rows:
-        n = row.tokens.shape[0] + row.sound.shape[0]
+        n = row.tokens.shape[0] + row.sound.shape[0] + row.action.shape[0]
         if len(row.branches) == cfg:
             groups = list(range(cfg))
         else:
@@ -57,17 +57,25 @@ def encode_rows(
     rows: list[Row], groups: list[list[int]], patch: int
 ) -> tuple[list[dict[str, Any]], list[torch.Tensor]]:
     """Rows → (metadata, tensors) for a "step" command: each row as the row builder's inputs (latents recovered
-    from its tokens, its noisy frames, sound latents), so workers rebuild it with `denoise_step_row` itself."""
+    from its tokens, its noisy frames, sound latents, the action band: its latents [T_a, action_dim], domain and
+    noisy flag), so workers rebuild it with `denoise_step_row` itself."""
     meta, tensors = [], []
     for row, gs in zip(rows, groups):
         t, h, w = row.token_shape
-        noisy = row.noisy_mask[: t * h * w].view(t, h * w)[:, 0].nonzero().flatten()
+        n, a = t * h * w, row.action.shape[0]
+        # per frame its first token's flag, and the action band's (all noisy or all clean: the mask's last entry),
+        # read to the host in one copy
+        flags = row.noisy_mask[:n].view(t, h * w)[:, 0]
+        flags = (torch.cat([flags, row.noisy_mask[-1:]]) if a else flags).cpu()
+        noisy = flags[:t].nonzero().flatten()
+        action = {"domain": row.action_domain, "noisy": bool(flags[t])} if a else None
         meta.append({
-            "t": row.timestep, "commit": row.commit, "groups": gs, "sound": row.sound.shape[0] > 0,
+            "t": row.timestep, "commit": row.commit, "groups": gs, "sound": row.sound.shape[0] > 0, "action": action,
             "prefix": [[(list(p.pages), p.num_tokens) for p in br.prefix] for br in row.branches],
         })  # fmt: skip
         tensors += [unpatchify(row.tokens, row.token_shape, patch, row.latent_hw), noisy]
         tensors += [row.sound.t()] if row.sound.shape[0] else []
+        tensors += [row.action] if a else []
         for br in row.branches:
             tensors += [br.cos, br.sin]
     return meta, tensors
@@ -96,8 +104,10 @@ def decode_rows(
     for m in meta:
         latents, noisy = next(it), next(it)
         sound = next(it) if m["sound"] else None
+        a = m.get("action")
+        action = ActionBand(next(it), a["domain"], a["noisy"]) if a else None
         branches = tuple(Branch(tuple(lists(p, n) for p, n in prefix), next(it), next(it)) for prefix in m["prefix"])
-        rows.append(denoise_step_row(latents, m["t"], noisy, branches, patch, dtype, m["commit"], sound))
+        rows.append(denoise_step_row(latents, m["t"], noisy, branches, patch, dtype, m["commit"], sound, action))
     return rows
 
 
@@ -119,19 +129,21 @@ def _flatten(share: list[tuple[int, list[int], RowOutput]]) -> torch.Tensor:
     parts = []
     for _, _, out in share:
         parts += [v.reshape(-1) for v in out.velocity] + [s.reshape(-1) for s in out.sound_velocity]
+        parts += [a.reshape(-1) for a in out.action_velocity]
         parts += [t.float().reshape(-1) for kv in out.kv for t in kv]
     return torch.cat(parts) if parts else torch.zeros(0)
 
 
 def _shapes(row: Row, branches: int, p: int, kv_shape: tuple[int, int, int]) -> list[list[tuple[int, ...]]]:
-    """What `_flatten` wrote for one row: [velocities, sound velocities, (k, v) per branch]."""
+    """What `_flatten` wrote for one row: [velocities, sound velocities, action velocities, (k, v) per branch]."""
     layers, kv_heads, d = kv_shape
     if row.commit:
-        return [[], [], [(layers, row.tokens.shape[0], kv_heads, d)] * (2 * branches)]
+        return [[], [], [], [(layers, row.tokens.shape[0], kv_heads, d)] * (2 * branches)]
     c = row.tokens.shape[1] // (p * p)
     vel = [(1, c, row.token_shape[0], *row.latent_hw)] * branches
-    s = row.sound.shape[0]
-    return [vel, [(row.sound.shape[1], s)] * branches if s else [], []]
+    s, a = row.sound.shape[0], row.action.shape[0]
+    sound = [(row.sound.shape[1], s)] * branches if s else []
+    return [vel, sound, [tuple(row.action.shape)] * branches if a else [], []]
 
 
 def _unflatten(
@@ -146,8 +158,8 @@ def _unflatten(
             out.append(flat[at : at + n].view(shape))
             at += n
         lists.append(out)
-    kv = [(k.to(dtype), v.to(dtype)) for k, v in zip(lists[2][0::2], lists[2][1::2])]
-    return RowOutput(lists[0], kv, lists[1]), at
+    kv = [(k.to(dtype), v.to(dtype)) for k, v in zip(lists[3][0::2], lists[3][1::2])]
+    return RowOutput(lists[0], kv, lists[1], lists[2]), at
 
 
 def local_step(
@@ -246,6 +258,8 @@ def merge(
                 out.velocity.append(src.velocity[k])
                 if src.sound_velocity:
                     out.sound_velocity.append(src.sound_velocity[k])
+                if src.action_velocity:
+                    out.action_velocity.append(src.action_velocity[k])
         result.append(out)
     return result
 

@@ -8,9 +8,10 @@ layout's buffers, so a CUDA graph captures them like any other). Attention is th
 `[j·H/u, (j+1)·H/u)` and the K/V heads they read (`ParallelConfig.kv_heads_of`: GQA groups stay whole; when
 u > kv_heads, ranks share a K/V head) — runs the unchanged backend (SDPA or FlashInfer) over the segments with
 the pool's pages, which hold exactly those K/V heads (the pool is sharded by heads), and all-to-alls the output
-back to rows. Predictions (and sound predictions) are all-gathered to `[S, ...]`, so `DenoiseStep` reads them as
-in one process. A commit pass's K/V is collected inside the plan (rank j: its K/V heads, all rows) and
-all-gathered over heads.
+back to rows. A rank embeds and projects out the sound and action tokens among its rows (`sound`, `action`,
+their rows and action domains sliced per rank). Predictions, sound and action predictions are all-gathered to
+`[S, ...]`, `[R, ...]`, `[A, ...]`, so `DenoiseStep` reads them as in one process. A commit pass's K/V is
+collected inside the plan (rank j: its K/V heads, all rows) and all-gathered over heads.
 
 Layouts: local q `[S/u, H, d]`, k/v `[S/u, KV, d]` → exchanged q `[S, H/u, d]`, k/v `[S, KV_j, d]` → backend
 output `[S, H/u·d]` → local `[S/u, H·d]`.
@@ -122,27 +123,42 @@ class UlyssesLayout(StepLayout):
         u, j = comm.parallel.ulysses, comm.ulysses_index
         per = total_rows // u
         a, b = j * per, (j + 1) * per
-        sound_rows = [r for s in segments for r in range(s.start + s.length - s.sound, s.start + s.length)]
-        cuts = [sum(r < c * per for r in sound_rows) for c in range(u + 1)]  # sound rows are in pack order
-        self.sound_counts = [cuts[c + 1] - cuts[c] for c in range(u)]
+        # a segment's tokens: vision | sound | action; both bands' rows are in pack order
+        ends = [s.start + s.length - s.action for s in segments]  # where each segment's action tokens start
+        sound = [r for s, e in zip(segments, ends) for r in range(e - s.sound, e)]
+        action = [r for s, e in zip(segments, ends) for r in range(e, e + s.action)]
+        cs, ca = _cuts(sound, per, u), _cuts(action, per, u)
+        self.sound_counts = [cs[c + 1] - cs[c] for c in range(u)]
+        self.action_counts = [ca[c + 1] - ca[c] for c in range(u)]
         p = self.packed
         self.local = PackedStep(
             tokens=p.tokens[a:b], noisy_mask=p.noisy_mask[a:b], segment_timesteps=p.segment_timesteps,
             token_segment=p.token_segment[a:b], cos=p.cos[a:b], sin=p.sin[a:b],
             segments=[],  # K/V of commit segments is collected by the plan, which sees all rows
-            sound=p.sound[cuts[j] : cuts[j + 1]], sound_rows=p.sound_rows[cuts[j] : cuts[j + 1]] - a,
+            sound=p.sound[cs[j] : cs[j + 1]], sound_rows=p.sound_rows[cs[j] : cs[j + 1]] - a,
+            action=p.action[ca[j] : ca[j + 1]], action_rows=p.action_rows[ca[j] : ca[j + 1]] - a,
+            action_domain=p.action_domain[ca[j] : ca[j + 1]],  # a view: `fill` refills it in place
         )  # fmt: skip
         self.comm, self.per = comm, per
 
-    def _forward(self) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
-        preds, sound, _ = gen_forward(self.model, self.local, self.plan, self.kernels)
-        group, u = self.comm.ulysses_group, self.comm.parallel.ulysses
+    def _forward(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, dict]:
+        preds, sound, action, _ = gen_forward(self.model, self.local, self.plan, self.kernels)
+        group, u, cfg = self.comm.ulysses_group, self.comm.parallel.ulysses, self.model.cfg
         preds = all_gather_rows(preds, group, [self.per] * u)
         if sum(self.sound_counts):
             if sound is None:  # no sound rows here: an empty [0, sound_dim] for the gather
-                sound = preds.new_zeros(0, self.model.cfg.sound_dim)
+                sound = preds.new_zeros(0, cfg.sound_dim)
             sound = all_gather_rows(sound, group, self.sound_counts)
-        return preds, sound, self.plan.collected()
+        if sum(self.action_counts):
+            if action is None:  # likewise for action rows
+                action = preds.new_zeros(0, cfg.action_dim)
+            action = all_gather_rows(action, group, self.action_counts)
+        return preds, sound, action, self.plan.collected()
+
+
+def _cuts(rows: list[int], per: int, u: int) -> list[int]:
+    """Rows (ascending) → for each rank boundary c·per (c = 0..u), how many of them lie before it."""
+    return [sum(r < c * per for r in rows) for c in range(u + 1)]
 
 
 class UlyssesStep(DenoiseStep):
