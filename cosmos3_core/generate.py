@@ -37,6 +37,7 @@ from .media import (
 )
 from .model.checkpoint import Checkpoint
 from .model.config import CheckpointError
+from .parallel.group import Group
 from .requests import RequestError, add_request_arguments, params_from_arguments
 from .stages import DecodeStage, PrefillStage
 from .tools.checkpoints import resolve_checkpoint
@@ -63,9 +64,16 @@ class Generator:
         self.ckpt = checkpoint or Checkpoint.open(resolve_checkpoint(d.checkpoint))
         device, dtype = d.torch_device, d.torch_dtype
         self.prefill = PrefillStage(self.ckpt, device, dtype, d.defaults, d.limits)
-        self.engine = DenoiseEngine.from_deployment(self.ckpt, d)
+        # one group for the denoise and the decode ranks (parallel/group.py), when the deployment splits either
+        self.group = Group(d.worker_spec(self.ckpt.root, ("denoise", "decode"))) if d.parallel.ranks > 1 else None
+        self.engine = DenoiseEngine.from_deployment(self.ckpt, d, group=self.group)
         self.engine.warmup([self.prefill.validate("warmup", r, None) for r in d.warmup_requests])
-        self.decode = DecodeStage(self.ckpt, device, dtype, d.compile)
+        self.decode = DecodeStage.from_deployment(self.ckpt, d, device, self.group)
+
+    def close(self) -> None:
+        """End the worker processes, if the deployment has a group (they also end when this process does)."""
+        if self.group is not None:
+            self.group.close()
 
     def generate(
         self,

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from . import faults
+from .deployment import Deployment
 from .model.action import condition_actions, encode_action_condition
 from .model.checkpoint import Checkpoint
 from .model.conditioning import HostFrames, StreamDecoder, VaeCodec
@@ -26,6 +27,8 @@ from .model.rotary import rotary_tables, text_position_ids
 from .model.sound import SoundSpec, decode_sound, load_sound_tokenizer
 from .model.towers import prefill_text_kv
 from .model.video_input import encode_video_condition
+from .parallel.group import Group
+from .parallel.vae import PatchDecoder
 from .requests import Defaults, GenerationParams, Limits, RequestError, validate
 from .sampling import checkpoint_shift
 from .windows import pixel_frames_of_chunk
@@ -137,12 +140,16 @@ class DecodeStage:
 
     STREAM_IDLE_S = 900.0  # a stream whose chunks stopped (its request failed upstream) is dropped after this
 
-    def __init__(self, ckpt: Checkpoint, device: str, dtype: torch.dtype, compile: bool = False):
+    def __init__(
+        self, ckpt: Checkpoint, device: str, dtype: torch.dtype, compile: bool = False, group: Group | None = None
+    ):
+        """`group`: decode each chunk split by rows over its decode ranks (parallel/vae.py)."""
         cuda = str(device).startswith("cuda")
         if cuda:
             torch.backends.cudnn.benchmark = True  # the Wan decoder's conv3d shapes repeat every chunk
         compile = compile and cuda  # the fused kernels save memory traffic on the GPU; on CPU, only compile time
-        self.codec = VaeCodec(ckpt.load_vae(device, dtype), compile)
+        wrap = None if group is None else (lambda decoder: PatchDecoder(decoder, group))
+        self.codec = VaeCodec(ckpt.load_vae(device, dtype), compile, wrap)
         try:  # the sound tokenizer in the deployment's dtype, as the pipeline loads its components
             self.sound_tokenizer = load_sound_tokenizer(ckpt.root, device, dtype)
         except (ValueError, OSError):
@@ -155,6 +162,14 @@ class DecodeStage:
         if compile:  # compile the fused kernels now, not mid-stream: 1 + 4 + 1 latent frames (size-1 dims compile
             # apart from the dynamic ones) at distinct sizes (no duck-sized guards) cover every later size
             self.run(torch.zeros(1, ckpt.config.latent_channel, 6, 5, 7))
+
+    @classmethod
+    def from_deployment(cls, ckpt: Checkpoint, d: Deployment, device: str, group: Group | None = None) -> DecodeStage:
+        """`group`: a running group to decode over (the CLI's, shared with its engine); else one of the
+        deployment's `parallel.vae` ranks is started when that is above 1."""
+        if group is None and d.parallel.vae > 1:
+            group = Group(d.worker_spec(ckpt.root, ("decode",)))
+        return cls(ckpt, device, d.torch_dtype, d.compile, group if d.parallel.vae > 1 else None)
 
     def run(self, latents: torch.Tensor) -> np.ndarray:
         """normalised latents [1, C, T, h, w] → uint8 [T', H, W, 3]."""

@@ -12,7 +12,7 @@ from collections import OrderedDict
 
 import torch
 
-from .attention import SdpaAttention, make_attention
+from .attention import Backend, SdpaAttention, make_attention
 from .graphs import StepLayout
 from .kv_pool import KVPool
 from .model.layers import Cosmos3Transformer
@@ -26,18 +26,23 @@ class DenoiseStep:
     and, on CUDA with `cuda_graphs`, the captured forward. The most recent MAX_LAYOUTS layouts are kept."""
 
     MAX_LAYOUTS = 16
+    layout_class = StepLayout  # parallel/ulysses.py: layouts that split the pack's rows over ranks
 
     def __init__(
         self,
         model: Cosmos3Transformer,
         pool: KVPool,
         kernels: GenKernels = EAGER,
-        attention: str = "auto",
+        attention: str | Backend = "auto",
         cuda_graphs: bool = True,
     ):
         cfg = model.cfg
         self.model, self.pool, self.kernels = model, pool, kernels
-        self.attention = make_attention(attention, pool, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        self.attention = (
+            make_attention(attention, pool, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+            if isinstance(attention, str)
+            else attention  # a backend made by the caller (parallel/ulysses.py: over a head-sharded pool)
+        )
         self.sdpa = self.attention if isinstance(self.attention, SdpaAttention) else SdpaAttention(pool)
         self.cuda_graphs = cuda_graphs and pool.k_pages.is_cuda
         self.graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None  # shared: replays are serial
@@ -52,7 +57,7 @@ class DenoiseStep:
             attention.name,
             attention.shape_key(segments),
         )
-        layout = self.layouts.pop(key, None) or StepLayout(
+        layout = self.layouts.pop(key, None) or self.layout_class(
             self.model, self.kernels, attention, total, rows[0].tokens.shape[1], segments, self.graph_pool
         )
         self.layouts[key] = layout
