@@ -88,10 +88,10 @@ def run_variant(gen: Generator, params: dict, repeat: int) -> dict:
         marks = [sync_time()]
         pre = gen.prefill.run(gen.prefill.validate(PROMPT, params, None), None)
         marks.append(sync_time())
-        lat, _, info = gen.run_reported(pre)
+        result = gen.run(pre)
         marks.append(sync_time())
-        skipped.append(skipped_fraction(info.get("cache_skipped"), pre.params.steps, pre.params.cfg_branches))
-        gen.decode.run(lat)
+        skipped.append(skipped_fraction(result.info.get("cache_skipped"), pre.params.steps, pre.params.cfg_branches))
+        gen.decode.run(result.latents)
         marks.append(sync_time())
         for name, a, b in (("prefill", 0, 1), ("denoise", 1, 2), ("decode", 2, 3), ("e2e", 0, 3)):
             phases[name].append(marks[b] - marks[a])

@@ -13,7 +13,7 @@ and the step count. Before the decoder stack, per branch:
   becomes the previous one whatever the decision;
 - what is cached is the **residual of the GEN block stack**, from its input (tokens after `proj_in` and the
   timestep embedding) to its output after the final norm `norm_moe_gen`, over the branch's whole GEN sequence
-  (vision, then sound). A reusing step adds the last residual to its input (`residual_order` 1: extrapolated
+  (vision, then sound, then action tokens). A reusing step adds the last residual to its input (`residual_order` 1: extrapolated
   linearly from the last two full steps) and goes straight to `proj_out`: no layer runs. Every full step
   records its residual (the last `residual_order + 1` are kept).
 
@@ -26,6 +26,14 @@ anyway), and computes a reusing branch's velocity on its own (`towers.embed_row`
 `towers.output_heads`: a few small GEMMs). Decisions need the distance on the host; `host_distances` reads all
 the tick's requests in one transfer (diffusers reads once per branch). One trajectory per request: AR windows
 are refused with a cache (requests.py), as diffusers has no windowed pipeline to compare with.
+
+Robot actions: the pipeline runs its SeaCache on action requests too — the indicator is still the vision latents
+(clean frame 0 included), the residual spans the action tokens, and a reusing branch's action velocity comes from
+its own action embedding + residual through `action_proj_out`. Inverse dynamics has no noisy vision frame: diffusers
+then has no indicator and fails open (every step in full, nothing recorded); so does `gated=False` here.
+
+Several GPUs (parallel/denoise.py): the decisions are rank 0's (the scheduler's); reusing branches are computed on
+rank 0 alone and the running branches' residuals come back from the group with their velocities.
 
 Both branches see the same latents at the same steps, so diffusers' two per-branch previous indicators are
 always equal: one is kept per request and its distance computed once; the accumulator, the run of reuses and
@@ -76,7 +84,7 @@ class _Branch:
 
     accumulated: float = 0.0
     consecutive: int = 0  # reuses since the last full step
-    history: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (step, residual [N + T_s, hidden])
+    history: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (step, residual [N + T_s + T_a, hidden])
     skipped: list[int] = field(default_factory=list)  # 0-based steps that reused
 
 
@@ -86,8 +94,12 @@ class SeaCache:
     device), `decide` (that distance on the host → per branch the residual to reuse, or None: run in full), then
     after the forward `record` (the full branches' residuals)."""
 
-    def __init__(self, params: SeaCacheParams, branches: int, sigmas: list[float], dtype: torch.dtype):
-        self.params, self.sigmas, self.dtype = params, sigmas, dtype
+    def __init__(
+        self, params: SeaCacheParams, branches: int, sigmas: list[float], dtype: torch.dtype, gated: bool = True
+    ):
+        """`gated` False: the trajectory has no noisy vision frame (inverse dynamics), hence no indicator: every
+        step runs in full and records nothing, as diffusers' SeaCache fails open there."""
+        self.params, self.sigmas, self.dtype, self.gated = params, sigmas, dtype, gated
         self.branches = [_Branch() for _ in range(branches)]
         self.previous: torch.Tensor | None = None  # the last step's indicator [T, H, W, C]
 
@@ -102,6 +114,8 @@ class SeaCache:
         to run in full (nothing to read back). The indicator is built from the latents in the model dtype, as the
         pipeline's transformer receives them."""
         p = self.params
+        if not self.gated:
+            return None
         forced = step < p.retention_steps or step >= len(self.sigmas) - p.cache_end_steps or self.previous is None
         indicator = sea_filter(latents[0].to(self.dtype).movedim(0, -1), self.sigmas[step], p.power_exp)
         distance = None
@@ -112,8 +126,8 @@ class SeaCache:
         return distance
 
     def decide(self, step: int, distance: float | None) -> tuple[torch.Tensor | None, ...]:
-        """`measure`'s distance, on the host → per branch the residual this step reuses ([N + T_s, hidden], model
-        dtype), or None: run in full."""
+        """`measure`'s distance, on the host → per branch the residual this step reuses ([N + T_s + T_a, hidden],
+        model dtype), or None: run in full."""
         p, out = self.params, []
         for branch in self.branches:
             # no distance: a step every branch runs in full (first/last steps, no previous indicator)
@@ -146,6 +160,8 @@ class SeaCache:
     def record(self, step: int, residuals: list[torch.Tensor | None]) -> None:
         """After the forward: each full branch's block-stack residual (None for a reusing branch)."""
         keep = self.params.residual_order + 1
+        if not self.gated:  # never reused: keep nothing
+            return
         for branch, residual in zip(self.branches, residuals):
             if residual is None:
                 continue

@@ -5,8 +5,9 @@ the forward returns the block stack's residual (a cached request is in the pack)
 backend's shapes depend on (SDPA's prefix lengths; nothing for FlashInfer, whose page tables are plan data). It
 owns:
 - the packed input buffers `[S, ...]` (tokens, noisy mask, rotary cos/sin; sound tokens and their row index
-  `sound_rows`, fixed by the layout, so a sound layout captures like any other), zero padding included, and the
-  per-segment timesteps, refilled each step by `fill` — no per-step allocation of the step's inputs;
+  `sound_rows`, fixed by the layout, so a sound layout captures like any other; action tokens likewise, with
+  `action_rows` and each action row's domain), zero padding included, and the per-segment timesteps, refilled each
+  step by `fill` — no per-step allocation of the step's inputs;
 - the attention plan, updated by `fill` outside the graph (host work, buffer copies) when the segments' pages
   differ from the last step's;
 - on CUDA with graphs on, the captured GEN forward: the first run of a layout is eager (compiles, autotuning,
@@ -17,13 +18,14 @@ owns:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from .attention import Backend
 from .model.layers import Cosmos3Transformer
-from .model.towers import GenKernels, gen_forward
+from .model.towers import GenKernels, GenOutput, gen_forward
 from .rows import Row, Segment
 
 
@@ -40,6 +42,9 @@ class PackedStep:
     segments: list[Segment]
     sound: torch.Tensor  # [R, sound_dim]: every segment's sound tokens, in segment order (R = 0: no sound)
     sound_rows: torch.Tensor  # [R] int64: where they sit in the pack (fixed by the layout)
+    action: torch.Tensor  # [A, action_dim]: every segment's action tokens, in segment order (A = 0: none)
+    action_rows: torch.Tensor  # [A] int64: where they sit in the pack (fixed by the layout)
+    action_domain: torch.Tensor  # [A] int64: each action token's embodiment (refilled: requests of one shape differ)
     residual: bool  # the forward also returns the block stack's residual [S, hidden] (fixed by the layout)
 
 
@@ -60,7 +65,12 @@ class StepLayout:
         cfg = model.cfg
         dev, dt = attention.pool.k_pages.device, attention.pool.k_pages.dtype
         self.model, self.kernels, self.graph_pool = model, kernels, graph_pool
-        sound_rows = [torch.arange(s.start + s.length - s.sound, s.start + s.length) for s in segments]
+        # a segment's tokens: vision | sound | action
+        sound_rows = [
+            torch.arange(s.start + s.length - s.action - s.sound, s.start + s.length - s.action) for s in segments
+        ]
+        action_rows = [torch.arange(s.start + s.length - s.action, s.start + s.length) for s in segments]
+        actions = sum(s.action for s in segments)
         self.packed: PackedStep = PackedStep(
             tokens=torch.zeros(total_rows, token_dim, dtype=dt, device=dev),
             noisy_mask=torch.zeros(total_rows, dtype=torch.bool, device=dev),
@@ -73,6 +83,9 @@ class StepLayout:
             segments=segments,
             sound=torch.zeros(sum(s.sound for s in segments), cfg.sound_dim, dtype=dt, device=dev),
             sound_rows=torch.cat(sound_rows).to(dev),
+            action=torch.zeros(actions, cfg.action_dim, dtype=dt, device=dev),
+            action_rows=torch.cat(action_rows).to(dev),
+            action_domain=torch.zeros(actions, dtype=torch.long, device=dev),
             residual=residual,
         )
         for i, s in enumerate(segments):
@@ -82,12 +95,12 @@ class StepLayout:
         self.capturable = graph_pool is not None and not any(s.collect_kv for s in segments)
         self.runs = 0
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.graph_out: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
+        self.graph_out: GenOutput | None = None
 
     def fill(self, rows: list[Row], segments: list[Segment]) -> None:
         p = self.packed
         seg = iter(enumerate(segments))
-        at = 0  # next free row of p.sound
+        at = at_a = 0  # next free row of p.sound, p.action
         for row in rows:
             for br, reuse in zip(row.branches, row.reuse):
                 if reuse is not None:  # a reused branch has no segment
@@ -98,6 +111,10 @@ class StepLayout:
                 if s.sound:  # the same sound tokens in every branch (the uncond branch sees them too)
                     p.sound[at : at + s.sound].copy_(row.sound)
                     at += s.sound
+                if s.action:  # likewise the action tokens
+                    p.action[at_a : at_a + s.action].copy_(row.action)
+                    p.action_domain[at_a : at_a + s.action].fill_(row.action_domain)  # a kernel argument
+                    at_a += s.action
                 p.segment_timesteps[i].fill_(row.timestep)  # a kernel argument: no host-to-device copy
                 p.noisy_mask[sl].copy_(row.noisy_mask)
                 p.cos[sl].copy_(br.cos)
@@ -109,20 +126,21 @@ class StepLayout:
             self.plan.update(segments)
             self.planned_for = pages
 
-    def _forward(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, dict]:
+    def _forward(self) -> GenOutput:
         return gen_forward(self.model, self.packed, self.plan, self.kernels)
 
-    def run(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, dict]:
-        """→ (predictions [S, patch_latent_dim], sound predictions [R, sound_dim] or None, the block stack's
-        residual [S, hidden] or None, K/V of collecting segments). With a graph, the tensors are the graph's output
-        buffers: valid until the next replay of any layout."""
+    def run(self) -> GenOutput:
+        """→ the pass's `GenOutput` (predictions [S, patch_latent_dim], sound [R, sound_dim] and action
+        [A, action_dim] predictions or None, the block stack's residual [S, hidden] or None, K/V of collecting
+        segments). With a graph, its tensors are the graph's output buffers: valid until the next replay of any
+        layout."""
         self.runs += 1
         if self.graph is None and self.capturable and self.runs >= 2:
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph, pool=self.graph_pool):
-                preds, sound, residual, _ = self._forward()
-                self.graph_out = (preds, sound, residual)
+                out = self._forward()
+                self.graph_out = dataclasses.replace(out, kv={})
         if self.graph is not None:
             self.graph.replay()
-            return *self.graph_out, {}  # type: ignore[misc]
+            return self.graph_out  # type: ignore[return-value]
         return self._forward()

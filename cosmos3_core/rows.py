@@ -13,8 +13,13 @@ Layouts:
               tokens in each branch's segment (text | vision | sound); every sound token is noisy and gets the
               row's timestep (the pipeline steps sound with a copy of the vision scheduler: the same t)
   sound velocity [sound_dim, T_s] fp32
-  residual    [N + T_s, hidden] model dtype: a branch's GEN block-stack residual (output after the final norm
-              minus input after the embedding), over its segment's tokens — what step caching (cache.py) reuses
+  action      [T_a, action_dim] in the model dtype (the sampler's [chunk, action_dim]), after the sound tokens
+              (text | vision | sound | action); all noisy at the row's timestep (policy, inverse dynamics) or all
+              clean (forward dynamics: no timestep embedding, zero velocity); `action_domain` picks the row of the
+              domain-aware linears every one of them goes through
+  action velocity [T_a, action_dim] fp32, zero on clean tokens
+  residual    [N + T_s + T_a, hidden] model dtype: a branch's GEN block-stack residual (output after the final
+              norm minus input after the embedding), over its segment's tokens — what step caching (cache.py) reuses
 """
 
 from __future__ import annotations
@@ -32,8 +37,17 @@ class Branch:
     context frames, oldest first) and the rotary tables of its latent tokens."""
 
     prefix: tuple[PageList, ...]
-    cos: torch.Tensor  # [N + T_s, head_dim]: vision then sound positions
-    sin: torch.Tensor  # [N + T_s, head_dim]
+    cos: torch.Tensor  # [N + T_s + T_a, head_dim]: vision, sound, then action positions
+    sin: torch.Tensor  # [N + T_s + T_a, head_dim]
+
+
+@dataclass(frozen=True)
+class ActionBand:
+    """A request's action tokens for one step (the row builder's input)."""
+
+    latents: torch.Tensor  # [T_a, action_dim] fp32, as sampled
+    domain: int  # the embodiment's row of the domain-aware linears
+    noisy: bool  # policy / inverse dynamics: all noisy at the step's t; forward dynamics: all clean
 
 
 @dataclass(frozen=True)
@@ -41,14 +55,16 @@ class Row:
     tokens: torch.Tensor  # [N, patch_latent_dim], model dtype
     sound: torch.Tensor  # [T_s, sound_dim] model dtype; T_s = 0 without sound
     timestep: float  # the step's timestep; its embedding goes to noisy tokens only
-    noisy_mask: torch.Tensor  # [N + T_s] bool (sound tokens: all True)
+    noisy_mask: torch.Tensor  # [N + T_s + T_a] bool (sound tokens: all True)
     token_shape: tuple[int, int, int]  # (T, h, w) patches
     latent_hw: tuple[int, int]  # (H, W) latent pixels; h*p, w*p when the grid needed no padding
     branches: tuple[Branch, ...]  # (cond,) or (cond, uncond)
     commit: bool  # return the tokens' K/V instead of a velocity
+    action: torch.Tensor  # [T_a, action_dim] model dtype; T_a = 0 without actions
     # per branch: None runs the branch in the packed forward; a residual skips its block stack (no segment)
     reuse: tuple[torch.Tensor | None, ...]
     record: bool  # return the block-stack residual of each branch that runs (a cached request's)
+    action_domain: int = 0
 
 
 @dataclass(frozen=True)
@@ -57,7 +73,8 @@ class Segment:
     length: int
     prefix: tuple[PageList, ...]
     collect_kv: bool
-    sound: int = 0  # the last `sound` of the `length` tokens are sound tokens
+    sound: int = 0  # the `sound` tokens before the action tokens are sound tokens
+    action: int = 0  # the last `action` of the `length` tokens are action tokens
 
 
 @dataclass
@@ -65,6 +82,7 @@ class RowOutput:
     velocity: list[torch.Tensor]  # per branch [1, C, T, H, W] fp32; empty for a commit row
     kv: list[tuple[torch.Tensor, torch.Tensor]]  # commit rows: per branch (k, v) [layers, N, kv_heads, d]
     sound_velocity: list[torch.Tensor] = field(default_factory=list)  # per branch [sound_dim, T_s] fp32
+    action_velocity: list[torch.Tensor] = field(default_factory=list)  # per branch [T_a, action_dim] fp32
     residual: list[torch.Tensor | None] = field(default_factory=list)  # record rows: per branch, None if reused
 
 
@@ -95,6 +113,7 @@ def denoise_step_row(
     dtype: torch.dtype,
     commit: bool = False,
     sound_latents: torch.Tensor | None = None,
+    action: ActionBand | None = None,
     reuse: tuple[torch.Tensor | None, ...] = (),
     record: bool = False,
 ) -> Row:
@@ -103,12 +122,12 @@ def denoise_step_row(
     latents [1, C, T, H, W] (any dtype; cast to the model dtype), `timestep` the scheduler's t for this step
     (applied to the frames in `noisy_frames`), `branches` per CFG branch. `commit`: an AR commit pass over
     clean latents — no noisy frames, no timestep; the step returns the tokens' K/V. `sound_latents`
-    [sound_dim, T_s] (fp32, as sampled): the request's sound band, every token noisy at `timestep`; the
-    branches' rotary tables then cover N + T_s positions. `reuse`: per branch, the block-stack residual to reuse
-    instead of running it ([N + T_s, hidden]) or None (); () runs every branch. `record`: the step returns the
-    residual of each branch it runs."""
-    if commit and (len(noisy_frames) or sound_latents is not None):
-        raise ValueError("a commit row has no noisy frames and no sound")
+    [sound_dim, T_s] (fp32, as sampled): the request's sound band, every token noisy at `timestep`. `action`: its
+    action band. The branches' rotary tables cover N + T_s + T_a positions. `reuse`: per branch, the block-stack
+    residual to reuse instead of running it ([N + T_s + T_a, hidden]) or None; () runs every branch. `record`: the
+    step returns the residual of each branch it runs."""
+    if commit and (len(noisy_frames) or sound_latents is not None or action is not None):
+        raise ValueError("a commit row has no noisy frames, no sound and no actions")
     reuse = reuse or (None,) * len(branches)
     if len(reuse) != len(branches) or (commit and any(r is not None for r in reuse)):
         raise ValueError("reuse: one entry per branch, and a commit row reuses nothing")
@@ -121,6 +140,9 @@ def denoise_step_row(
     sound = latents.new_zeros(0, 0, dtype=dtype) if sound_latents is None else sound_latents.t().to(dtype)
     if len(sound):
         noisy_mask = torch.cat([noisy_mask, noisy_mask.new_ones(len(sound))])
+    acts = latents.new_zeros(0, 0, dtype=dtype) if action is None else action.latents.to(dtype)
+    if action is not None:  # one value for the whole band: a fill, no host-to-device copy
+        noisy_mask = torch.cat([noisy_mask, noisy_mask.new_full((len(acts),), action.noisy)])
     return Row(
         tokens=patchify(latents.to(dtype), patch),
         sound=sound,
@@ -130,6 +152,8 @@ def denoise_step_row(
         latent_hw=(h, w),
         branches=branches,
         commit=commit,
+        action=acts,
+        action_domain=0 if action is None else action.domain,
         reuse=reuse,
         record=record,
     )
@@ -145,11 +169,11 @@ def segments_of(rows: list[Row]) -> tuple[list[Segment], int]:
     attention."""
     segments, start = [], 0
     for row in rows:
-        s = row.sound.shape[0]
-        n = row.tokens.shape[0] + s
+        s, a = row.sound.shape[0], row.action.shape[0]
+        n = row.tokens.shape[0] + s + a
         for br, reuse in zip(row.branches, row.reuse):
             if reuse is not None:
                 continue
-            segments.append(Segment(start, n, br.prefix, row.commit, s))
+            segments.append(Segment(start, n, br.prefix, row.commit, s, a))
             start += -(-n // SEGMENT_ALIGN) * SEGMENT_ALIGN
     return segments, start

@@ -17,7 +17,7 @@ from collections import OrderedDict
 
 import torch
 
-from .attention import SdpaAttention, make_attention
+from .attention import Backend, SdpaAttention, make_attention
 from .graphs import StepLayout
 from .kv_pool import KVPool
 from .model.layers import Cosmos3Transformer
@@ -31,18 +31,23 @@ class DenoiseStep:
     and, on CUDA with `cuda_graphs`, the captured forward. The most recent MAX_LAYOUTS layouts are kept."""
 
     MAX_LAYOUTS = 16
+    layout_class = StepLayout  # parallel/ulysses.py: layouts that split the pack's rows over ranks
 
     def __init__(
         self,
         model: Cosmos3Transformer,
         pool: KVPool,
         kernels: GenKernels = EAGER,
-        attention: str = "auto",
+        attention: str | Backend = "auto",
         cuda_graphs: bool = True,
     ):
         cfg = model.cfg
         self.model, self.pool, self.kernels = model, pool, kernels
-        self.attention = make_attention(attention, pool, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        self.attention = (
+            make_attention(attention, pool, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+            if isinstance(attention, str)
+            else attention  # a backend made by the caller (parallel/ulysses.py: over a head-sharded pool)
+        )
         self.sdpa = self.attention if isinstance(self.attention, SdpaAttention) else SdpaAttention(pool)
         self.cuda_graphs = cuda_graphs and pool.k_pages.is_cuda
         self.graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None  # shared: replays are serial
@@ -56,12 +61,12 @@ class DenoiseStep:
         running = [(r, n) for r, n in running if n]  # a row whose branches all reuse is not in the pack
         residual = any(r.record for r, _ in running)
         key = (  # key[1] names the backend (bench.parity and tests read it)
-            tuple((r.tokens.shape[0], r.sound.shape[0], n, r.commit) for r, n in running),
+            tuple((r.tokens.shape[0], r.sound.shape[0], r.action.shape[0], n, r.commit) for r, n in running),
             attention.name,
             attention.shape_key(segments),
             residual,
         )
-        layout = self.layouts.pop(key, None) or StepLayout(
+        layout = self.layouts.pop(key, None) or self.layout_class(
             self.model, self.kernels, attention, total, rows[0].tokens.shape[1], segments, self.graph_pool, residual
         )
         self.layouts[key] = layout
@@ -72,39 +77,41 @@ class DenoiseStep:
     @torch.inference_mode()
     def __call__(self, rows: list[Row]) -> list[RowOutput]:
         """One GEN pass over all rows' running branches (none when every branch reuses) → per row its per-branch
-        velocity (fp32, zero on clean frames) and sound velocity, and for a recording row the residuals; or K/V."""
-        preds = sound_preds = residual = None
-        collected: dict = {}
+        velocity (fp32, zero on clean frames), sound and action velocities, and for a recording row the residuals;
+        or K/V."""
+        fwd = None
         segments: list[Segment] = []
         if any(x is None for r in rows for x in r.reuse):
             layout, segments = self.layout(rows)
             layout.fill(rows, segments)
             had_graph = layout.graph is not None
-            preds, sound_preds, residual, collected = layout.run()
+            fwd = layout.run()
             self.captures += layout.graph is not None and not had_graph
         p = self.model.cfg.latent_patch_size
         out: list[RowOutput] = []
-        seg = at = 0  # at: the next row of sound_preds
+        seg = at = at_a = 0  # at, at_a: the next row of the sound, action predictions
         for row in rows:
-            n, s = row.tokens.shape[0], row.sound.shape[0]
+            n, s, a = row.tokens.shape[0], row.sound.shape[0], row.action.shape[0]
             result = RowOutput([], [])
             embedded = None  # a reusing row's block-stack input: the same in both branches (no text in it)
             for reuse in row.reuse:
                 if row.commit:
-                    result.kv.append(collected[seg])
+                    result.kv.append(fwd.kv[seg])  # type: ignore[union-attr]
                     seg += 1
                     continue
                 ran = None  # a running branch's block-stack residual (a copy: the layout's buffer is reused)
                 if reuse is not None:
                     if embedded is None:
-                        embedded = embed_row(self.model, row.tokens, row.sound, row.noisy_mask, row.timestep)
-                    v, sv = output_heads(self.model, embedded + reuse, n)
+                        embedded = embed_row(self.model, row.tokens, row.sound, row.action, row.action_domain,
+                                             row.noisy_mask, row.timestep)  # fmt: skip
+                    v, sv, av = output_heads(self.model, embedded + reuse, n, s, row.action_domain)
                 else:
                     start = segments[seg].start
-                    v, sv = preds[start : start + n], sound_preds[at : at + s] if s else None  # type: ignore[index]
-                    ran = residual[start : start + n + s].clone() if row.record else None  # type: ignore[index]
-                    at += s
-                    seg += 1
+                    v = fwd.preds[start : start + n]  # type: ignore[union-attr]
+                    sv = fwd.sound[at : at + s] if s else None  # type: ignore[union-attr,index]
+                    av = fwd.action[at_a : at_a + a] if a else None  # type: ignore[union-attr,index]
+                    ran = fwd.residual[start : start + n + s + a].clone() if row.record else None  # type: ignore[union-attr,index]
+                    at, at_a, seg = at + s, at_a + a, seg + 1
                 if row.record:
                     result.residual.append(ran)
                 # zero on clean tokens; the product is a new tensor (preds is the layout's, reused next step)
@@ -112,5 +119,7 @@ class DenoiseStep:
                 result.velocity.append(unpatchify(v, row.token_shape, p, row.latent_hw))
                 if s:  # every sound token is noisy: its velocity as predicted, [sound_dim, T_s]
                     result.sound_velocity.append(sv.float().t().clone())  # type: ignore[union-attr]
+                if a:  # zero on clean action tokens (forward dynamics); the product is a new tensor
+                    result.action_velocity.append(av.float() * row.noisy_mask[n + s :, None])  # type: ignore[union-attr]
             out.append(result)
         return out

@@ -6,8 +6,10 @@ skipped when its transformer's block stack did not run (`bench.inprocess.StackCa
 layer, what the benchmark counts too) — for t2v and i2v, guidance 1 and > 1, the default config and non-default
 ones (order-1 extrapolation, order 0, no run limit); every case skips steps, and skipping moves the pipeline's
 latents past three times the tolerance. A cached request packed with
-uncached and differently cached ones equals each alone, and a reusing request runs no forward. Bad `cache` fields
-are refused naming the field (request, deployment config, CLI); served equals offline (one served test).
+uncached and differently cached ones equals each alone, and a reusing request runs no forward. Sound and robot
+action requests (policy, forward and inverse dynamics) equal the pipeline with its SeaCache too. Bad `cache` fields
+are refused naming the field (request, deployment config, CLI); served equals offline (one served test). Step
+caching over a parallel group: tests/test_parallel.py.
 """
 
 from __future__ import annotations
@@ -71,8 +73,8 @@ def stacks(tiny_ckpts):
 
 def ours(gen: Generator, params: dict, config: dict, image) -> tuple[torch.Tensor, dict[str, list[int]]]:
     p = gen.prefill.validate(PROMPT, {**params, "cache": {"policy": "sea", **config}}, image)
-    latents, _, info = gen.run_reported(gen.prefill.run(p, image))
-    return latents, info["cache_skipped"]
+    out = gen.run(gen.prefill.run(p, image))
+    return out.latents, out.info["cache_skipped"]
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
@@ -244,7 +246,8 @@ def test_served_cache_equals_offline_and_names_bad_fields(server, offline):
     params = {"num_frames": 9, "steps": 8, "seed": 4, "cache": {"policy": "sea", "threshold": 0.6}}
     served = generate(server.url, "a lighthouse at dusk", params)
     p = offline.prefill.validate("a lighthouse at dusk", params, None)
-    latents, _, info = offline.run_reported(offline.prefill.run(p, None))
+    out = offline.run(offline.prefill.run(p, None))
+    latents, info = out.latents, out.info
     assert np.array_equal(served.video, offline.decode.run(latents))
     done = next(e for e in served.events if e["type"] == "done")
     assert done["cache_skipped"] == info["cache_skipped"] and info["cache_skipped"]["cond"]
@@ -290,7 +293,8 @@ def test_cached_sound_request_equals_pipeline(tmp_path_factory):
                   enable_sound=True, enable_safety_check=False)  # fmt: skip
     calls.remove()
     p = gen.prefill.validate(PROMPT, {**params, "enable_sound": True, "cache": {"policy": "sea", **config}}, None)
-    latents, sound, info = gen.run_reported(gen.prefill.run(p, None))
+    out = gen.run(gen.prefill.run(p, None))
+    latents, sound, info = out.latents, out.sound, out.info
     assert info["cache_skipped"] == calls.skipped(2) and info["cache_skipped"]["cond"]
     assert rel_l2(latents, theirs.video) <= 1e-4
     wave = torch.as_tensor(gen.decode.audio(sound))
@@ -309,3 +313,59 @@ def test_sea_filter_equals_diffusers():
         for sigma in (0.0, 0.3, 0.9999999, 1.0):
             for power in (0.5, 3.0):
                 assert torch.equal(sea_filter(x, sigma, power), _apply_sea_filter(x, sigma, power))
+
+
+ACTION_CASES = [  # tests.test_action's case tuples: (mode, domain, tier, chunk, input, raw rows, extra)
+    ("policy", "bridge_orig_lerobot", 256, 8, (40, 56, 0), 0, {"negative_prompt": "blurry"}),  # CFG, noisy band
+    ("forward_dynamics", "av", 256, 4, (48, 64, 5), 4, {"guidance_scale": 1.0}),  # one branch, clean band
+    ("policy", "av", 256, 5, (48, 64, 0), 0, {"sound": True}),  # vision | sound | action in one residual
+    ("inverse_dynamics", "pusht", 256, 4, (40, 56, 5), 0, {}),  # no noisy vision frame: diffusers fails open
+]
+
+
+@pytest.fixture(scope="module")
+def action_stack(action_ckpt):
+    d = Deployment.load(None, checkpoint=str(action_ckpt), device="cpu", dtype="float32")
+    return reference_pipeline(action_ckpt), Generator(d)
+
+
+@pytest.mark.parametrize("case", ACTION_CASES, ids=[f"{c[0]}-{c[1]}{'-sound' if c[6].get('sound') else ''}"
+                                                    for c in ACTION_CASES])  # fmt: skip
+def test_cached_action_request_equals_pipeline(action_stack, case):
+    """diffusers' SeaCache runs on action requests: the indicator is the vision latents, the reused residual spans
+    the action (and sound) tokens. Ours skips the same steps and its latents, actions (and waveform) equal the
+    pipeline's; inverse dynamics, with no noisy vision frame, skips nothing on either side."""
+    from tests.test_action import PROMPT as ACTION_PROMPT
+    from tests.test_action import SHIFT, inputs_of
+    from tests.test_action import reference as action_reference
+
+    pipe, gen = action_stack
+    mode, domain, tier, chunk, _, _, extra = case
+    image, clip, raw = inputs_of(case)
+    steps, seed, config = 10, 3, CONFIGS["extrapolate"]
+    branches = 1 if extra.get("guidance_scale", 5.0) == 1.0 else 2
+    pipe.transformer.enable_cache(sea_cache_config({"cache": {"policy": "sea", **config}}))
+    calls = StackCalls(pipe.transformer)
+    try:
+        ref_v, ref_a, ref_s = action_reference(pipe, case, image, clip, raw, steps=steps, seed=seed)
+    finally:
+        calls.remove()
+        pipe.transformer.disable_cache()
+    params = {"steps": steps, "seed": seed, "shift": SHIFT, "guidance_scale": extra.get("guidance_scale", 5.0),
+              "fps": extra.get("fps", 24.0), "enable_sound": extra.get("sound", False),
+              "action": {"mode": mode, "chunk_size": chunk, "domain": domain, "resolution_tier": tier},
+              "cache": {"policy": "sea", **config}}  # fmt: skip
+    if "negative_prompt" in extra:
+        params["negative_prompt"] = extra["negative_prompt"]
+    p = gen.prefill.validate(ACTION_PROMPT, params, image, clip, raw)
+    out = gen.run(gen.prefill.run(p, image, clip, raw))
+    assert out.info["cache_skipped"] == calls.skipped(branches)
+    assert bool(out.info["cache_skipped"]["cond"]) == (mode != "inverse_dynamics"), out.info["cache_skipped"]
+    assert out.latents.shape == ref_v.shape and rel_l2(out.latents, ref_v) <= 1e-4, rel_l2(out.latents, ref_v)
+    if ref_a is None:
+        assert out.actions is None
+    else:
+        assert out.actions.shape == ref_a.shape and rel_l2(out.actions, ref_a) <= 1e-4, rel_l2(out.actions, ref_a)
+    if ref_s is not None:
+        wave = torch.as_tensor(gen.decode.audio(out.sound))
+        assert rel_l2(wave, ref_s.float().reshape(wave.shape)) <= 1e-4

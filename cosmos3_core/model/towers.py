@@ -4,8 +4,9 @@
   GEN-facing K (`k_norm_und_for_gen(norm_k(K))`, rotated) and V, `[layers, tokens, kv_heads, head_dim]`.
   Exact: UND tokens attend causally to text only, so this K/V never depends on the denoise step.
 - `gen_forward`: the GEN tower over a packed step (many requests' rows, both CFG branches), attending to
-  [text K/V from the pool | the segment's own tokens] → `[rows, patch_latent_dim]` predictions (and, for step
-  caching, the block stack's residual).
+  [text K/V from the pool | the segment's own tokens] → a `GenOutput`: `[rows, patch_latent_dim]` predictions,
+  the sound and action rows' own, for step caching the block stack's residual, and a commit pass's K/V.
+- `domain_linear`: a domain-aware linear with each row's embodiment weights gathered for that row.
 - `embed_row` / `output_heads`: one row's GEN input and output heads alone — a branch that reuses a cached
   block-stack residual (cosmos3_core/cache.py) runs only these.
 - `fused_reference`: the whole stack every step, as the reference model runs it. Tests only.
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention import Plan, sdpa
-from .layers import Cosmos3Transformer, Layer
+from .layers import Cosmos3Transformer, DomainAwareLinear, Layer
 from .rotary import apply_rotary
 
 
@@ -79,6 +80,14 @@ def embed_latent_tokens(
     return x + torch.where(noisy_mask[:, None], temb, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
+def domain_linear(layer: DomainAwareLinear, x: torch.Tensor, domain: torch.Tensor) -> torch.Tensor:
+    """x [R, in], domain [R] int64 → [R, out]: each row through its own domain's matrix and bias, as diffusers'
+    `DomainAwareLinear` computes it (one [1, in] @ [in, out] per row, so a row's result never depends on the rows
+    packed with it, whatever their domains)."""
+    w = layer.fc(domain).view(-1, layer.in_features, layer.out_features)  # [R, in*out] → [R, in, out]
+    return torch.bmm(x.unsqueeze(1), w).squeeze(1) + layer.bias(domain)  # [R, 1, in] @ [R, in, out] → [R, out]
+
+
 @torch.inference_mode()
 def prefill_text_kv(
     model: Cosmos3Transformer, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -112,25 +121,40 @@ class GenKernels:
 EAGER = GenKernels()
 
 
+@dataclass
+class GenOutput:
+    """What one GEN pass over a packed step returns (`gen_forward`, `graphs.StepLayout.run`)."""
+
+    preds: torch.Tensor  # [S, patch_latent_dim]: every row, clean ones too
+    sound: torch.Tensor | None  # [R, sound_dim]: the sound rows' predictions (None: no sound in the pack)
+    action: torch.Tensor | None  # [A, action_dim]: the action rows' (None: no actions in the pack)
+    residual: torch.Tensor | None  # [S, hidden]: the block stack's residual (None unless the layout asks)
+    kv: dict[int, tuple[torch.Tensor, torch.Tensor]]  # collecting segments: K/V [layers, tokens, kv_heads, d]
+
+
 def gen_forward(
     model: Cosmos3Transformer, packed, attend: Plan, kernels: GenKernels = EAGER
-) -> tuple[
-    torch.Tensor, torch.Tensor | None, torch.Tensor | None, dict[int, tuple[torch.Tensor, torch.Tensor]]
-]:  # packed: graphs.PackedStep
+) -> GenOutput:  # packed: graphs.PackedStep
     """One GEN pass over a packed step → predictions [rows, patch_latent_dim] (every row, clean ones too), the
-    sound rows' predictions [R, sound_dim] (None without sound), with `packed.residual` the block stack's residual
-    [rows, hidden] (its output after `norm_moe_gen` minus its input after the embedding; else None) and,
-    for each segment that asks (`collect_kv`), its tokens' K/V [layers, tokens, kv_heads, d]. `attend` is the
-    step's attention plan (already updated for these segments). No host synchronisation: capturable."""
+    sound rows' predictions [R, sound_dim] (None without sound), the action rows' [A, action_dim] (None without
+    actions; clean ones too), with `packed.residual` the block stack's residual [rows, hidden] (its output after
+    `norm_moe_gen` minus its input after the embedding; else None) and, for each segment that asks (`collect_kv`),
+    its tokens' K/V [layers, tokens, kv_heads, d]. `attend` is the step's attention plan (already updated for these
+    segments). No host synchronisation: capturable."""
     collect = [i for i, seg in enumerate(packed.segments) if seg.collect_kv]
     ks: dict[int, list[torch.Tensor]] = {i: [] for i in collect}
     vs: dict[int, list[torch.Tensor]] = {i: [] for i in collect}
     x = embed_latent_tokens(model, packed.tokens, packed.noisy_mask, packed.segment_timesteps, packed.token_segment)
-    sound_rows = packed.sound_rows
-    if sound_rows.numel():  # sound tokens: audio_proj_in(x) + audio_modality_embed + temb(t), all noisy
+    sound_rows, action_rows = packed.sound_rows, packed.action_rows
+    if sound_rows.numel() or action_rows.numel():  # their rows' embeddings replace proj_in's (of zeros) there
         temb = model.time_embedder(packed.segment_timesteps * model.cfg.timestep_scale).to(x.dtype)
+    if sound_rows.numel():  # sound tokens: audio_proj_in(x) + audio_modality_embed + temb(t), all noisy
         sound = model.audio_proj_in(packed.sound) + model.audio_modality_embed
         x = x.index_put((sound_rows,), sound + temb[packed.token_segment[sound_rows]])
+    if action_rows.numel():  # action tokens: action_proj_in[domain](x) + action_modality_embed (+ temb(t) if noisy)
+        action = domain_linear(model.action_proj_in, packed.action, packed.action_domain) + model.action_modality_embed
+        t_emb = torch.where(packed.noisy_mask[action_rows, None], temb[packed.token_segment[action_rows]], 0.0)
+        x = x.index_put((action_rows,), action + t_emb)
     stack_input = x
     for i, layer in enumerate(model.layers):
         q, k, v = kernels.qkv(layer, x, packed.cos, packed.sin)
@@ -141,28 +165,53 @@ def gen_forward(
         x = kernels.residual(layer, x, attend(q, k, v, i))
     h = model.norm_moe_gen(x)
     sound_out = model.audio_proj_out(h[sound_rows]) if sound_rows.numel() else None
+    action_out = (
+        domain_linear(model.action_proj_out, h[action_rows], packed.action_domain) if action_rows.numel() else None
+    )
     residual = h - stack_input if packed.residual else None
-    return model.proj_out(h), sound_out, residual, {j: (torch.stack(ks[j]), torch.stack(vs[j])) for j in collect}
+    kv = {j: (torch.stack(ks[j]), torch.stack(vs[j])) for j in collect}
+    return GenOutput(model.proj_out(h), sound_out, action_out, residual, kv)
 
 
 def embed_row(
-    model: Cosmos3Transformer, tokens: torch.Tensor, sound: torch.Tensor, noisy_mask: torch.Tensor, timestep: float
+    model: Cosmos3Transformer,
+    tokens: torch.Tensor,
+    sound: torch.Tensor,
+    action: torch.Tensor,
+    action_domain: int,
+    noisy_mask: torch.Tensor,
+    timestep: float,
 ) -> torch.Tensor:
     """One row's block-stack input, embedded as `gen_forward` embeds it in a pack: tokens [N, patch_latent_dim],
-    sound [T_s, sound_dim] (T_s may be 0; all noisy), noisy_mask [N + T_s] → [N + T_s, hidden]."""
-    n = tokens.shape[0]
+    sound [T_s, sound_dim] (T_s may be 0; all noisy), action [T_a, action_dim] (T_a may be 0) of embodiment
+    `action_domain`, noisy_mask [N + T_s + T_a] → [N + T_s + T_a, hidden]."""
+    n, s, a = tokens.shape[0], sound.shape[0], action.shape[0]
     t = torch.full((1,), timestep, dtype=torch.float32, device=tokens.device)  # a fill: no host-to-device copy
     x = embed_latent_tokens(model, tokens, noisy_mask[:n], t)
-    if sound.shape[0]:
+    parts = [x]
+    if s or a:
         temb = model.time_embedder(t * model.cfg.timestep_scale).to(x.dtype)
-        x = torch.cat([x, model.audio_proj_in(sound) + model.audio_modality_embed + temb])
-    return x
+    if s:
+        parts.append(model.audio_proj_in(sound) + model.audio_modality_embed + temb)
+    if a:
+        domain = torch.full((a,), action_domain, dtype=torch.long, device=tokens.device)
+        emb = domain_linear(model.action_proj_in, action, domain) + model.action_modality_embed
+        parts.append(emb + torch.where(noisy_mask[n + s :, None], temb, 0.0))
+    return torch.cat(parts) if len(parts) > 1 else x
 
 
-def output_heads(model: Cosmos3Transformer, h: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A row's block-stack output [N + T_s, hidden] → (predictions [N, patch_latent_dim], sound predictions
-    [T_s, sound_dim] or None without sound)."""
-    return model.proj_out(h[:n]), (model.audio_proj_out(h[n:]) if h.shape[0] > n else None)
+def output_heads(
+    model: Cosmos3Transformer, h: torch.Tensor, n: int, s: int, action_domain: int
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """A row's block-stack output [N + T_s + T_a, hidden] → (predictions [N, patch_latent_dim], sound predictions
+    [T_s, sound_dim] or None without sound, action predictions [T_a, action_dim] or None without actions)."""
+    a = h.shape[0] - n - s
+    sound = model.audio_proj_out(h[n : n + s]) if s else None
+    action = None
+    if a:
+        domain = torch.full((a,), action_domain, dtype=torch.long, device=h.device)
+        action = domain_linear(model.action_proj_out, h[n + s :], domain)
+    return model.proj_out(h[:n]), sound, action
 
 
 @torch.inference_mode()
