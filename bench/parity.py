@@ -259,7 +259,8 @@ def load_ours(root: Path, device: str, dtype: torch.dtype, compile: bool, attent
 
 
 def run_ours(gen, p: dict, image: np.ndarray | None, clip: np.ndarray | None = None) -> tuple[Output, str]:
-    latents, sound = gen.generate(PROMPT, p, image, video=clip)
+    out = gen.generate(PROMPT, p, image, video=clip)
+    latents, sound = out.latents, out.sound
     frames = gen.decode.run(latents)
     try:  # the backend this request's last step ran (an SDPA fallback shows)
         backend = next(reversed(gen.engine.step.layouts))[1]
