@@ -175,14 +175,23 @@ class DenoiseEngine:
 
     def warmup(self, requests: list[GenerationParams], text_tokens: int = 96) -> float:
         """Run each request shape for two steps through the real step (rows from the row builder), so compiles,
-        allocator growth and kernel autotuning happen before serving. Returns seconds spent."""
+        allocator growth and kernel autotuning happen before serving; an action request with zero clean latents
+        (forward dynamics: zero actions). Returns seconds spent."""
         t0 = time.perf_counter()
         cfg = self.cfg
         g = torch.Generator().manual_seed(0)
         for p in requests:
             shape = (cfg.num_hidden_layers, text_tokens, cfg.num_key_value_heads, cfg.head_dim)
             kv = [torch.randn(shape, generator=g).to(self.dtype) * 0.1 for _ in range(2 * p.cfg_branches)]
-            pre = PrefillResult(dataclasses.replace(p, steps=2), kv[: p.cfg_branches], kv[p.cfg_branches :], None)
+            cond = actions = None
+            if p.action_mode:  # zero clean latents (and given actions): the served request's clean/noisy split
+                frames = (p.num_frames - 1) // cfg.vae_scale_temporal + 1
+                cond = torch.zeros(1, cfg.latent_channel, frames, *cfg.latent_hw(*p.frame_size))
+                if not p.returns_actions:  # forward dynamics
+                    actions = torch.zeros(p.chunk_size, cfg.action_dim)
+            pre = PrefillResult(
+                dataclasses.replace(p, steps=2), kv[: p.cfg_branches], kv[p.cfg_branches :], cond, actions
+            )
             self.submit(pre, _NullSink())
             self.run_until_idle()
         if self.device.startswith("cuda"):

@@ -38,7 +38,7 @@ from .media import (
 from .model.checkpoint import Checkpoint
 from .model.config import CheckpointError
 from .parallel.group import Group
-from .requests import RequestError, add_request_arguments, params_from_arguments
+from .requests import RequestError, add_request_arguments, params_from_arguments, warmup_inputs
 from .stages import DecodeStage, PrefillStage
 from .tools.checkpoints import resolve_checkpoint
 from .wire import PrefillResult
@@ -67,7 +67,9 @@ class Generator:
         # one group for the denoise and the decode ranks (parallel/group.py), when the deployment splits either
         self.group = Group(d.worker_spec(self.ckpt.root, ("denoise", "decode"))) if d.parallel.ranks > 1 else None
         self.engine = DenoiseEngine.from_deployment(self.ckpt, d, group=self.group)
-        self.engine.warmup([self.prefill.validate("warmup", r, None) for r in d.warmup_requests])
+        self.engine.warmup(
+            [self.prefill.validate("warmup", r, *warmup_inputs(r, d.defaults)) for r in d.warmup_requests]
+        )
         self.decode = DecodeStage.from_deployment(self.ckpt, d, device, self.group)
 
     def close(self) -> None:
