@@ -3,7 +3,8 @@
 Each `tick` is schedule → rows → run → update: the `Scheduler` (scheduler.py, no model) admits and returns the
 live jobs; the row builder (`step.denoise_step_row`) turns each into its row (both CFG branches, any size, any
 step index, AR commit passes too); `DenoiseStep` runs them all as ONE packed GEN forward; the scheduler applies
-each job's output. Requests join and leave between ticks.
+each job's output. Requests join and leave between ticks. Served in FP8 (`ckpt.fp8`), each row carries the step
+policy's precision for its own step (W8A16 or W8A8; an AR commit pass as its window's last step).
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class DenoiseEngine:
         cfg = self.cfg = ckpt.config
         self.device, self.dtype = device, dtype
         self.model = ckpt.load_transformer({GEN}, device, dtype)
+        self.fp8_policy = ckpt.fp8.policy if ckpt.fp8 is not None else None
         self.pool = KVPool(
             pool_pages, page_size, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype, device
         )
@@ -108,13 +110,21 @@ class DenoiseEngine:
         return len(jobs)
 
     def _row(self, job: Job) -> Row:
-        patch = self.cfg.latent_patch_size
+        patch, steps = self.cfg.latent_patch_size, len(job.timesteps)
         if job.committing:
-            return denoise_step_row(job.latents, 0.0, job.noisy_frames[:0], job.branches, patch, self.dtype, True)
+            a16 = self._a16(steps - 1, steps)
+            return denoise_step_row(
+                job.latents, 0.0, job.noisy_frames[:0], job.branches, patch, self.dtype, True, a16=a16
+            )
         t = job.timesteps[job.step]
         return denoise_step_row(
-            job.latents, t, job.noisy_frames, job.branches, patch, self.dtype, sound_latents=job.sound
-        )
+            job.latents, t, job.noisy_frames, job.branches, patch, self.dtype, sound_latents=job.sound,
+            a16=self._a16(job.step, steps),
+        )  # fmt: skip
+
+    def _a16(self, step: int, steps: int) -> bool:
+        """FP8 layer linears: W8A16 for this step (the policy's choice); 16-bit models: True, and ignored."""
+        return self.fp8_policy is None or self.fp8_policy.use_high_precision(step, steps)
 
     # ---- the scheduler's, for the Triton glue and the CLI ----
     def submit(self, prefill: PrefillResult, sink: Sink) -> int:

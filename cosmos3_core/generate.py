@@ -27,7 +27,6 @@ from .model.checkpoint import Checkpoint
 from .model.config import CheckpointError
 from .requests import RequestError, add_request_arguments, params_from_arguments
 from .stages import DecodeStage, PrefillStage
-from .tools.checkpoints import resolve_checkpoint
 from .wire import PrefillResult
 
 OUT_SUFFIXES = (*FRAME_SUFFIXES, ".pt")
@@ -38,7 +37,7 @@ class Generator:
 
     def __init__(self, deployment: Deployment, checkpoint: Checkpoint | None = None):
         self.deployment = d = deployment
-        self.ckpt = checkpoint or Checkpoint.open(resolve_checkpoint(d.checkpoint))
+        self.ckpt = checkpoint or d.open_checkpoint()
         device, dtype = d.torch_device, d.torch_dtype
         self.prefill = PrefillStage(self.ckpt, device, dtype, d.defaults, d.limits)
         self.engine = DenoiseEngine.from_deployment(self.ckpt, d)
@@ -168,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         deployment = Deployment.load(
             args.config, checkpoint=args.checkpoint or None, device=args.device, dtype=args.dtype
         )
-        ckpt = Checkpoint.open(resolve_checkpoint(deployment.checkpoint))
+        ckpt = deployment.open_checkpoint()
         image = load_image(args.image) if args.image else None
         video = load_video(args.video) if args.video else None
         params = params_from_arguments(args)

@@ -1,7 +1,8 @@
 """Step layouts: what a packed step of one shape owns, and its CUDA graph.
 
-A layout is fixed by the packed rows' sizes, branches and commit flags (plus whatever the attention backend's
-shapes depend on: SDPA's prefix lengths; nothing for FlashInfer, whose page tables are plan data). It owns:
+A layout is fixed by the packed rows' sizes, branches, commit flags and FP8 precisions (W8A16 rows are packed
+first: `PackedStep.a16_rows` is where W8A8 starts), plus whatever the attention backend's shapes depend on (SDPA's
+prefix lengths; nothing for FlashInfer, whose page tables are plan data). It owns:
 - the packed input buffers `[S, ...]` (tokens, noisy mask, rotary cos/sin; sound tokens and their row index
   `sound_rows`, fixed by the layout, so a sound layout captures like any other), zero padding included, and the
   per-segment timesteps, refilled each step by `fill` — no per-step allocation of the step's inputs;
@@ -38,10 +39,12 @@ class PackedStep:
     segments: list[Segment]
     sound: torch.Tensor  # [R, sound_dim]: every segment's sound tokens, in segment order (R = 0: no sound)
     sound_rows: torch.Tensor  # [R] int64: where they sit in the pack (fixed by the layout)
+    a16_rows: int  # FP8 linears: rows [0, a16_rows) run W8A16, the rest W8A8 (fixed by the layout)
 
 
 class StepLayout:
-    """`graph_pool`: the CUDA graph memory pool its capture shares (None: never capture, e.g. on the CPU)."""
+    """`graph_pool`: the CUDA graph memory pool its capture shares (None: never capture, e.g. on the CPU).
+    `a16_rows`: the pack's leading rows whose FP8 linears run W8A16 (the rest W8A8)."""
 
     def __init__(
         self,
@@ -52,6 +55,7 @@ class StepLayout:
         token_dim: int,
         segments: list[Segment],
         graph_pool: tuple | None,
+        a16_rows: int,
     ):
         cfg = model.cfg
         dev, dt = attention.pool.k_pages.device, attention.pool.k_pages.dtype
@@ -69,6 +73,7 @@ class StepLayout:
             segments=segments,
             sound=torch.zeros(sum(s.sound for s in segments), cfg.sound_dim, dtype=dt, device=dev),
             sound_rows=torch.cat(sound_rows).to(dev),
+            a16_rows=a16_rows,
         )
         for i, s in enumerate(segments):
             self.packed.token_segment[s.start : s.start + s.length] = i

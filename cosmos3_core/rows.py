@@ -13,6 +13,9 @@ Layouts:
               tokens in each branch's segment (text | vision | sound); every sound token is noisy and gets the
               row's timestep (the pipeline steps sound with a copy of the vision scheduler: the same t)
   sound velocity [sound_dim, T_s] fp32
+
+Precision: `Row.a16` says how the row's FP8 layer linears run this step — W8A16 (True) or W8A8 — as the FP8 step
+policy decides for its step (model/fp8.py); a model without FP8 linears ignores it. Rows of one tick may differ.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ class Row:
     latent_hw: tuple[int, int]  # (H, W) latent pixels; h*p, w*p when the grid needed no padding
     branches: tuple[Branch, ...]  # (cond,) or (cond, uncond)
     commit: bool  # return the tokens' K/V instead of a velocity
+    a16: bool = True  # FP8 linears: W8A16 this step (False: W8A8); ignored by 16-bit models
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,7 @@ def denoise_step_row(
     dtype: torch.dtype,
     commit: bool = False,
     sound_latents: torch.Tensor | None = None,
+    a16: bool = True,
 ) -> Row:
     """Build one request's input to a denoise step.
 
@@ -96,7 +101,8 @@ def denoise_step_row(
     (applied to the frames in `noisy_frames`), `branches` per CFG branch. `commit`: an AR commit pass over
     clean latents — no noisy frames, no timestep; the step returns the tokens' K/V. `sound_latents`
     [sound_dim, T_s] (fp32, as sampled): the request's sound band, every token noisy at `timestep`; the
-    branches' rotary tables then cover N + T_s positions."""
+    branches' rotary tables then cover N + T_s positions. `a16`: the FP8 step policy's precision for this step
+    (W8A16; False: W8A8)."""
     if commit and (len(noisy_frames) or sound_latents is not None):
         raise ValueError("a commit row has no noisy frames and no sound")
     _, _, t, h, w = latents.shape
@@ -117,6 +123,7 @@ def denoise_step_row(
         latent_hw=(h, w),
         branches=branches,
         commit=commit,
+        a16=a16,
     )
 
 

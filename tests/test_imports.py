@@ -11,8 +11,8 @@ PKG = Path(__file__).resolve().parent.parent / "cosmos3_core"
 # low → high: model maths and plain data; rows; the packed step; the scheduler; the engine; stages and Triton glue
 LAYERS: list[set[str]] = [
     {"__init__", "faults", "media", "windows", "requests", "sampling", "kv_pool", "model.__init__", "model.config",
-     "model.prompts", "model.wan_decoder", "tools.__init__", "tools.make_tiny", "tools.random_checkpoint",
-     "tools.checkpoints"},
+     "model.prompts", "model.wan_decoder", "model.fp8", "tools.__init__", "tools.make_tiny", "tools.make_fp8",
+     "tools.random_checkpoint", "tools.checkpoints"},
     {"model.layers", "model.rotary", "model.conditioning", "model.sound", "model.video_input", "rows", "wire"},
     {"attention", "model.checkpoint"},
     {"model.towers"},
