@@ -500,3 +500,14 @@ def test_precision_fp8_w8a16_equals_the_checkpoint_with_dequantized_weights(nano
         PROMPT, dict(T2V, steps=8)
     )
     assert 1e-4 < rel_l2(mixed, full) < 0.5
+
+
+def test_fp8_warmup_compiles_w8a16_w8a8_and_mixed_layouts(fp8_ckpts):
+    """Warmup runs a request's W8A16 step beside a 1-step (W8A8) one, then W8A8 alone: no path of the linears is
+    first met (and compiled) while serving."""
+    ckpt = Checkpoint.open(fp8_ckpts["nano"])
+    prefill = PrefillStage(ckpt, "cpu", torch.float32, Defaults(height=32, width=32, num_frames=5), Limits())
+    engine = DenoiseEngine(ckpt, "cpu", torch.float32, pool_pages=64, page_size=16, max_queue=4)
+    engine.warmup([prefill.validate("warmup", {"steps": 20}, None)])
+    assert {tuple(row[-1] for row in key[0]) for key in engine.step.layouts} == {(True, False), (True,), (False,)}
+    assert engine.stats.ticks == 0 and not engine.has_work()

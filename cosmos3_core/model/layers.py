@@ -1,12 +1,12 @@
 """Cosmos3 modules whose parameter names equal the checkpoint keys (`layers.N.self_attn.to_q.weight`, ...).
 
-Layer linears are `nn.Linear` as built; an FP8 checkpoint or `precision: fp8` swaps them for `fp8.Fp8Linear` at
-load (`checkpoint.py`), so callers run them through `fp8.linear` with the rows' precision.
-
 One stack, two towers per layer: the understanding (UND) tower reads text, the generation (GEN) tower
 reads latent tokens. `Cosmos3Transformer(cfg, parts)` builds only the towers a stage needs: prefill holds
 `{"und"}`, the denoise engine `{"gen"}`, the fused reference (tests) both. No forward here: the towers'
 computations live in `towers.py`, so the module tree stays a plain weight container.
+
+Layer linears are `nn.Linear` as built; an FP8 checkpoint or `precision: fp8` swaps them for `fp8.Fp8Linear` at
+load (`checkpoint.py`), so callers run them through `fp8.linear` with the rows' precision.
 
 Layouts: token-major, `[tokens, hidden]`; per-head tensors `[tokens, heads, head_dim]`.
 """
