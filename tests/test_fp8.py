@@ -331,28 +331,31 @@ W8A8_CASES = [
 
 def test_w8a8_and_mixed_steps_equal_diffusers_modelopt(fp8_ckpts, tmp_path, monkeypatch, eager_modelopt):
     """Native W8A8 steps (ModelOpt's own GEMM function) and mixed schedules, against diffusers with its step policy,
-    its W8A16, ModelOpt's W8A8 and the linears classified by tower. Each op is ModelOpt's bit for bit
-    (`test_native_w8a8_linear_is_modelopts_gemm`); end to end, a run may meet an E4M3 rounding tie (module
-    docstring), which the tiny model amplifies: at least 2 of 3 runs are ≤ 1e-4 (no tie; measured ~1e-6), so a
-    wrong precision, scale or linear anywhere (every run ≥ 1e-3) fails."""
+    its W8A16, ModelOpt's W8A8 and the linears classified by tower: rel-L2 ≤ 1e-4 (measured ~1e-6). Each op is
+    ModelOpt's bit for bit (`test_native_w8a8_linear_is_modelopts_gemm`), but a run may meet an E4M3 rounding tie
+    (module docstring), which the tiny model amplifies; a tie belongs to one seed, so a case may take a second
+    seed. A wrong precision, scale or linear fails every seed."""
     overlap = _copy_with_config(fp8_ckpts["nano"], tmp_path, None)  # the same weights, the policy in config.json
     config = json.loads((fp8_ckpts["nano"] / "transformer" / "config.json").read_text())
     config["quantization_config"]["runtime"]["diffusion_step_policy"] = policy_json(3, 3, "native", "a16")
     (overlap / "transformer" / "config.json").write_text(json.dumps(config))
-    errors = []
+    report = []
     for variant, params, policy in W8A8_CASES:
         ckpt = fp8_ckpts[variant] if policy is not None else overlap
         pipe = diffusers_fp8(ckpt, monkeypatch)
-        ref = reference(pipe, params, policy)
         schedule = policy or StepPolicy(3, 3, "native", "a16")
         steps = params["steps"]
-        assert pipe._mixed_precision_trace == [
-            "W8A16" if schedule.use_high_precision(i, steps) else "W8A8" for i in range(steps)
-        ]
-        assert "W8A8" in pipe._mixed_precision_trace
-        errors.append(rel_l2(ours(ckpt, params, policy), ref))
-    print("W8A8 and mixed runs, rel-L2 to diffusers + ModelOpt:", ", ".join(f"{e:.1e}" for e in errors))
-    assert sum(e <= 1e-4 for e in errors) >= 2 * len(errors) / 3, errors
+        want = ["W8A16" if schedule.use_high_precision(i, steps) else "W8A8" for i in range(steps)]
+        errors = []
+        for seed in (params["seed"], params["seed"] + 10):
+            ref = reference(pipe, dict(params, seed=seed), policy)
+            assert pipe._mixed_precision_trace == want and "W8A8" in want
+            errors.append(rel_l2(ours(ckpt, dict(params, seed=seed), policy), ref))
+            if errors[-1] <= 1e-4:
+                break
+        report.append((variant, steps, schedule, errors))
+    print("\n".join(f"{v} {n} steps {p}: rel-L2 {', '.join(f'{e:.1e}' for e in es)}" for v, n, p, es in report))
+    assert all(errors[-1] <= 1e-4 for *_, errors in report), report
 
 
 def test_diffusers_own_classification_moves_w8a8_steps(fp8_ckpts, monkeypatch, eager_modelopt):
@@ -438,6 +441,12 @@ def test_packed_tick_mixing_w8a16_and_w8a8_rows_equals_each_alone(fp8_ckpts):
     for packed, solo in zip(sinks, alone):
         torch.testing.assert_close(packed.latents, solo, rtol=0, atol=1e-6)
         assert rel_l2(packed.latents, solo) <= 1e-6
+    # and the W8A8 steps ran W8A8: A with every step W8A16 ends elsewhere
+    a16_ckpt = Checkpoint.open(fp8_ckpts["nano"], "checkpoint", {"first_steps": 6, "last_steps": 0})
+    e = DenoiseEngine(a16_ckpt, "cpu", torch.float32, pool_pages=64, page_size=16, max_queue=4)
+    e.submit(a, sink := _Sink())
+    e.run_until_idle()
+    assert rel_l2(sink.latents, alone[0]) > 1e-3
 
 
 # ---- precision: fp8 on a 16-bit checkpoint -----------------------------------------------------------------------
