@@ -12,7 +12,7 @@ ADDRESS ?= 127.0.0.1
 PROMPT ?= A robot arm stacks red and blue cubes on a wooden table, soft daylight.
 OUT ?= out/demo.mp4
 
-.PHONY: setup serve demo stop test lint bench soak fuzz conformance parity device-wheels docker clean
+.PHONY: setup serve demo stop test lint bench soak fuzz conformance parity warm device-wheels docker clean
 
 setup: $(VENV)/.installed
 
@@ -56,6 +56,10 @@ bench: setup
 	$(PY) -m bench.served --config $(or $(BENCH_CONFIG),configs/bench_edge.yaml) --json out/bench_served.json --md BENCHMARKS.md
 	$(PY) -m bench.served --config configs/bench_nano_ar.yaml --c1 0 --c4 0 --ar 1 --json out/bench_nano_ar.json --md BENCHMARKS.md
 	$(PY) -m bench.inprocess --preset edge --compile --variants sdpa flashinfer+graphs --json out/bench_inprocess.json --md BENCHMARKS.md
+
+# build the deployment's kernels (FlashInfer fa3 JIT, torch.compile) into $$COSMOS3_CACHE/kernels before serving
+warm: setup
+	$(PY) -m cosmos3_core.tools.warm --config $(CONFIG) $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT))
 
 # numerics at real shapes (GPU: PRESET=edge|nano, see bench/device_parity.sh); tiny runs on the CPU
 parity: setup

@@ -4,6 +4,8 @@
 # the image). Checkpoints are written under /tmp/c3parity (Nano: 30 GB of bf16; a preset's checkpoint is removed
 # before the next preset's is written, the disk is 64 GiB). FlashInfer JIT-compiles fa3 on first use (~90 s).
 #   device run, carry [.whl/parity]: bash bench/device_parity.sh edge [--cases 't2v-*' ...]
+# v2v and sound cases (nano; `--cases` globs, e.g. '*+sound-9f-4s-flow' 'v2v-*-9f-4s-flow') add the sound tokenizer
+# (~1 GB) and the transformer's sound heads to the same checkpoint in place, on first use (~10-20 s).
 set -uo pipefail
 preset=$1; shift
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/parity/*.whl 2>&1 | grep -v -e WARNING -e "already exists" | tail -2

@@ -5,6 +5,11 @@
 #                 same request in-process (2) and through diffusers (2), in the same run
 #   nano_chained  Nano AR chained streams, 832x480, 45 frames (2 windows), config steps (35), c=1 and c=4
 #   nano_kv       the same with kv windows (context K/V kept in the pool)
+#   nano_sound    Nano 832x480x121, 35 steps, guidance 6, one server (random:nano_sound: ~1 GB sound tokenizer written
+#                 first, ~10 s): t2v, t2v+sound and v2v (2 latent frames kept) at c=1 ($C1, default 1 request each,
+#                 after a 2-step one of each kind), then diffusers for t2v+sound and v2v (1 each, after a 2-step one);
+#                 prints sound's cost over video-only. Budget: startup ~1-3 min (compile, fa3 JIT unless cached),
+#                 ~30 s a served request, ~45 s a diffusers one: ~5-7 min in all, under the 560 s timeout
 set -uo pipefail
 [ -x /tmp/v/bin/python ] || { echo "no /tmp/v: run bench/device_env.sh first on this machine"; exit 3; }
 /tmp/v/bin/python -m pip install -q --no-index --no-deps .whl/pytriton/*.whl 2>&1 | grep -v -e "already exists" -e WARNING | tail -3
@@ -15,9 +20,11 @@ for run in "${runs[@]}"; do
     edge) args=(--config configs/bench_edge.yaml --c1 3 --c4 ${C4:-8} --inprocess ${INPROCESS:-2} --diffusers ${DIFFUSERS:-2}) ;;
     nano_chained) args=(--config configs/bench_nano_ar.yaml --c1 0 --c4 0 --ar 1 --ar-params '{"window_mode": "chained", "num_frames": 45}') ;;
     nano_kv) args=(--config configs/bench_nano_ar.yaml --c1 0 --c4 0 --ar 1 --ar-params '{"window_mode": "kv", "num_frames": 45}') ;;
+    nano_sound) args=(--config configs/bench_nano_sound.yaml --c1 ${C1:-1} --c4 0 --variants t2v t2v+sound v2v
+                      --diffusers ${DIFFUSERS:-1} --diffusers-variants t2v+sound v2v) ;;
     *) echo "unknown run $run"; exit 2 ;;
   esac
   echo "== $run: python -m bench.served ${args[*]}"
   timeout 560 /tmp/v/bin/python -m bench.served "${args[@]}" --json $OUT/served_$run.json > $OUT/served_$run.txt 2>&1
-  grep -v -e Warning -e float32 $OUT/served_$run.txt | tail -12
+  grep -v -e Warning -e float32 $OUT/served_$run.txt | tail -${TAIL:-16}
 done

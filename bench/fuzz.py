@@ -1,6 +1,6 @@
 """Fuzz the served `cosmos3` ensemble with mutated requests (hypothesis): parameters JSON of any structure, types,
-NaN/inf, huge and negative numbers, unknown keys, images of any rank/dtype/size, window parameters, prompts of any
-bytes, missing and unexpected inputs.
+NaN/inf, huge and negative numbers, unknown keys, images of any rank/dtype/size, window parameters, robot-action
+parameters and raw actions of any rank/dtype/size, prompts of any bytes, missing and unexpected inputs.
 
 Every request must end: a rejection within `--max-reject-s` whose text names its field, or (when the mutation
 happens to be valid) a stream that completes or is cut short by our cancel. Every `--probe-every` cases a small
@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 
 from cosmos3_core.requests import PARAMETER_KEYS, Limits
 
-INPUTS = ("prompt", "image", "condition_video", "parameters")
+INPUTS = ("prompt", "image", "condition_video", "raw_actions", "parameters")
 KNOWN_FIELDS = frozenset((*INPUTS, *PARAMETER_KEYS))
 FAULT_SEEDS = (666, 667)  # the test server injects failures for these (cosmos3_core/faults.py)
 PROBE = (b"a valid probe", {"steps": 1, "num_frames": 1, "height": 32, "width": 32, "seed": 1})
@@ -148,6 +148,18 @@ def near_valid(key: str, limits: Limits) -> st.SearchStrategy[Any]:
         return st.lists(index, max_size=4) | st.sampled_from([0, "0,1", None, {}])
     if key == "condition_video_keep":
         return st.sampled_from(["first", "last", "middle", "", "FIRST", 1, None])
+    if key == "action":
+        fields = {
+            "mode": st.sampled_from(["policy", "forward_dynamics", "inverse_dynamics", "", "Policy", 1, None]),
+            "chunk_size": st.integers(-2, limits.max_chunk_size + 2) | st.sampled_from([1.5, "4", None]),
+            "domain": st.sampled_from(["pusht", "av", "bridge_orig_lerobot", "hand_pose", "libero", "nope", 7, None]),
+            "resolution_tier": st.sampled_from([256, 480, 704, 720, 255, "480", 480.0, None]),
+            "view_point": st.sampled_from(["ego_view", "wrist_view", "top", None, 3]),
+            "chunk": st.just(4),  # an unknown key
+        }
+        return st.dictionaries(st.sampled_from(list(fields)), st.just(None), max_size=6).flatmap(
+            lambda d: st.fixed_dictionaries({k: fields[k] for k in d})
+        ) | st.sampled_from([[], "policy", 1, None])
     return st.text(max_size=40) | st.sampled_from(["", "blurry", "\x00", "x" * (limits.max_prompt_bytes + 1)])
 
 
@@ -209,6 +221,14 @@ def clip_array() -> st.SearchStrategy[np.ndarray]:
     return st.one_of(valid, valid, odd)
 
 
+def raw_actions_array() -> st.SearchStrategy[np.ndarray]:
+    valid = st.tuples(st.integers(1, 12), st.sampled_from([2, 9, 10, 57])).map(lambda td: np.ones(td, np.float32))
+    special = st.sampled_from([np.full((3, 9), np.nan, np.float32), np.zeros((0, 9), np.float32)])
+    odd_shape = st.lists(st.integers(0, 5), min_size=0, max_size=4).map(tuple)
+    odd = st.tuples(st.sampled_from(DTYPES), odd_shape).map(lambda d: np.zeros(d[1], dtype=d[0]))
+    return st.one_of(valid, valid, special, odd)
+
+
 @st.composite
 def cases(draw: st.DrawFn, limits: Limits) -> Case:
     inputs: dict[str, tuple[str, np.ndarray]] = {}
@@ -241,6 +261,9 @@ def cases(draw: st.DrawFn, limits: Limits) -> Case:
     if draw(st.integers(0, 3)) == 0:  # v2v: a clip of any length, size, rank and dtype
         clip = draw(clip_array())
         inputs["condition_video"] = (_triton_dtype(clip.dtype), clip)
+    if draw(st.integers(0, 5)) == 0:  # forward dynamics' actions, any rank / dtype / size
+        raw = draw(raw_actions_array())
+        inputs["raw_actions"] = (_triton_dtype(raw.dtype), raw)
     if draw(st.integers(0, 30)) == 0:
         inputs["images"] = ("UINT8", np.zeros((2, 2, 3), np.uint8))  # an input the model does not have
     return Case(inputs, keys)
@@ -315,7 +338,7 @@ def named_field(message: str, sent_keys: frozenset[str]) -> str | None:
     text = message.split("in ensemble 'cosmos3', ", 1)[-1]
     text = re.sub(r"^\[request id: [^\]]*\] ", "", text)
     fields = KNOWN_FIELDS | sent_keys | {"images"}
-    m = re.match(r"(\w+): ", text)
+    m = re.match(r"(\w+)(?:\.\w+)?: ", text)  # `action.mode: ...` names the `action` parameter
     if m and m.group(1) in fields:
         return m.group(1)
     for name in re.findall(r"input(?:\(s\))?:? \[?'(\w+)'", text):

@@ -3,6 +3,7 @@ diffusers in fp32 on the same weights. Rerun after every numeric change.
 
   python -m bench.parity --preset edge|nano [--cases GLOB ...] [--compile] [--json F] [--md BENCHMARKS.md]
   python -m bench.parity --preset tiny                # the whole harness on CPU (fp32 against fp32)
+  python -m bench.parity --preset nano --cases '*+sound-9f-4s-flow' 'v2v-*-9f-4s-flow'   # sound and v2v
   python -m bench.parity --preset edge --precision fp8 [--fp8-policy '{"first_steps": 3}'] --bar 100
                                                       # ours in FP8 (quantized at load), beside diffusers' bf16
   python -m bench.parity --report F.json --md BENCHMARKS.md   # render a saved run
@@ -17,6 +18,14 @@ after another, each freed before the next: diffusers fp32 (TF32 off) → diffuse
 schedule, CUDA graphs on). Per case and run: rel-L2 of the final latents against fp32 diffusers', its ratio to
 diffusers' own low-precision distance, and the PSNR of the decoded uint8 frames against fp32 diffusers' frames. A
 case passes when each of ours is within `--bar` (1.05) × diffusers' distance, or below FLOOR (both fp32).
+
+v2v and sound (`--cases` globs pick them; without `--cases` the run is the 16 t2v/i2v cases above): tasks
+`v2v-first` / `v2v-last` (a 12-frame synthetic clip at the output size, `condition_frame_indexes` [0, 1], that end
+of the clip kept) and `t2v+sound`, `i2v+sound`, `v2v+sound` (first) for presets with sound (nano, tiny). The
+checkpoint then also carries a sound tokenizer and the transformer's sound heads, added in place to the same
+checkpoint (`random_checkpoint.add_sound`; the other weights stay as they were, ~1 GB more for Nano). A sound case
+is also judged on the waveform (`out.sound`, clamped stereo [2, S], decoded by each side's own tokenizer run):
+its rel-L2 against fp32 diffusers' waveform, with the same ratio rule; the sound latents' rel-L2 is recorded too.
 """
 
 from __future__ import annotations
@@ -47,9 +56,14 @@ SIZES = {"tiny": (32, 64), "edge": (480, 832), "nano": (480, 832)}
 HEADING = "## Real-shape parity: ours and diffusers in bf16 against diffusers in fp32 — `python -m bench.parity`"
 
 
+SOUND_PRESETS = ("tiny", "nano")  # Edge has no sound
+V2V_INDEXES = [0, 1]  # the pipeline's default condition_frame_indexes
+CLIP_FRAMES = 12  # longer than the max(idx)·4 + 1 = 5 frames kept, so `first` and `last` keep different frames
+
+
 @dataclass(frozen=True)
 class Case:
-    task: str  # t2v | i2v
+    task: str  # t2v | i2v | v2v-first | v2v-last | t2v+sound | i2v+sound | v2v+sound
     frames: int
     steps: int
     schedule: str  # native | flow
@@ -58,14 +72,37 @@ class Case:
     def name(self) -> str:
         return f"{self.task}-{self.frames}f-{self.steps}s-{self.schedule}"
 
+    @property
+    def sound(self) -> bool:
+        return self.task.endswith("+sound")
+
+    @property
+    def kind(self) -> str:  # t2v | i2v | v2v
+        return self.task[:3]
+
+    @property
+    def keep(self) -> str:  # v2v: which end of the clip
+        return "last" if self.task == "v2v-last" else "first"
+
+
+def _frames(preset: str) -> tuple[int, int]:
+    return (5, 9) if preset == "tiny" else (9, 33)  # the tiny VAE is most of a CPU run's time
+
 
 def cases_for(preset: str) -> list[Case]:
-    frames = (5, 9) if preset == "tiny" else (9, 33)  # the tiny VAE is most of a CPU run's time
-    return [Case(t, f, s, sch) for sch in ("native", "flow") for t in ("t2v", "i2v") for f in frames for s in (4, 8)]
+    """The default run: t2v and i2v."""
+    return [Case(t, f, s, sch) for sch in ("native", "flow") for t in ("t2v", "i2v") for f in _frames(preset)
+            for s in (4, 8)]  # fmt: skip
+
+
+def omni_cases(preset: str) -> list[Case]:
+    """v2v (every preset) and sound (presets with sound), picked by `--cases` globs."""
+    tasks = ["v2v-first", "v2v-last"] + (["t2v+sound", "i2v+sound", "v2v+sound"] if preset in SOUND_PRESETS else [])
+    return [Case(t, f, s, sch) for sch in ("native", "flow") for t in tasks for f in _frames(preset) for s in (4, 8)]
 
 
 def select(preset: str, patterns: list[str] | None) -> list[Case]:
-    cases = cases_for(preset)
+    cases = cases_for(preset) + (omni_cases(preset) if patterns else [])
     chosen = [c for c in cases if not patterns or any(fnmatch.fnmatch(c.name, p) for p in patterns)]
     if not chosen:
         raise SystemExit(f"no case matches {patterns}; cases: {', '.join(c.name for c in cases)}")
@@ -95,14 +132,24 @@ def cond_image(height: int, width: int) -> np.ndarray:
     return np.clip(np.stack([r, g, b], axis=-1), 0, 255).astype(np.uint8)
 
 
-def checkpoint(preset: str, seed: int, device: str) -> Path:
-    """The preset's checkpoint with LLM-like random weights, written once under $COSMOS3_CACHE."""
+def cond_clip(height: int, width: int, frames: int = CLIP_FRAMES) -> np.ndarray:
+    """uint8 [T, H, W, 3] at the output size: the condition image drifting and brightening frame by frame, the v2v
+    clip of every case."""
+    base = cond_image(height, width).astype(np.int16)
+    return np.stack([np.clip(np.roll(base, 3 * i, axis=1) + 8 * i, 0, 255).astype(np.uint8) for i in range(frames)])
+
+
+def checkpoint(preset: str, seed: int, device: str, sound: bool = False) -> Path:
+    """The preset's checkpoint with LLM-like random weights, written once under $COSMOS3_CACHE. `sound`: with the
+    sound parts, added in place when missing (the rest of the checkpoint unchanged)."""
     from cosmos3_core.tools.make_tiny import make_tiny
-    from cosmos3_core.tools.random_checkpoint import write_skeleton, write_weights
+    from cosmos3_core.tools.random_checkpoint import add_sound, has_sound, write_skeleton, write_weights
 
     cache = Path(os.environ.get("COSMOS3_CACHE", Path.home() / ".cache" / "cosmos3"))
     target = cache / f"parity-{preset}-s{seed}"
     if (target / "model_index.json").is_file():
+        if sound and not has_sound(target):
+            add_sound(target, preset, seed, device)
         return target
     cache.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=cache, prefix=".tmp-parity-"))
@@ -111,6 +158,8 @@ def checkpoint(preset: str, seed: int, device: str) -> Path:
             write_weights(make_tiny(tmp / "ckpt", variant="edge", seed=seed), seed, device)
         else:
             write_skeleton(tmp / "ckpt", preset, weights=True, seed=seed, device=device)
+        if sound:
+            add_sound(tmp / "ckpt", preset, seed, device)
         (tmp / "ckpt").rename(target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -119,8 +168,24 @@ def checkpoint(preset: str, seed: int, device: str) -> Path:
 
 def params_of(case: Case, preset: str, seed: int) -> dict[str, Any]:
     h, w = SIZES[preset]
-    return {"height": h, "width": w, "num_frames": case.frames, "fps": 24.0, "steps": case.steps,
-            "guidance_scale": 6.0, "shift": 5.0, "seed": seed}  # fmt: skip
+    p = {"height": h, "width": w, "num_frames": case.frames, "fps": 24.0, "steps": case.steps,
+         "guidance_scale": 6.0, "shift": 5.0, "seed": seed}  # fmt: skip
+    if case.kind == "v2v":
+        p |= {"condition_frame_indexes": list(V2V_INDEXES), "condition_video_keep": case.keep}
+    if case.sound:
+        p["enable_sound"] = True
+    return p
+
+
+@dataclass
+class Output:
+    """One run of one case: final vision latents, decoded uint8 frames, and with sound the sound latents and the
+    waveform float32 [2, S]."""
+
+    latents: torch.Tensor
+    frames: np.ndarray
+    sound: torch.Tensor | None = None
+    wave: torch.Tensor | None = None
 
 
 # ---- diffusers ----
@@ -133,22 +198,39 @@ def load_diffusers(root: Path, device: str, dtype: torch.dtype):
     return pipe
 
 
-def run_diffusers(pipe, case: Case, p: dict, image: np.ndarray | None) -> tuple[torch.Tensor, np.ndarray]:
+def run_diffusers(pipe, case: Case, p: dict, image: np.ndarray | None, clip: np.ndarray | None = None) -> Output:
     from diffusers import UniPCMultistepScheduler
+    from PIL import Image
 
     pipe.register_to_config(use_native_flow_schedule=case.schedule == "native")
     pipe.scheduler = UniPCMultistepScheduler.from_config(pipe.scheduler.config, flow_shift=p["shift"])
-    latents = pipe(prompt=PROMPT, image=image, num_frames=p["num_frames"], height=p["height"], width=p["width"],
+    extra: dict[str, Any] = {}
+    if case.kind == "i2v":
+        extra["image"] = image
+    if case.kind == "v2v":
+        extra |= {"video": [Image.fromarray(f) for f in clip], "condition_video_keep": case.keep,
+                  "condition_frame_indexes_vision": list(p["condition_frame_indexes"])}  # fmt: skip
+    captured: dict[str, torch.Tensor] = {}
+    decode_sound = pipe.decode_sound  # the sound latents, as they reach the tokenizer
+    pipe.decode_sound = lambda lat: decode_sound(captured.setdefault("sound", lat.detach().clone()))
+    try:
+        out = pipe(prompt=PROMPT, num_frames=p["num_frames"], height=p["height"], width=p["width"],
                    fps=p["fps"], num_inference_steps=p["steps"], guidance_scale=p["guidance_scale"],
                    generator=torch.Generator().manual_seed(p["seed"]), output_type="latent",
-                   enable_safety_check=False).video  # fmt: skip
+                   enable_sound=case.sound, enable_safety_check=False, **extra)  # fmt: skip
+    finally:
+        del pipe.decode_sound
+    latents = out.video
     with torch.inference_mode():  # the pipeline's own decode, as `output_type="np"` runs it
         vae, shape = pipe.vae, (1, -1, 1, 1, 1)
         mean = pipe._vae_latents_mean.to(device=latents.device, dtype=vae.dtype).view(shape)
         inv_std = pipe._vae_latents_inv_std.to(device=latents.device, dtype=vae.dtype).view(shape)
         decoded = vae.decode(latents.to(vae.dtype) / inv_std + mean).sample.to(latents.dtype)
         video = pipe.video_processor.postprocess_video(decoded, output_type="np")[0]
-    return latents.float().cpu(), np.round(video * 255).astype(np.uint8)
+    frames = np.round(video * 255).astype(np.uint8)
+    if not case.sound:
+        return Output(latents.float().cpu(), frames)
+    return Output(latents.float().cpu(), frames, captured["sound"].float().cpu(), out.sound.float().cpu())
 
 
 # ---- ours ----
@@ -183,14 +265,17 @@ def load_ours(
     return Generator(d)
 
 
-def run_ours(gen, p: dict, image: np.ndarray | None) -> tuple[torch.Tensor, np.ndarray, str]:
-    latents = gen.latents(PROMPT, p, image)
+def run_ours(gen, p: dict, image: np.ndarray | None, clip: np.ndarray | None = None) -> tuple[Output, str]:
+    latents, sound = gen.generate(PROMPT, p, image, video=clip)
     frames = gen.decode.run(latents)
     try:  # the backend this request's last step ran (an SDPA fallback shows)
         backend = next(reversed(gen.engine.step.layouts))[1]
     except (AttributeError, StopIteration, TypeError):
         backend = "?"
-    return latents.float().cpu(), frames, backend
+    if sound is None:
+        return Output(latents.float().cpu(), frames), backend
+    wave = torch.from_numpy(gen.decode.audio(sound))  # what the server returns as `audio`
+    return Output(latents.float().cpu(), frames, sound.float().cpu(), wave.float()), backend
 
 
 def free() -> None:
@@ -220,33 +305,40 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_float32_matmul_precision("highest")
     cases = select(args.preset, args.cases)
     h, w = SIZES[args.preset]
-    image = cond_image(h, w)
+    image, clip = cond_image(h, w), cond_clip(h, w)
+    inputs = {"t2v": (None, None), "i2v": (image, None), "v2v": (None, clip)}
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
-    root = checkpoint(args.preset, args.seed, args.device)
+    root = checkpoint(args.preset, args.seed, args.device, sound=any(c.sound for c in cases))
     timings["checkpoint_s"] = time.perf_counter() - t0
     print(f"checkpoint {root} ({timings['checkpoint_s']:.0f} s)", flush=True)
 
-    ref: dict[str, tuple[torch.Tensor, np.ndarray]] = {}
+    ref: dict[str, Output] = {}
     rows: dict[str, dict[str, Any]] = {c.name: {"case": asdict(c), "runs": {}} for c in cases}
 
-    def record(case: Case, run_name: str, latents: torch.Tensor, frames: np.ndarray, **extra: Any) -> None:
-        r_lat, r_frames = ref[case.name]
-        d = {"rel_l2": rel_l2(latents, r_lat), "psnr_db": psnr(frames, r_frames), **extra}
+    def record(case: Case, run_name: str, out: Output, **extra: Any) -> None:
+        r = ref[case.name]
+        d = {"rel_l2": rel_l2(out.latents, r.latents), "psnr_db": psnr(out.frames, r.frames), **extra}
+        line = f"rel-L2 {d['rel_l2']:.3e}  PSNR {d['psnr_db']:.2f} dB"
+        if case.sound:
+            d |= {"wave_rel_l2": rel_l2(out.wave, r.wave), "sound_rel_l2": rel_l2(out.sound, r.sound)}
+            line += f"  waveform rel-L2 {d['wave_rel_l2']:.3e}  sound latents {d['sound_rel_l2']:.3e}"
         rows[case.name]["runs"][run_name] = d
-        print(f"  {case.name:22s} {run_name:12s} rel-L2 {d['rel_l2']:.3e}  PSNR {d['psnr_db']:.2f} dB", flush=True)
+        print(f"  {case.name:26s} {run_name:12s} {line}", flush=True)
 
     for phase, dtype in (("diffusers_fp32", torch.float32), ("diffusers", lowp)):
         t0 = time.perf_counter()
         pipe = load_diffusers(root, args.device, dtype)
         for c in cases:
             p = params_of(c, args.preset, args.seed)
-            lat, frames = run_diffusers(pipe, c, p, image if c.task == "i2v" else None)
+            out = run_diffusers(pipe, c, p, *inputs[c.kind])
             if phase == "diffusers_fp32":
-                ref[c.name] = (lat, frames)
-                print(f"  {c.name:22s} fp32 reference |latents| {lat.norm():.1f}", flush=True)
+                ref[c.name] = out
+                extra = "" if out.wave is None else (f"  waveform {tuple(out.wave.shape)} std {out.wave.std():.3f}, "
+                                                     f"{(out.wave.abs() >= 1).float().mean():.1%} clamped")  # fmt: skip
+                print(f"  {c.name:26s} fp32 reference |latents| {out.latents.norm():.1f}{extra}", flush=True)
             else:
-                record(c, phase, lat, frames)
+                record(c, phase, out)
         del pipe
         free()
         timings[f"{phase}_s"] = time.perf_counter() - t0
@@ -259,8 +351,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             json.loads(args.fp8_policy))  # fmt: skip
             for c in (c for c in cases if c.schedule == schedule):
                 p = params_of(c, args.preset, args.seed)
-                lat, frames, backend = run_ours(gen, p, image if c.task == "i2v" else None)
-                record(c, variant, lat, frames, backend=backend)
+                out, backend = run_ours(gen, p, *inputs[c.kind])
+                record(c, variant, out, backend=backend)
             del gen
             free()
         timings[f"ours_{variant}_s"] = time.perf_counter() - t0
@@ -268,10 +360,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     for row in rows.values():
         runs = row["runs"]
-        d = runs["diffusers"]["rel_l2"]
-        for v in variants:
-            runs[v]["ratio"] = runs[v]["rel_l2"] / d if d > 0 else math.nan
-        row["pass"] = all(passes(runs[v]["rel_l2"], d, args.bar) for v in variants)
+        keys = ["rel_l2"] + (["wave_rel_l2"] if "wave_rel_l2" in runs["diffusers"] else [])
+        for key in keys:  # vision latents, and with sound the waveform: each within the bar
+            d = runs["diffusers"][key]
+            for v in variants:
+                runs[v][key.replace("rel_l2", "ratio")] = runs[v][key] / d if d > 0 else math.nan
+        row["pass"] = all(passes(runs[v][k], runs["diffusers"][k], args.bar) for v in variants for k in keys)
     gpu = torch.cuda.get_device_name() if cuda else "CPU"
     return {"preset": args.preset, "gpu": gpu, "date": datetime.date.today().isoformat(),
             "command": "python -m bench.parity " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
@@ -286,10 +380,14 @@ LABELS = {"sdpa": "SDPA + graphs", "flashinfer": "FlashInfer + graphs"}
 
 def table(result: dict[str, Any]) -> str:
     variants = result["variants"]
+    sound = any("wave_rel_l2" in r["runs"]["diffusers"] for r in result["cases"].values())
     head = ["case", f"diffusers {result['dtype']}"]
     for v in variants:
         head += [f"ours {LABELS.get(v, v)}", "ratio"]
-    head += ["PSNR dB: " + " / ".join(["diffusers", *variants]), f"≤ {result['bar']}×"]
+    head += ["PSNR dB: " + " / ".join(["diffusers", *variants])]
+    if sound:
+        head += ["waveform rel-L2: " + " / ".join(["diffusers", *variants]) + " (ratios)"]
+    head += [f"≤ {result['bar']}×"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, row in result["cases"].items():
         runs = row["runs"]
@@ -297,6 +395,12 @@ def table(result: dict[str, Any]) -> str:
         for v in variants:
             cells += [f"{100 * runs[v]['rel_l2']:.3f} %", f"{runs[v]['ratio']:.3f}"]
         cells.append(" / ".join(f"{runs[k]['psnr_db']:.1f}" for k in ["diffusers", *variants]))
+        if sound and "wave_rel_l2" in runs["diffusers"]:
+            waves = " / ".join(f"{100 * runs[k]['wave_rel_l2']:.3f} %" for k in ["diffusers", *variants])
+            ratios = " / ".join(f"{runs[v]['wave_ratio']:.3f}" for v in variants)
+            cells.append(f"{waves} ({ratios})")
+        elif sound:
+            cells.append("—")
         cells.append("pass" if row["pass"] else "**FAIL**")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -304,7 +408,8 @@ def table(result: dict[str, Any]) -> str:
 
 def summary(result: dict[str, Any]) -> str:
     rows = result["cases"].values()
-    ratios = [r["runs"][v]["ratio"] for r in rows for v in result["variants"]]
+    ratios = [r["runs"][v][k] for r in rows for v in result["variants"] for k in ("ratio", "wave_ratio")
+              if k in r["runs"][v]]  # fmt: skip
     ok = sum(r["pass"] for r in rows)
     worst = max((x for x in ratios if not math.isnan(x)), default=math.nan)
     t = ", ".join(f"{k.removesuffix('_s')} {v:.0f} s" for k, v in result["timings"].items())

@@ -2,11 +2,21 @@
 
   python -m bench.served --config configs/bench_edge.yaml --c1 3 --c4 8 --json out.json
   python -m bench.served --config configs/bench_nano_ar.yaml --c1 0 --c4 0 --ar 1 --ar-params '{...}'
+  python -m bench.served --config configs/bench_nano_sound.yaml --c1 1 --c4 0 --variants t2v t2v+sound v2v \
+      --diffusers 1 --diffusers-variants t2v+sound v2v
 
 Reports c=1 end-to-end p50, c=4 videos/min and e2e p50 (single-shot t2v), and for `--ar N` Nano-style AR
 streams (chained windows): TTFC, chunk gap and aggregate frames/s at c=1 and c=4. `--inprocess N --diffusers N`
 then run the same single-shot request, in the same run, through our in-process engine and through diffusers'
 `Cosmos3OmniPipeline` on the same random weights (CUDA, `random:` checkpoints).
+
+`--variants` (instead of the single t2v request): each request kind named (t2v, t2v+sound, i2v, i2v+sound, v2v,
+v2v+sound; v2v: a 12-frame synthetic clip at the output size, `condition_frame_indexes` [0, 1]) at c=1, `--c1`
+requests each after one 2-step request of that kind, on the same server; sound's cost over video-only is printed
+when both t2v and t2v+sound ran. `--diffusers N` then runs `--diffusers-variants` (default: every variant) through
+diffusers' pipeline, each with the parameters our server resolved for it (same size, steps, guidance, shift), after
+one 2-step run. On a `random:` skeleton diffusers gets its own random init at the same shapes (the sound tokenizer's
+stored weights); on any other checkpoint (e.g. `random:tiny_sound`, CPU) the checkpoint's weights.
 """
 
 from __future__ import annotations
@@ -27,16 +37,40 @@ from cosmos3_core.triton.serve import start
 from .pool import run_pool
 
 PROMPT = "A robot arm stacks red and blue cubes on a wooden table, soft daylight, static camera."
+V2V = {"condition_frame_indexes": [0, 1]}
+VARIANTS: dict[str, tuple[dict, str | None]] = {  # request kind → (parameters, conditioning input)
+    "t2v": ({}, None),
+    "t2v+sound": ({"enable_sound": True}, None),
+    "i2v": ({}, "image"),
+    "i2v+sound": ({"enable_sound": True}, "image"),
+    "v2v": (V2V, "video"),
+    "v2v+sound": ({**V2V, "enable_sound": True}, "video"),
+}
 
 
-def drive(url: str, params: dict, count: int, concurrency: int) -> dict:
-    """`count` requests, `concurrency` at a time. → e2e list, wall time, frames, TTFCs and chunk gaps."""
+def variant_request(name: str, params: dict, height: int, width: int) -> tuple[dict, object, object]:
+    """(parameters, image, clip) of a request kind at the output size (bench.parity's condition image and clip)."""
+    from .parity import cond_clip, cond_image
+
+    extra, cond = VARIANTS[name]
+    image = cond_image(height, width) if cond == "image" else None
+    clip = cond_clip(height, width) if cond == "video" else None
+    return {**params, **extra}, image, clip
+
+
+def drive(url: str, params: dict, count: int, concurrency: int, image=None, video=None) -> dict:
+    """`count` requests, `concurrency` at a time. → e2e list, wall time, frames, TTFCs and chunk gaps (and the
+    waveform's [channels, samples] when the request has sound)."""
 
     def one(i: int) -> dict:
-        r = generate(url, PROMPT, {**params, "seed": i})
+        r = generate(url, PROMPT, {**params, "seed": i}, image, video=video)
         gaps = [b - a for a, b in zip(r.chunk_times, r.chunk_times[1:])]
         server = next(e for e in r.events if e["type"] == "done")["timings"]
-        return {"e2e": r.e2e_s, "ttfc": r.ttfc_s, "gaps": gaps, "frames": int(r.video.shape[0]), "server": server}
+        if params.get("enable_sound") and (r.audio is None or r.audio.ndim != 2 or r.audio.shape[0] != 2):
+            raise RuntimeError(f"a sound request came back without stereo audio: {getattr(r.audio, 'shape', None)}")
+        audio = None if r.audio is None else list(r.audio.shape)
+        return {"e2e": r.e2e_s, "ttfc": r.ttfc_s, "gaps": gaps, "frames": int(r.video.shape[0]), "server": server,
+                "audio": audio}  # fmt: skip
 
     t0 = time.perf_counter()
     results = run_pool(range(count), concurrency, one)
@@ -49,6 +83,8 @@ def drive(url: str, params: dict, count: int, concurrency: int) -> dict:
     gaps = [g for r in results for g in r["gaps"]]
     if gaps:
         out["chunk_gap_p50"] = statistics.median(gaps)
+    if results[0]["audio"] is not None:
+        out["audio_shape"] = results[0]["audio"]
     return out
 
 
@@ -85,6 +121,101 @@ def side_by_side(deployment: Deployment, overrides: dict, inprocess: int, diffus
     return out
 
 
+def diffusers_variants(deployment: Deployment, requests: dict[str, tuple], repeat: int) -> dict:
+    """Each request kind (name → (parameters, image, clip)) through diffusers' `Cosmos3OmniPipeline` with the
+    parameters our prefill resolves for it (one 2-step run first, then `repeat` timed) → {name: {"e2e": [...]}}."""
+    import gc
+
+    import torch
+    from diffusers import (
+        Cosmos3AVAEAudioTokenizer,
+        Cosmos3OmniPipeline,
+        Cosmos3OmniTransformer,
+        UniPCMultistepScheduler,
+    )
+    from PIL import Image
+
+    from cosmos3_core.model.checkpoint import Checkpoint
+    from cosmos3_core.model.config import read_json
+    from cosmos3_core.requests import validate
+    from cosmos3_core.sampling import checkpoint_shift
+    from cosmos3_core.tools.checkpoints import resolve_checkpoint
+
+    gc.collect()
+    cuda = deployment.torch_device.startswith("cuda")
+    if cuda:
+        torch.cuda.empty_cache()
+    root = resolve_checkpoint(deployment.checkpoint)
+    ckpt = Checkpoint.open(root)
+    device, dtype = deployment.torch_device, deployment.torch_dtype
+    if ckpt.random_weights:  # a skeleton: diffusers' own random init at its shapes (timing does not depend on values)
+        tcfg = {k: v for k, v in read_json(root / "transformer" / "config.json").items() if not k.startswith("_")}
+        torch.manual_seed(0)
+        with torch.device(device):
+            transformer = Cosmos3OmniTransformer(**tcfg).to(dtype)
+        transformer.time_embedder.float()
+        index = read_json(root / "model_index.json")
+        sound = None
+        if (index.get("sound_tokenizer") or [None])[0] is not None:
+            sound = Cosmos3AVAEAudioTokenizer.from_pretrained(root / "sound_tokenizer", torch_dtype=dtype).to(device)
+        pipe = Cosmos3OmniPipeline(transformer, ckpt.load_tokenizer(), ckpt.load_vae(device, dtype),
+                                   UniPCMultistepScheduler.from_config(ckpt.scheduler_config), sound_tokenizer=sound,
+                                   enable_safety_checker=False,
+                                   use_native_flow_schedule=ckpt.use_native_flow_schedule)  # fmt: skip
+    else:
+        pipe = Cosmos3OmniPipeline.from_pretrained(root, dtype=dtype).to(device)
+    pipe.set_progress_bar_config(disable=True)
+    base = pipe.scheduler.config
+    cfg, shift = ckpt.config, checkpoint_shift(ckpt.scheduler_config)
+
+    def sync() -> float:
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def run(kw: dict, shift: float, steps: int):
+        pipe.scheduler = UniPCMultistepScheduler.from_config(base, flow_shift=shift)
+        return pipe(**kw, num_inference_steps=steps, generator=torch.Generator().manual_seed(0))
+
+    out = {}
+    for name, (params, image, clip) in requests.items():
+        p = validate(PROMPT, {**params, "seed": 0}, image, deployment.defaults, deployment.limits,
+                     cfg.pixel_alignment, cfg.vae_scale_temporal, shift, clip)  # fmt: skip
+        kw = {"prompt": PROMPT, "num_frames": p.num_frames, "height": p.height, "width": p.width, "fps": p.fps,
+              "guidance_scale": p.guidance_scale, "enable_sound": p.enable_sound, "output_type": "np",
+              "enable_safety_check": False}  # fmt: skip
+        if image is not None:
+            kw["image"] = Image.fromarray(image)
+        if clip is not None:
+            kw |= {"video": [Image.fromarray(f) for f in clip], "condition_video_keep": p.condition_video_keep,
+                   "condition_frame_indexes_vision": list(p.condition_frame_indexes)}  # fmt: skip
+        t0 = sync()
+        run(kw, p.shift, 2)
+        warm, e2e = sync() - t0, []
+        for _ in range(repeat):
+            t0 = sync()
+            r = run(kw, p.shift, p.steps)
+            e2e.append(sync() - t0)
+        out[name] = {"e2e": e2e, "warmup_s": warm, "steps": p.steps, "shift": p.shift,
+                     "audio_shape": None if r.sound is None else list(r.sound.shape)}  # fmt: skip
+        print(f"diffusers {name}: e2e {' / '.join(f'{x:.2f}' for x in e2e)} s", flush=True)
+    return out
+
+
+def sound_cost(result: dict) -> str:
+    """Sound's cost over video-only: t2v+sound against t2v, same size, same server (p50s); kept in result."""
+    video, sound = result["c1:t2v"], result["c1:t2v+sound"]
+    parts, cost = [], {}
+    for label, key in (("e2e", "e2e_p50"), ("server denoise", "denoise_s"), ("server decode", "decode_s")):
+        a = video[key] if key == "e2e_p50" else video["server_p50"].get(key)
+        b = sound[key] if key == "e2e_p50" else sound["server_p50"].get(key)
+        if a is not None and b is not None:
+            parts.append(f"{label} {b:.2f}s vs {a:.2f}s ({100 * (b / a - 1):+.1f} %)")
+            cost[label] = {"video_s": a, "sound_s": b, "ratio": b / a}
+    result["sound_cost"] = cost
+    return "sound's cost over video-only (t2v+sound vs t2v): " + ", ".join(parts)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="configs/bench_edge.yaml")
@@ -99,19 +230,37 @@ def main() -> int:
     ap.add_argument(
         "--diffusers", type=int, default=0, help="then N through diffusers' Cosmos3OmniPipeline (same weights)"
     )
+    ap.add_argument(
+        "--variants", nargs="+", choices=list(VARIANTS), help="single-shot request kinds, each --c1 requests at c=1"
+    )
+    ap.add_argument("--diffusers-variants", nargs="+", choices=list(VARIANTS), help="default: all --variants")
     ap.add_argument("--json", default="")
     ap.add_argument("--md", default="", help="append a row (date, GPU, command, figures) to this BENCHMARKS.md")
     args = ap.parse_args()
+    if args.diffusers_variants and not set(args.diffusers_variants) <= set(args.variants or ()):
+        ap.error("--diffusers-variants must be among --variants")
+    if args.variants and args.c1 < 1:
+        ap.error("--variants runs --c1 requests of each kind: --c1 must be at least 1")
     configured = Deployment.load(args.config)  # `start` resolves `random:` into a path; side_by_side needs the name
     workdir = Path(tempfile.mkdtemp(prefix="cosmos3-bench-"))
     proc, ports, deployment = start(configured, workdir)
     url = f"127.0.0.1:{ports[0]}"
     result: dict = {"config": args.config}
+    params = json.loads(args.params)
+    size = (params.get("height", configured.defaults.height), params.get("width", configured.defaults.width))
+    requests = {v: variant_request(v, params, *size) for v in args.variants or ()}
     try:
         result["startup_s"] = wait_until_ready(ports[1], proc=proc, timeout_s=900)
-        params, ar = json.loads(args.params), json.loads(args.ar_params)
-        generate(url, PROMPT, {**(params if args.c1 or args.c4 else ar), "steps": 2})  # first-request effects
-        if args.c1:
+        ar = json.loads(args.ar_params)
+        for name, (p, image, clip) in requests.items():  # each kind's first-request effects, then its requests
+            t0 = time.perf_counter()
+            generate(url, PROMPT, {**p, "steps": 2}, image, video=clip)
+            print(f"{name}: 2-step first request {time.perf_counter() - t0:.1f}s", flush=True)
+            result[f"c1:{name}"] = drive(url, p, args.c1, 1, image, clip)
+            print(f"{name}: c=1 e2e {' / '.join(f'{x:.2f}' for x in result[f'c1:{name}']['e2e'])} s", flush=True)
+        if not requests:
+            generate(url, PROMPT, {**(params if args.c1 or args.c4 else ar), "steps": 2})  # first-request effects
+        if args.c1 and not requests:
             result["c1"] = drive(url, params, args.c1, 1)
         if args.c4:
             result["c4"] = drive(url, params, args.c4, 4)
@@ -126,16 +275,24 @@ def main() -> int:
         return 1
     finally:
         stop_server(proc)
+    if "c1:t2v" in result and "c1:t2v+sound" in result:  # printed now too, in case diffusers does not finish
+        print(sound_cost(result), flush=True)
     if args.json:  # the served figures are kept whatever happens next
         Path(args.json).write_text(json.dumps(result, indent=1))
-    if args.inprocess or args.diffusers:  # same run, same request, once the server has released the GPU
-        result |= side_by_side(configured, json.loads(args.params), args.inprocess, args.diffusers)
-    for key in ("c1", "c4", "ar_c1", "ar_c4"):
+    if requests and args.diffusers:  # same run, same requests, once the server has released the GPU
+        chosen = {v: requests[v] for v in args.diffusers_variants or requests}
+        result["diffusers_variants"] = diffusers_variants(configured, chosen, args.diffusers)
+    if args.inprocess or (args.diffusers and not requests):  # same run, same request, once the server is gone
+        result |= side_by_side(configured, params, args.inprocess, 0 if requests else args.diffusers)
+    keys = [*(f"c1:{v}" for v in requests), "c1", "c4", "ar_c1", "ar_c4"]
+    for key in keys:
         if key in result:
             r = result[key]
             extra = f"  TTFC p50 {r['ttfc_p50']:.2f}s" + (
                 f"  chunk gap p50 {r['chunk_gap_p50']:.2f}s" if "chunk_gap_p50" in r else ""
             )
+            if "audio_shape" in r:
+                extra += f"  audio {r['audio_shape']}"
             print(f"{key:6s} n={r['count']:2d}  e2e p50 {r['e2e_p50']:7.2f}s  videos/min {r['videos_per_min']:6.2f}  "
                   f"frames/s {r['frames_per_s']:6.1f}{extra}")  # fmt: skip
             print("        server-side p50: " + "  ".join(f"{k} {v:.2f}" for k, v in r["server_p50"].items()))
@@ -143,6 +300,13 @@ def main() -> int:
     for key in ("inprocess", "diffusers"):
         if key in result:
             print(f"{key:10s} e2e p50 {statistics.median(result[key]['e2e']):7.2f}s  (n={len(result[key]['e2e'])})")
+    if "c1:t2v" in result and "c1:t2v+sound" in result:
+        print(sound_cost(result))
+    for name, r in result.get("diffusers_variants", {}).items():
+        theirs = statistics.median(r["e2e"])
+        served = result.get(f"c1:{name}", {}).get("e2e_p50")
+        vs = f"  diffusers / served c=1: {theirs / served:.2f}x" if served else ""
+        print(f"diffusers {name:10s} e2e p50 {theirs:7.2f}s  (n={len(r['e2e'])}, {r['steps']} steps){vs}")
     if "c1" in result and "diffusers" in result:
         served, theirs = result["c1"]["e2e_p50"], statistics.median(result["diffusers"]["e2e"])
         print(f"diffusers / served c=1 e2e: {theirs / served:.2f}x")
@@ -158,7 +322,9 @@ def main() -> int:
         from .report import append_row
 
         figures: dict = {}
-        for key in ("c1", "c4", "ar_c1", "ar_c4"):
+        for name, r in result.get("diffusers_variants", {}).items():
+            figures[f"diffusers {name} e2e s"] = statistics.median(r["e2e"])
+        for key in keys:
             if key in result:
                 r = result[key]
                 figures |= {f"{key} e2e p50 s": r["e2e_p50"], f"{key} videos/min": r["videos_per_min"],

@@ -1,7 +1,8 @@
 """python -m client generate --prompt P [same options as the offline CLI] [--url 127.0.0.1:8001] --out FILE
 
 Streams the request over gRPC, shows a progress bar from the server's progress events, writes
-.mp4/.png/.npy and prints time to first chunk (TTFC) and end-to-end time.
+.mp4/.png/.npy (and, for an action request, --actions-out .npy/.json) and prints time to first chunk (TTFC) and
+end-to-end time.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from cosmos3_core.media import FRAME_SUFFIXES, write_frames
+from cosmos3_core.media import FRAME_SUFFIXES, write_actions, write_frames
 from cosmos3_core.requests import add_request_arguments, params_from_arguments
 
 from .stream import ServerError, generate, wait_ready
@@ -20,6 +21,9 @@ def add_request_args(p: argparse.ArgumentParser, windows: bool = False) -> None:
     p.add_argument("--url", default="127.0.0.1:8001")
     p.add_argument("--wait-ready", type=float, default=0.0, help="wait up to this many seconds for the server")
     add_request_arguments(p, windows)
+
+
+CLIENT_ACTION_SUFFIXES = (".npy", ".json")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,15 +42,19 @@ def main(argv: list[str] | None = None) -> int:
     if not args.out.endswith(FRAME_SUFFIXES):
         print(f"error: out: suffix must be one of {', '.join(FRAME_SUFFIXES)}", file=sys.stderr)
         return 2
+    if args.actions_out and not args.actions_out.endswith(CLIENT_ACTION_SUFFIXES):
+        print(f"error: actions_out: suffix must be one of {', '.join(CLIENT_ACTION_SUFFIXES)}", file=sys.stderr)
+        return 2
     params = params_from_arguments(args)
-    image = video = None
-    if args.image or args.video:
-        from cosmos3_core.generate import load_image, load_video
+    image = video = raw_actions = None
+    if args.image or args.video or args.raw_actions:
+        from cosmos3_core.generate import load_image, load_raw_actions, load_video
         from cosmos3_core.requests import RequestError
 
         try:
             image = load_image(args.image) if args.image else None
             video = load_video(args.video) if args.video else None
+            raw_actions = load_raw_actions(args.raw_actions) if args.raw_actions else None
         except RequestError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -75,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.wait_ready:
             wait_ready(args.url, args.wait_ready)
-        result = generate(args.url, args.prompt, params, image, on_event=on_event, video=video)
+        result = generate(args.url, args.prompt, params, image, on_event=on_event, video=video, raw_actions=raw_actions)
     except ServerError as e:
         bar.close()
         print(f"error: {e}", file=sys.stderr)
@@ -90,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
 
         write_audio(args.audio_out, result.audio)
         print(f"wrote {args.audio_out}: audio {list(result.audio.shape)}", file=sys.stderr)
+    if args.actions_out and result.actions is not None:
+        write_actions(args.actions_out, result.actions)
+        print(f"wrote {args.actions_out}: actions {list(result.actions.shape)}", file=sys.stderr)
     gaps = [b - a for a, b in zip(result.chunk_times, result.chunk_times[1:])]
     print(
         f"TTFC {result.ttfc_s:.2f}s  e2e {result.e2e_s:.2f}s  frames/s {video.shape[0] / result.e2e_s:.1f}",

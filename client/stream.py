@@ -28,6 +28,7 @@ class StreamResult:
     events: list[dict[str, Any]] = field(default_factory=list)
     chunk_times: list[float] = field(default_factory=list)  # seconds since send, per non-empty chunk
     audio: np.ndarray | None = None  # enable_sound: float32 [2, samples], from the done response
+    actions: np.ndarray | None = None  # policy / inverse dynamics: float32 [chunk, D], from the done response
     e2e_s: float = 0.0
 
     @property
@@ -57,9 +58,14 @@ def wait_ready(url: str, timeout_s: float, model: str = "cosmos3") -> None:
 
 
 def build_inputs(
-    prompt: str | bytes, params: dict[str, Any] | str, image: np.ndarray | None, video: np.ndarray | None = None
+    prompt: str | bytes,
+    params: dict[str, Any] | str,
+    image: np.ndarray | None,
+    video: np.ndarray | None = None,
+    raw_actions: np.ndarray | None = None,
 ):
-    """`params` as a dict (sent as JSON) or as raw JSON text; `image` uint8 [H, W, 3]; `video` uint8 [T, H, W, 3]."""
+    """`params` as a dict (sent as JSON) or as raw JSON text; `image` uint8 [H, W, 3]; `video` uint8 [T, H, W, 3];
+    `raw_actions` float32 [T, D] (forward dynamics)."""
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import np_to_triton_dtype
 
@@ -69,7 +75,8 @@ def build_inputs(
         return t
 
     inputs = [text("prompt", prompt), text("parameters", params if isinstance(params, str) else json.dumps(params))]
-    for name, value in (("image", image), ("condition_video", video)):  # the ensemble's name for the v2v clip
+    # the ensemble's name for the v2v / action clip is condition_video
+    for name, value in (("image", image), ("condition_video", video), ("raw_actions", raw_actions)):
         if value is not None:
             t = grpcclient.InferInput(name, list(value.shape), np_to_triton_dtype(value.dtype))
             t.set_data_from_numpy(np.ascontiguousarray(value))
@@ -87,6 +94,7 @@ def generate(
     timeout_s: float = 3600.0,
     cancel_after: Callable[[dict[str, Any]], bool] | None = None,
     video: np.ndarray | None = None,
+    raw_actions: np.ndarray | None = None,
 ) -> StreamResult:
     """Send one request and wait for its final response. Raises ServerError with the server's message.
 
@@ -95,14 +103,15 @@ def generate(
     from tritonclient.utils import InferenceServerException
 
     try:
-        return _generate(url, prompt, params, image, on_event, model, timeout_s, cancel_after, video)
+        inputs = build_inputs(prompt, params, image, video, raw_actions)
+        return _generate(url, inputs, on_event, model, timeout_s, cancel_after)
     except InferenceServerException as e:  # connection-level failures (server gone, stream broken)
         raise ServerError(str(e)) from e
     except queue.Empty as e:
         raise ServerError(f"no response within {timeout_s:.0f}s") from e
 
 
-def _generate(url, prompt, params, image, on_event, model, timeout_s, cancel_after, video) -> StreamResult:
+def _generate(url, inputs, on_event, model, timeout_s, cancel_after) -> StreamResult:
     import tritonclient.grpc as grpcclient
 
     responses: queue.Queue = queue.Queue()
@@ -111,7 +120,7 @@ def _generate(url, prompt, params, image, on_event, model, timeout_s, cancel_aft
     out = StreamResult()
     t0 = time.perf_counter()
     try:
-        client.async_stream_infer(model, build_inputs(prompt, params, image, video), enable_empty_final_response=True)
+        client.async_stream_infer(model, inputs, enable_empty_final_response=True)
         while True:
             result, error, t = responses.get(timeout=timeout_s)
             if error is not None:
@@ -120,6 +129,9 @@ def _generate(url, prompt, params, image, on_event, model, timeout_s, cancel_aft
             audio = result.as_numpy("audio")
             if audio is not None and audio.size:
                 out.audio = audio
+            actions = result.as_numpy("actions")
+            if actions is not None and actions.size:
+                out.actions = actions
             event_raw = result.as_numpy("event")
             frames = video if video is not None and video.size else None
             if frames is not None:

@@ -4,7 +4,7 @@ request defaults per task and limits. One file picks a deployment; it renders `m
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +13,8 @@ import yaml
 
 from .model.checkpoint import Checkpoint
 from .model.fp8 import validate_precision
+from .parallel.config import ParallelConfig
+from .parallel.group import WorkerSpec
 from .requests import Defaults, Limits, TaskDefaults
 from .tools.checkpoints import resolve_checkpoint
 
@@ -49,6 +51,8 @@ class Deployment:
     instances: dict[str, int] = field(default_factory=lambda: dict(INSTANCES))
     defaults: Defaults = field(default_factory=Defaults)
     limits: Limits = field(default_factory=Limits)
+    # several GPUs per request (cosmos3_core/parallel): {cfg: 1|2, ulysses: 1|2|4|8, vae: N}; rank r on cuda:r
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @property
     def torch_device(self) -> str:
@@ -86,4 +90,23 @@ class Deployment:
             raise ValueError(f"{path}: instances: counts ≥ 1 for {', '.join(INSTANCES)}; got {given}")
         if given.get("vae_decode", 1) != 1:
             raise ValueError(f"{path}: instances.vae_decode must be 1: a stream's chunks share one decoder cache")
-        return cls(**raw, instances={**INSTANCES, **given}, defaults=Defaults(**d, **tasks), limits=limits)
+        try:
+            parallel = ParallelConfig.from_dict(raw.pop("parallel", None))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{path}: {e}") from e
+        if parallel.ranks > 1 and given.get("denoise", 1) != 1:
+            raise ValueError(f"{path}: parallel: one denoise instance drives the group (instances.denoise is 1)")
+        return cls(**raw, instances={**INSTANCES, **given}, defaults=Defaults(**d, **tasks), limits=limits,
+                   parallel=parallel)  # fmt: skip
+
+    def worker_spec(self, checkpoint: str | Path, roles: tuple[str, ...]) -> WorkerSpec:
+        """What the group's workers load for `roles` ("denoise", "decode") from the resolved `checkpoint`."""
+        dtype = str(self.torch_dtype).removeprefix("torch.")
+        p = self.parallel  # a group of only what its roles use: the Triton denoise and decode instances each have one
+        if "decode" not in roles:
+            p = replace(p, vae=1)
+        if "denoise" not in roles:
+            p = replace(p, cfg=1, ulysses=1)
+        return WorkerSpec(str(checkpoint), self.torch_device, dtype, p, roles, self.pool_pages,
+                          self.page_size, self.attention, self.compile, self.cuda_graphs,
+                          precision=self.precision, fp8_policy=dict(self.fp8_policy))  # fmt: skip

@@ -21,6 +21,8 @@ from .model.checkpoint import Checkpoint
 from .model.layers import GEN
 from .model.sound import SoundSpec
 from .model.towers import EAGER, GenKernels
+from .parallel.denoise import DenoiseParallel
+from .parallel.group import Group
 from .requests import GenerationParams
 from .rows import Row, denoise_step_row
 from .scheduler import EngineStats, Job, QueueFull, Scheduler, Sink
@@ -33,7 +35,9 @@ __all__ = ["DenoiseEngine", "QueueFull", "Sink"]
 class _NullSink:
     def progress(self, step: int, steps: int, window: int, windows: int) -> None: ...
     def chunk(self, latents: torch.Tensor, info: dict) -> None: ...
-    def done(self, latents: torch.Tensor, info: dict) -> None: ...
+    def done(
+        self, latents: torch.Tensor, info: dict, sound: torch.Tensor | None = None, actions: torch.Tensor | None = None
+    ) -> None: ...
     def cancelled(self) -> bool:
         return False
 
@@ -62,23 +66,34 @@ class DenoiseEngine:
         decode_chunk: int = 0,
         attention: str = "auto",
         cuda_graphs: bool = True,
+        parallel: DenoiseParallel | None = None,
     ):
         cfg = self.cfg = ckpt.config
         self.device, self.dtype = device, dtype
         self.model = ckpt.load_transformer({GEN}, device, dtype)
         self.fp8_policy = ckpt.fp8.policy if ckpt.fp8 is not None else None
-        self.pool = KVPool(
-            pool_pages, page_size, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype, device
-        )
-        self.step = DenoiseStep(self.model, self.pool, GenKernels.compiled() if compile else EAGER, attention,
-                                cuda_graphs)  # fmt: skip
+        kernels = GenKernels.compiled() if compile else EAGER
+        if parallel is None:
+            self.pool = KVPool(
+                pool_pages, page_size, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype, device
+            )
+            self.step = DenoiseStep(self.model, self.pool, kernels, attention, cuda_graphs)
+        else:  # several ranks per request (parallel/denoise.py): the same interfaces over a group
+            self.pool = parallel.pool(self.model, pool_pages, page_size, dtype, device)
+            self.step = parallel.step(self.model, self.pool, kernels, attention, cuda_graphs)
         self.scheduler = Scheduler(
             cfg, self.pool, ckpt.scheduler_config, ckpt.use_native_flow_schedule, max_queue, decode_chunk,
             sound_spec(ckpt),
         )  # fmt: skip
 
     @classmethod
-    def from_deployment(cls, ckpt: Checkpoint, d: Deployment, device: str | None = None) -> DenoiseEngine:
+    def from_deployment(
+        cls, ckpt: Checkpoint, d: Deployment, device: str | None = None, group: Group | None = None
+    ) -> DenoiseEngine:
+        """`group`: a running group to use (the CLI shares one with its decode); else one is started when the
+        deployment's `parallel` splits the denoise."""
+        if group is None and d.parallel.denoise_ranks > 1:
+            group = Group(d.worker_spec(ckpt.root, ("denoise",)))
         return cls(
             ckpt,
             device or d.torch_device,
@@ -90,6 +105,7 @@ class DenoiseEngine:
             decode_chunk=d.decode_chunk_frames,
             attention=d.attention,
             cuda_graphs=d.cuda_graphs,
+            parallel=DenoiseParallel(group) if group is not None and d.parallel.denoise_ranks > 1 else None,
         )
 
     def tick(self) -> int:
@@ -118,9 +134,16 @@ class DenoiseEngine:
             )
         t = job.timesteps[job.step]
         return denoise_step_row(
-            job.latents, t, job.noisy_frames, job.branches, patch, self.dtype, sound_latents=job.sound,
+            job.latents,
+            t,
+            job.noisy_frames,
+            job.branches,
+            patch,
+            self.dtype,
+            sound_latents=job.sound,
+            action=job.action,
             a16=self._a16(job.step, steps),
-        )  # fmt: skip
+        )
 
     def _a16(self, step: int, steps: int) -> bool:
         """FP8 layer linears: W8A16 for this step (the policy's choice); 16-bit models: True, and ignored."""

@@ -2,11 +2,14 @@
 
   python -m cosmos3_core.generate --checkpoint DIR --prompt P [--negative-prompt N] [--image IMG]
       [--video CLIP.mp4|.npy --condition-frames 0,1 --condition-keep first|last] [--sound --audio-out A.wav|.pt]
+      [--action-mode policy|forward_dynamics|inverse_dynamics --chunk-size N --domain D --resolution-tier R
+       [--view-point V] [--raw-actions A.npy] [--actions-out A.npy|.pt]  (with --image or --video)]
       [--height H --width W --num-frames F --fps R --steps S --guidance G --shift X --seed K]
       [--no-system-prompt] [--no-templates] --out FILE(.mp4|.png|.npy|.pt)
 
 `.pt` holds the final latents [1, C, T, h, w] fp32 (the reference pipeline's `output_type="latent"`);
-`.npy` the uint8 frames [T, H, W, 3]. Bad arguments print one line and exit with code 2.
+`.npy` the uint8 frames [T, H, W, 3]. `--actions-out` (policy, inverse dynamics) writes the actions float32
+[chunk, D]; its `.pt` holds exactly the pipeline's `out.action[0]`. Bad arguments print one line and exit with code 2.
 """
 
 from __future__ import annotations
@@ -14,22 +17,42 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from .caches import use_kernel_caches
 from .deployment import DEFAULT_CONFIG, Deployment
 from .engine import DenoiseEngine
-from .media import AUDIO_SUFFIXES, FRAME_SUFFIXES, write_audio, write_frames
+from .media import (
+    AUDIO_SUFFIXES,
+    FRAME_SUFFIXES,
+    read_raw_actions,
+    write_actions,
+    write_audio,
+    write_frames,
+)
 from .model.checkpoint import Checkpoint
 from .model.config import CheckpointError
+from .parallel.group import Group
 from .requests import RequestError, add_request_arguments, params_from_arguments
 from .stages import DecodeStage, PrefillStage
 from .wire import PrefillResult
 
 OUT_SUFFIXES = (*FRAME_SUFFIXES, ".pt")
+CLI_ACTION_SUFFIXES = (".npy", ".pt")  # the client writes .json too (media.ACTION_SUFFIXES)
+
+
+@dataclass(frozen=True)
+class Generated:
+    latents: torch.Tensor  # the final vision latents [1, C, T, h, w] fp32 (the pipeline's output_type="latent")
+    sound: torch.Tensor | None  # enable_sound: the sound latents [sound_dim, T_s] fp32
+    actions: (
+        torch.Tensor | None
+    )  # policy / inverse dynamics: [chunk, raw_action_dim] fp32 (the pipeline's out.action[0])
 
 
 class Generator:
@@ -40,9 +63,16 @@ class Generator:
         self.ckpt = checkpoint or d.open_checkpoint()
         device, dtype = d.torch_device, d.torch_dtype
         self.prefill = PrefillStage(self.ckpt, device, dtype, d.defaults, d.limits)
-        self.engine = DenoiseEngine.from_deployment(self.ckpt, d)
+        # one group for the denoise and the decode ranks (parallel/group.py), when the deployment splits either
+        self.group = Group(d.worker_spec(self.ckpt.root, ("denoise", "decode"))) if d.parallel.ranks > 1 else None
+        self.engine = DenoiseEngine.from_deployment(self.ckpt, d, group=self.group)
         self.engine.warmup([self.prefill.validate("warmup", r, None) for r in d.warmup_requests])
-        self.decode = DecodeStage(self.ckpt, device, dtype, d.compile)
+        self.decode = DecodeStage.from_deployment(self.ckpt, d, device, self.group)
+
+    def close(self) -> None:
+        """End the worker processes, if the deployment has a group (they also end when this process does)."""
+        if self.group is not None:
+            self.group.close()
 
     def generate(
         self,
@@ -51,32 +81,33 @@ class Generator:
         image: np.ndarray | None = None,
         progress: bool = False,
         video: np.ndarray | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """→ (final vision latents [1, C, T, h, w], sound latents [sound_dim, T_s] or None)."""
-        p = self.prefill.validate(prompt, params, image, video)
-        return self.run(self.prefill.run(p, image, video), progress)
+        raw_actions: np.ndarray | None = None,
+    ) -> Generated:
+        """A request's final vision latents, sound latents and actions (as it has them)."""
+        p = self.prefill.validate(prompt, params, image, video, raw_actions)
+        return self.run(self.prefill.run(p, image, video, raw_actions), progress)
 
     def latents(self, prompt: str, params: dict, image: np.ndarray | None = None, **kw: Any) -> torch.Tensor:
         """`generate`'s vision latents (same arguments)."""
-        return self.generate(prompt, params, image, **kw)[0]
+        return self.generate(prompt, params, image, **kw).latents
 
     def latents_from(self, prefilled: PrefillResult, progress: bool = False) -> torch.Tensor:
-        return self.run(prefilled, progress)[0]
+        return self.run(prefilled, progress).latents
 
-    def run(self, prefilled: PrefillResult, progress: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run(self, prefilled: PrefillResult, progress: bool = False) -> Generated:
         sink = _CollectSink(prefilled.params.steps, progress)
         self.engine.submit(prefilled, sink)
         self.engine.run_until_idle()
         if sink.failure is not None:
             raise RuntimeError(sink.failure)
-        return sink.latents, sink.sound
+        return Generated(sink.latents, sink.sound, sink.actions)  # type: ignore[arg-type]
 
     def frames_and_audio(
         self, prompt: str, params: dict, image: np.ndarray | None = None, video: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
         """uint8 frames and the waveform float32 [2, S] ([0, 0] without sound), as the server returns them."""
-        latents, sound = self.generate(prompt, params, image, video=video)
-        return self.decode.run(latents), self.decode.audio(sound)
+        out = self.generate(prompt, params, image, video=video)
+        return self.decode.run(out.latents), self.decode.audio(out.sound)
 
     def frames(self, prompt: str, params: dict, image: np.ndarray | None = None, **kw: Any) -> np.ndarray:
         """The uint8 frames of `frames_and_audio` (same arguments)."""
@@ -90,6 +121,7 @@ class _CollectSink:
         self.chunks: list[torch.Tensor] = []
         self.latents: torch.Tensor | None = None
         self.sound: torch.Tensor | None = None
+        self.actions: torch.Tensor | None = None
         self.failure: str | None = None
         self.bar = None
         if progress:
@@ -105,9 +137,11 @@ class _CollectSink:
     def chunk(self, latents: torch.Tensor, info: dict) -> None:
         self.chunks.append(latents)
 
-    def done(self, latents: torch.Tensor, info: dict, sound: torch.Tensor | None = None) -> None:
+    def done(
+        self, latents: torch.Tensor, info: dict, sound: torch.Tensor | None = None, actions: torch.Tensor | None = None
+    ) -> None:
         self.latents = torch.cat([*self.chunks, latents], dim=2)
-        self.sound = sound
+        self.sound, self.actions = sound, actions
         if self.bar is not None:
             self.bar.close()
 
@@ -156,38 +190,54 @@ def load_video(path: str) -> np.ndarray:
         raise RequestError("video", f"cannot read {path!r} ({e})") from e
 
 
+def load_raw_actions(path: str) -> np.ndarray:
+    try:
+        return read_raw_actions(path)
+    except Exception as e:  # noqa: BLE001 - any reader failure is the same user error
+        raise RequestError("raw_actions", f"cannot read {path!r} ({e})") from e
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    use_kernel_caches()
     out = Path(args.out)
     try:
         if out.suffix not in OUT_SUFFIXES:
             raise RequestError("out", f"suffix must be one of {', '.join(OUT_SUFFIXES)}, got {out.suffix or 'none'!r}")
         if args.audio_out and (not args.enable_sound or Path(args.audio_out).suffix not in AUDIO_SUFFIXES):
             raise RequestError("audio_out", f"needs --sound and a suffix in {', '.join(AUDIO_SUFFIXES)}")
+        if args.actions_out and Path(args.actions_out).suffix not in CLI_ACTION_SUFFIXES:
+            raise RequestError("actions_out", f"suffix must be one of {', '.join(CLI_ACTION_SUFFIXES)}")
         deployment = Deployment.load(
             args.config, checkpoint=args.checkpoint or None, device=args.device, dtype=args.dtype
         )
         ckpt = deployment.open_checkpoint()
         image = load_image(args.image) if args.image else None
         video = load_video(args.video) if args.video else None
+        raw_actions = load_raw_actions(args.raw_actions) if args.raw_actions else None
         params = params_from_arguments(args)
         gen = Generator(deployment, ckpt)
-        p = gen.prefill.validate(args.prompt, params, image, video)  # fail fast, before any work
+        p = gen.prefill.validate(args.prompt, params, image, video, raw_actions)  # fail fast, before any work
+        if args.actions_out and not p.returns_actions:
+            raise RequestError("actions_out", "only policy and inverse_dynamics return actions")
         print(f"parameters {json.dumps(p.resolved())}", file=sys.stderr)
-        latents, sound = gen.generate(args.prompt, params, image, progress=True, video=video)
+        result = gen.generate(args.prompt, params, image, progress=True, video=video, raw_actions=raw_actions)
     except (RequestError, CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    audio = gen.decode.audio(sound) if sound is not None else None
+    audio = gen.decode.audio(result.sound) if result.sound is not None else None
     if out.suffix == ".pt":
         out.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(latents.cpu(), out)
+        torch.save(result.latents.cpu(), out)
     else:
-        write_frames(out, gen.decode.run(latents), p.fps, audio)  # .mp4 carries the audio track
+        write_frames(out, gen.decode.run(result.latents), p.fps, audio)  # .mp4 carries the audio track
     print(f"wrote {out}", file=sys.stderr)
     if args.audio_out and audio is not None:
         write_audio(args.audio_out, audio)
         print(f"wrote {args.audio_out}", file=sys.stderr)
+    if args.actions_out and result.actions is not None:
+        write_actions(args.actions_out, result.actions.cpu().numpy())
+        print(f"wrote {args.actions_out}: actions {list(result.actions.shape)}", file=sys.stderr)
     return 0
 
 

@@ -4,8 +4,9 @@ A layout is fixed by the packed rows' sizes, branches, commit flags and FP8 prec
 first: `PackedStep.a16_rows` is where W8A8 starts), plus whatever the attention backend's shapes depend on (SDPA's
 prefix lengths; nothing for FlashInfer, whose page tables are plan data). It owns:
 - the packed input buffers `[S, ...]` (tokens, noisy mask, rotary cos/sin; sound tokens and their row index
-  `sound_rows`, fixed by the layout, so a sound layout captures like any other), zero padding included, and the
-  per-segment timesteps, refilled each step by `fill` — no per-step allocation of the step's inputs;
+  `sound_rows`, fixed by the layout, so a sound layout captures like any other; action tokens likewise, with
+  `action_rows` and each action row's domain), zero padding included, and the per-segment timesteps, refilled each
+  step by `fill` — no per-step allocation of the step's inputs;
 - the attention plan, updated by `fill` outside the graph (host work, buffer copies) when the segments' pages
   differ from the last step's;
 - on CUDA with graphs on, the captured GEN forward: the first run of a layout is eager (compiles, autotuning,
@@ -39,6 +40,9 @@ class PackedStep:
     segments: list[Segment]
     sound: torch.Tensor  # [R, sound_dim]: every segment's sound tokens, in segment order (R = 0: no sound)
     sound_rows: torch.Tensor  # [R] int64: where they sit in the pack (fixed by the layout)
+    action: torch.Tensor  # [A, action_dim]: every segment's action tokens, in segment order (A = 0: none)
+    action_rows: torch.Tensor  # [A] int64: where they sit in the pack (fixed by the layout)
+    action_domain: torch.Tensor  # [A] int64: each action token's embodiment (refilled: requests of one shape differ)
     a16_rows: int  # FP8 linears: rows [0, a16_rows) run W8A16, the rest W8A8 (fixed by the layout)
 
 
@@ -60,7 +64,12 @@ class StepLayout:
         cfg = model.cfg
         dev, dt = attention.pool.k_pages.device, attention.pool.k_pages.dtype
         self.model, self.kernels, self.graph_pool = model, kernels, graph_pool
-        sound_rows = [torch.arange(s.start + s.length - s.sound, s.start + s.length) for s in segments]
+        # a segment's tokens: vision | sound | action
+        sound_rows = [
+            torch.arange(s.start + s.length - s.action - s.sound, s.start + s.length - s.action) for s in segments
+        ]
+        action_rows = [torch.arange(s.start + s.length - s.action, s.start + s.length) for s in segments]
+        actions = sum(s.action for s in segments)
         self.packed: PackedStep = PackedStep(
             tokens=torch.zeros(total_rows, token_dim, dtype=dt, device=dev),
             noisy_mask=torch.zeros(total_rows, dtype=torch.bool, device=dev),
@@ -73,6 +82,9 @@ class StepLayout:
             segments=segments,
             sound=torch.zeros(sum(s.sound for s in segments), cfg.sound_dim, dtype=dt, device=dev),
             sound_rows=torch.cat(sound_rows).to(dev),
+            action=torch.zeros(actions, cfg.action_dim, dtype=dt, device=dev),
+            action_rows=torch.cat(action_rows).to(dev),
+            action_domain=torch.zeros(actions, dtype=torch.long, device=dev),
             a16_rows=a16_rows,
         )
         for i, s in enumerate(segments):
@@ -82,12 +94,12 @@ class StepLayout:
         self.capturable = graph_pool is not None and not any(s.collect_kv for s in segments)
         self.runs = 0
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.graph_out: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self.graph_out: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
 
     def fill(self, rows: list[Row], segments: list[Segment]) -> None:
         p = self.packed
         seg = iter(enumerate(segments))
-        at = 0  # next free row of p.sound
+        at = at_a = 0  # next free row of p.sound, p.action
         for row in rows:
             for br in row.branches:
                 i, s = next(seg)
@@ -96,6 +108,10 @@ class StepLayout:
                 if s.sound:  # the same sound tokens in every branch (the uncond branch sees them too)
                     p.sound[at : at + s.sound].copy_(row.sound)
                     at += s.sound
+                if s.action:  # likewise the action tokens
+                    p.action[at_a : at_a + s.action].copy_(row.action)
+                    p.action_domain[at_a : at_a + s.action].fill_(row.action_domain)  # a kernel argument
+                    at_a += s.action
                 p.segment_timesteps[i].fill_(row.timestep)  # a kernel argument: no host-to-device copy
                 p.noisy_mask[sl].copy_(row.noisy_mask)
                 p.cos[sl].copy_(br.cos)
@@ -107,19 +123,19 @@ class StepLayout:
             self.plan.update(segments)
             self.planned_for = pages
 
-    def _forward(self) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
+    def _forward(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, dict]:
         return gen_forward(self.model, self.packed, self.plan, self.kernels)
 
-    def run(self) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
-        """→ (predictions [S, patch_latent_dim], sound predictions [R, sound_dim] or None, K/V of collecting
-        segments). With a graph, the predictions are the graph's output buffers: valid until the next replay
-        of any layout."""
+    def run(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, dict]:
+        """→ (predictions [S, patch_latent_dim], sound predictions [R, sound_dim] or None, action predictions
+        [A, action_dim] or None, K/V of collecting segments). With a graph, the predictions are the graph's output
+        buffers: valid until the next replay of any layout."""
         self.runs += 1
         if self.graph is None and self.capturable and self.runs >= 2:
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph, pool=self.graph_pool):
-                preds, sound, _ = self._forward()
-                self.graph_out = (preds, sound)
+                preds, sound, action, _ = self._forward()
+                self.graph_out = (preds, sound, action)
         if self.graph is not None:
             self.graph.replay()
             return *self.graph_out, {}  # type: ignore[misc]

@@ -1,5 +1,5 @@
 """Write generated frames: .mp4 (H.264 via imageio-ffmpeg; with audio, H.264 + AAC via PyAV), .png (first frame),
-.npy (uint8 [T, H, W, 3]).
+.npy (uint8 [T, H, W, 3]); the waveform; robot actions (float32 [chunk, D]: .npy, .pt, .json), and read raw actions.
 
 numpy + imageio + av only, so the client can use it without torch.
 """
@@ -12,6 +12,33 @@ import numpy as np
 
 FRAME_SUFFIXES = (".mp4", ".png", ".npy")
 AUDIO_SUFFIXES = (".wav", ".pt", ".npy")
+ACTION_SUFFIXES = (".npy", ".pt", ".json")
+
+
+def write_actions(path: str | Path, actions: np.ndarray) -> None:
+    """actions: float32 [chunk, D]. .npy as is; .pt a torch tensor (exactly the pipeline's `out.action[0]`); .json a
+    list of rows."""
+    import json
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".pt":
+        import torch
+
+        torch.save(torch.from_numpy(np.ascontiguousarray(actions)), path)
+    elif path.suffix == ".npy":
+        np.save(path, actions)
+    elif path.suffix == ".json":
+        path.write_text(json.dumps(actions.tolist()))
+    else:
+        raise ValueError(f"unsupported actions suffix {path.suffix!r}; use one of {', '.join(ACTION_SUFFIXES)}")
+
+
+def read_raw_actions(path: str | Path) -> np.ndarray:
+    """A forward-dynamics action sequence from .npy: floats become float32 (the wire's type); anything else is left
+    for validation to name."""
+    raw = np.load(path, allow_pickle=False)
+    return raw.astype(np.float32) if raw.dtype.kind == "f" else raw
 
 
 def write_audio(path: str | Path, audio: np.ndarray, rate: int = 48000) -> None:

@@ -13,6 +13,9 @@ from typing import Any
 
 import numpy as np
 
+from .model.embodiments import FORWARD, INVERSE, MODES, POLICY, RAW_ACTION_DIMS, RESOLUTION_BINS, ActionGeometry
+from .model.prompts import VIEW_POINTS
+
 
 class RequestError(ValueError):
     def __init__(self, field: str, message: str):
@@ -32,7 +35,9 @@ class Limits:
     max_image_pixels: int = 4096 * 4096
     max_pixel_frames: int = 1280 * 720 * 189  # frames × height × width budget per request (per window for AR)
     max_windows: int = 64
-    max_video_frames: int = 1024  # frames of a v2v conditioning clip (each at most max_image_pixels)
+    max_video_frames: int = 1024  # frames of a v2v or action conditioning clip (each at most max_image_pixels)
+    max_chunk_size: int = 64  # actions per action request (its video: chunk_size + 1 frames)
+    max_raw_actions: int = 1024  # rows of a forward-dynamics `raw_actions` (longer ones would be truncated anyway)
 
 
 @dataclass(frozen=True)
@@ -82,36 +87,71 @@ class GenerationParams:
     overlap_frames: int = 0
     context_frames: int = 0
     has_video: bool = False  # v2v: a conditioning clip came with the request
-    condition_frame_indexes: tuple[int, ...] = ()  # v2v: latent frames kept clean (as given; () without video)
+    # v2v: latent frames kept clean (as given; () without video); action: policy / forward dynamics (0,), inverse all
+    condition_frame_indexes: tuple[int, ...] = ()
     condition_video_keep: str = "first"  # v2v: which end of a longer clip is kept
     enable_sound: bool = False
+    # robot actions (`parameters.action`); action_mode "" without. Then height × width is the tier's canvas (what the
+    # prompt states and what is encoded), num_frames = chunk_size + 1, and the video is video_height × video_width:
+    # the content's latent grid in pixels (model/embodiments.ActionGeometry)
+    action_mode: str = ""  # policy | forward_dynamics | inverse_dynamics
+    chunk_size: int = 0
+    domain: str = ""
+    resolution_tier: int = 0
+    view_point: str | None = None
+    video_height: int = 0
+    video_width: int = 0
 
     def __post_init__(self) -> None:  # JSON gives a list back: keep the field a tuple
         object.__setattr__(self, "condition_frame_indexes", tuple(self.condition_frame_indexes))
 
     @property
     def task(self) -> str:
+        if self.action_mode:
+            return "action"
         if self.num_frames == 1:
             return "t2i"
         return "i2v" if self.has_image else ("v2v" if self.has_video else "t2v")
 
     @property
     def clean_frames(self) -> tuple[int, ...]:
-        """Latent frames of the first window kept clean: i2v's frame 0, v2v's listed frames, else none."""
-        if self.has_video:
+        """Latent frames of the first window kept clean: i2v's frame 0, v2v's listed frames, an action request's
+        (frame 0; inverse dynamics: all), else none."""
+        if self.has_video or self.action_mode:
             return tuple(sorted(set(self.condition_frame_indexes)))
         return (0,) if self.has_image else ()
+
+    @property
+    def frame_size(self) -> tuple[int, int]:
+        """(height, width) of the generated frames: the request's, or an action request's content crop."""
+        return (self.video_height, self.video_width) if self.action_mode else (self.height, self.width)
+
+    @property
+    def raw_action_dim(self) -> int:
+        """The domain's raw action width (0 without actions): actions beyond it are zero."""
+        return RAW_ACTION_DIMS[self.domain] if self.action_mode else 0
+
+    @property
+    def returns_actions(self) -> bool:
+        """Policy and inverse dynamics generate actions; forward dynamics is given them."""
+        return self.action_mode in (POLICY, INVERSE)
 
     @property
     def cfg_branches(self) -> int:
         return 1 if self.guidance_scale == 1.0 else 2
 
     def resolved(self) -> dict[str, Any]:
-        """Every parameter as sampled (defaults filled in), echoed with `done` so any result can be reproduced."""
-        hidden = {"prompt", "negative_prompt", "has_image", "has_video"}
-        if not self.has_video:  # v2v's own parameters only apply with a clip
+        """Every parameter as sampled (defaults filled in), echoed with `done` so any result can be reproduced by
+        sending them back (an action request's as `action`, without the sizes its chunk and tier set)."""
+        hidden = {"prompt", "negative_prompt", "has_image", "has_video", *ACTION_FIELDS, "video_height", "video_width"}
+        if not self.has_video or self.action_mode:  # v2v's own parameters only apply with a clip
             hidden |= {"condition_frame_indexes", "condition_video_keep"}
-        return {k: v for k, v in asdict(self).items() if k not in hidden}
+        if self.action_mode:
+            hidden |= set(NOT_WITH_ACTION)
+        out = {k: v for k, v in asdict(self).items() if k not in hidden}
+        if self.action_mode:
+            out["action"] = dict(zip(ACTION_KEYS, (getattr(self, f) for f in ACTION_FIELDS), strict=True))
+        return out
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -124,20 +164,28 @@ class GenerationParams:
 PARAMETER_KEYS = (
     "negative_prompt", "height", "width", "num_frames", "fps", "steps", "guidance_scale", "shift", "seed",
     "use_system_prompt", "add_templates", "window_mode", "window_frames", "overlap_frames", "context_frames",
-    "max_windows", "condition_frame_indexes", "condition_video_keep", "enable_sound",
+    "max_windows", "condition_frame_indexes", "condition_video_keep", "enable_sound", "action",
+)  # fmt: skip
+ACTION_KEYS = ("mode", "chunk_size", "domain", "resolution_tier", "view_point")  # parameters.action
+ACTION_FIELDS = ("action_mode", "chunk_size", "domain", "resolution_tier", "view_point")  # as GenerationParams has them
+# parameters an action request may not set: the chunk size sets the frames, the tier the size, the pipeline the prompt
+NOT_WITH_ACTION = (
+    "num_frames", "height", "width", "add_templates", "window_mode", "window_frames", "overlap_frames",
+    "context_frames", "max_windows", "condition_frame_indexes", "condition_video_keep",
 )  # fmt: skip
 WINDOW_MODES = ("none", "chained", "kv")
 MIN_CHAINED_OVERLAP_LATENT = 2
 
 
-def _int(params: dict[str, Any], key: str, default: int, lo: int, hi: int) -> int:
+def _int(params: dict[str, Any], key: str, default: int, lo: int, hi: int, name: str = "") -> int:
+    """`name`: the field the error names (default `key`)."""
     value = params.get(key, default)
     # int() of inf / NaN (JSON Infinity, NaN, 1e400) raises: reject non-finite floats first
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value) or value != int(value):
-        raise RequestError(key, f"must be an integer in [{lo}, {hi}], got {value!r}")
+        raise RequestError(name or key, f"must be an integer in [{lo}, {hi}], got {value!r}")
     value = int(value)
     if not lo <= value <= hi:
-        raise RequestError(key, f"must be in [{lo}, {hi}], got {value}")
+        raise RequestError(name or key, f"must be in [{lo}, {hi}], got {value}")
     return value
 
 
@@ -198,9 +246,12 @@ def validate(
     temporal_factor: int,
     checkpoint_shift: float,
     video: np.ndarray | None = None,
+    raw_actions: np.ndarray | None = None,
 ) -> GenerationParams:
     """Check a request against the limits; fill defaults. `alignment`: H, W multiple; frames ≡ 1 mod temporal;
-    `checkpoint_shift`: the scheduler config's flow_shift, the shift when neither request nor deployment sets one."""
+    `checkpoint_shift`: the scheduler config's flow_shift, the shift when neither request nor deployment sets one.
+    An action request (`parameters.action`) takes its conditioning from `image` or `video` and, for forward
+    dynamics, `raw_actions` FP32 [T, D]; what the checkpoint must hold for it is checked by `PrefillStage.validate`."""
     unknown = sorted(set(params) - set(PARAMETER_KEYS))
     if unknown:
         key = unknown[0]  # a key that is no name ("", "a: b") could not lead the error text: name `parameters`
@@ -216,33 +267,21 @@ def validate(
         raise RequestError("negative_prompt", f"must be a string, got {type(negative).__name__}")
     decode_text(negative, "negative_prompt", limits)
 
-    height = _int(params, "height", defaults.height, alignment, limits.max_height)
-    width = _int(params, "width", defaults.width, alignment, limits.max_width)
-    for key, value in (("height", height), ("width", width)):
-        if value % alignment:
-            raise RequestError(key, f"must be a multiple of {alignment}, got {value}")
-    mode = params.get("window_mode", "none")
-    if mode not in WINDOW_MODES:
-        raise RequestError("window_mode", f"must be one of {', '.join(WINDOW_MODES)}, got {mode!r}")
-    max_total = limits.max_frames if mode == "none" else 1 + (limits.max_frames - 1) * limits.max_windows
-    num_frames = _int(params, "num_frames", defaults.num_frames, 1, max_total)
-    if (num_frames - 1) % temporal_factor:
-        raise RequestError(
-            "num_frames", f"must be 1 mod {temporal_factor} (1, {1 + temporal_factor}, ...), got {num_frames}"
-        )
-    window = _validate_windows(mode, params, num_frames, defaults, limits, temporal_factor)
-    budget_frames = num_frames if mode == "none" else window[0]
-    if budget_frames * height * width > limits.max_pixel_frames:
-        key = "num_frames" if mode == "none" else "window_frames"
-        raise RequestError(
-            key, f"frames×height×width = {budget_frames * height * width} exceeds the budget {limits.max_pixel_frames}"
-        )
+    action = _validate_action(params, image, video, raw_actions, limits, alignment)
+    if action is not None:  # the tier's canvas, chunk + 1 frames, one window
+        height, width = action["geometry"].canvas
+        num_frames, mode, window, keep = action["chunk_size"] + 1, "none", (0, 0, 0), "first"
+        # the pipeline's vision_condition_frames (P:846-855)
+        indexes = tuple(range((num_frames - 1) // temporal_factor + 1)) if action["action_mode"] == INVERSE else (0,)
+    else:
+        height, width, num_frames, mode, window = _validate_size(params, defaults, limits, alignment, temporal_factor)
+        if image is not None:
+            if num_frames == 1:
+                raise RequestError("image", "an image conditions video only (i2v); num_frames must be > 1")
+            check_image(image, limits, height, width)
+        indexes, keep = _validate_video(video, image, params, num_frames, mode, limits, temporal_factor)
+    # v2v and action take i2v's defaults (a conditioned video)
     task = "t2i" if num_frames == 1 else ("i2v" if image is not None or video is not None else "t2v")
-    if image is not None:
-        if num_frames == 1:
-            raise RequestError("image", "an image conditions video only (i2v); num_frames must be > 1")
-        check_image(image, limits, height, width)
-    indexes, keep = _validate_video(video, image, params, num_frames, mode, limits, temporal_factor)
     sound = bool(_bool(params, "enable_sound", False))
     if sound and mode != "none":
         raise RequestError("window_mode", f"sound is not supported with AR windows (window_mode {mode!r})")
@@ -274,7 +313,143 @@ def validate(
         condition_frame_indexes=indexes,
         condition_video_keep=keep,
         enable_sound=sound,
+        **_action_fields(action, alignment),
     )
+
+
+def _validate_size(
+    params: dict[str, Any], defaults: Defaults, limits: Limits, alignment: int, temporal: int
+) -> tuple[int, int, int, str, tuple[int, int, int]]:
+    """→ (height, width, num_frames, window_mode, (window, overlap, context) frames) of a request without actions."""
+    height = _int(params, "height", defaults.height, alignment, limits.max_height)
+    width = _int(params, "width", defaults.width, alignment, limits.max_width)
+    for key, value in (("height", height), ("width", width)):
+        if value % alignment:
+            raise RequestError(key, f"must be a multiple of {alignment}, got {value}")
+    mode = params.get("window_mode", "none")
+    if mode not in WINDOW_MODES:
+        raise RequestError("window_mode", f"must be one of {', '.join(WINDOW_MODES)}, got {mode!r}")
+    max_total = limits.max_frames if mode == "none" else 1 + (limits.max_frames - 1) * limits.max_windows
+    num_frames = _int(params, "num_frames", defaults.num_frames, 1, max_total)
+    if (num_frames - 1) % temporal:
+        raise RequestError("num_frames", f"must be 1 mod {temporal} (1, {1 + temporal}, ...), got {num_frames}")
+    window = _validate_windows(mode, params, num_frames, defaults, limits, temporal)
+    budget_frames = num_frames if mode == "none" else window[0]
+    if budget_frames * height * width > limits.max_pixel_frames:
+        key = "num_frames" if mode == "none" else "window_frames"
+        raise RequestError(
+            key, f"frames×height×width = {budget_frames * height * width} exceeds the budget {limits.max_pixel_frames}"
+        )
+    return height, width, num_frames, mode, window
+
+
+def _validate_action(
+    params: dict[str, Any],
+    image: np.ndarray | None,
+    video: np.ndarray | None,
+    raw_actions: np.ndarray | None,
+    limits: Limits,
+    alignment: int,
+) -> dict[str, Any] | None:
+    """`parameters.action` with its conditioning and raw actions (the pipeline's checks, P:301-396 and 1039-1058,
+    plus ours) → its fields and geometry; None without `action`."""
+    if "action" not in params:
+        if raw_actions is not None:
+            raise RequestError("raw_actions", "only applies with `action` (mode forward_dynamics)")
+        return None
+    spec = params["action"]
+    if not isinstance(spec, dict):
+        raise RequestError("action", f"must be a JSON object with {', '.join(ACTION_KEYS)}, got {spec!r:.100}")
+    unknown = sorted(set(spec) - set(ACTION_KEYS))
+    if unknown:
+        key = unknown[0]
+        name = f"action.{key}" if key.isidentifier() else "action"
+        raise RequestError(name, f"unknown key {key[:64]!r}; known: {', '.join(ACTION_KEYS)}")
+    for key in NOT_WITH_ACTION:
+        if key in params:
+            raise RequestError(
+                key, "does not apply with `action` (chunk_size sets the frames, resolution_tier the size)"
+            )
+    for key in ("mode", "chunk_size", "domain"):
+        if key not in spec:
+            raise RequestError(f"action.{key}", "is required")
+    mode = spec["mode"]
+    if mode not in MODES:
+        raise RequestError("action.mode", f"must be one of {', '.join(MODES)}, got {mode!r:.100}")
+    chunk = _int(spec, "chunk_size", 0, 1, limits.max_chunk_size, "action.chunk_size")
+    domain = spec["domain"]
+    if not isinstance(domain, str) or domain not in RAW_ACTION_DIMS:
+        known = ", ".join(sorted(RAW_ACTION_DIMS))
+        raise RequestError(
+            "action.domain", f"must be an embodiment with a known action width ({known}), got {domain!r:.100}"
+        )
+    tier = spec.get("resolution_tier", 480)
+    if isinstance(tier, bool) or tier not in RESOLUTION_BINS:
+        raise RequestError(
+            "action.resolution_tier", f"must be one of {', '.join(map(str, RESOLUTION_BINS))}, got {tier!r:.100}"
+        )
+    view_point = spec.get("view_point", "ego_view")
+    if view_point is not None and view_point not in VIEW_POINTS:
+        raise RequestError(
+            "action.view_point", f"must be one of {', '.join(VIEW_POINTS)} or null, got {view_point!r:.100}"
+        )
+    if image is not None and video is not None:
+        raise RequestError("condition_video", "pass either `image` or `condition_video` with `action`, not both")
+    if mode == INVERSE and video is None:
+        raise RequestError("condition_video", "mode inverse_dynamics needs a clip (`condition_video`)")
+    if image is None and video is None:
+        raise RequestError("image", "`action` needs an `image` or a `condition_video`")
+    if image is not None:
+        check_image(image, limits)
+        field_name, (h, w) = "image", image.shape[:2]
+    else:
+        check_clip(video, limits)  # type: ignore[arg-type]
+        field_name, (h, w) = "condition_video", video.shape[1:3]  # type: ignore[union-attr]
+    try:
+        geometry = ActionGeometry.of(int(h), int(w), int(tier), alignment)
+    except ValueError as e:
+        raise RequestError(field_name, f"too small for `action`: {e}") from e
+    th, tw = geometry.canvas
+    if th > limits.max_height or tw > limits.max_width:
+        raise RequestError(
+            "action.resolution_tier", f"its {tw}x{th} canvas exceeds the limits {limits.max_width}x{limits.max_height}"
+        )
+    if (chunk + 1) * th * tw > limits.max_pixel_frames:
+        raise RequestError(
+            "action.chunk_size",
+            f"(chunk_size+1)×canvas = {(chunk + 1) * th * tw} exceeds the budget {limits.max_pixel_frames}",
+        )
+    _check_raw_actions(raw_actions, mode, domain, limits)
+    return {"action_mode": mode, "chunk_size": chunk, "domain": domain, "resolution_tier": int(tier),
+            "view_point": view_point, "geometry": geometry}  # fmt: skip
+
+
+def _check_raw_actions(raw: np.ndarray | None, mode: str, domain: str, limits: Limits) -> None:
+    if mode != FORWARD:
+        if raw is not None:
+            raise RequestError("raw_actions", f"only applies with mode forward_dynamics, not {mode}")
+        return
+    if raw is None:
+        raise RequestError("raw_actions", "mode forward_dynamics needs raw_actions FP32 [T, D]")
+    if raw.dtype != np.float32:
+        raise RequestError("raw_actions", f"must be FP32, got {raw.dtype}")
+    width = RAW_ACTION_DIMS[domain]
+    if raw.ndim != 2:
+        raise RequestError("raw_actions", f"must be [T, {width}], got shape {list(raw.shape)}")
+    if not 1 <= raw.shape[0] <= limits.max_raw_actions:
+        raise RequestError("raw_actions", f"has {raw.shape[0]} rows, allowed 1..{limits.max_raw_actions}")
+    if raw.shape[1] != width:
+        raise RequestError("raw_actions", f"has {raw.shape[1]} channels; domain {domain!r} has {width}")
+    if not np.isfinite(raw).all():
+        raise RequestError("raw_actions", "must be finite")
+
+
+def _action_fields(action: dict[str, Any] | None, alignment: int) -> dict[str, Any]:
+    """GenerationParams' action fields; none without `action`."""
+    if action is None:
+        return {}
+    lh, lw = action["geometry"].latent
+    return {**{k: action[k] for k in ACTION_FIELDS}, "video_height": lh * alignment, "video_width": lw * alignment}
 
 
 def _validate_video(
@@ -298,15 +473,7 @@ def _validate_video(
         raise RequestError("condition_video", "a clip conditions video only (v2v); num_frames must be > 1")
     if mode != "none":
         raise RequestError("condition_video", f"v2v is not supported with window_mode {mode!r}")
-    if video.dtype != np.uint8:
-        raise RequestError("condition_video", f"must be UINT8, got {video.dtype}")
-    if video.ndim != 4 or video.shape[3] != 3:
-        raise RequestError("condition_video", f"must be [T, H, W, 3] RGB, got shape {list(video.shape)}")
-    t, h, w = video.shape[:3]
-    if not 1 <= t <= limits.max_video_frames:
-        raise RequestError("condition_video", f"has {t} frames, allowed 1..{limits.max_video_frames}")
-    if h < 1 or w < 1 or h * w > limits.max_image_pixels:
-        raise RequestError("condition_video", f"has {h}x{w} pixels per frame, allowed 1..{limits.max_image_pixels}")
+    check_clip(video, limits)
     indexes = params.get("condition_frame_indexes", [0, 1])
     latent = (num_frames - 1) // temporal + 1
     # bool is an int the pipeline accepts too (isinstance(True, int))
@@ -368,6 +535,19 @@ def _validate_windows(
     return window, overlap, context
 
 
+def check_clip(video: np.ndarray, limits: Limits) -> None:
+    """A conditioning clip (v2v, action): uint8 [T, H, W, 3] within the limits."""
+    if video.dtype != np.uint8:
+        raise RequestError("condition_video", f"must be UINT8, got {video.dtype}")
+    if video.ndim != 4 or video.shape[3] != 3:
+        raise RequestError("condition_video", f"must be [T, H, W, 3] RGB, got shape {list(video.shape)}")
+    t, h, w = video.shape[:3]
+    if not 1 <= t <= limits.max_video_frames:
+        raise RequestError("condition_video", f"has {t} frames, allowed 1..{limits.max_video_frames}")
+    if h < 1 or w < 1 or h * w > limits.max_image_pixels:
+        raise RequestError("condition_video", f"has {h}x{w} pixels per frame, allowed 1..{limits.max_image_pixels}")
+
+
 def check_image(image: np.ndarray, limits: Limits, height: int = 0, width: int = 0) -> None:
     if image.dtype != np.uint8:
         raise RequestError("image", f"must be UINT8, got {image.dtype}")
@@ -415,6 +595,12 @@ def add_request_arguments(ap, windows: bool = False) -> None:
     ap.add_argument("--condition-keep", dest="condition_video_keep", choices=("first", "last"))
     ap.add_argument("--sound", dest="enable_sound", action="store_const", const=True, help="generate sound too")
     ap.add_argument("--audio-out", help="the waveform: .wav (16-bit PCM), or .pt (float32 [2, S], the pipeline's)")
+    ap.add_argument("--action-mode", choices=MODES, help="robot actions from --image or --video (parameters.action)")
+    for name, typ in CLI_ACTION_PARAMS.items():
+        ap.add_argument("--" + name.replace("_", "-"), dest=name, type=typ)
+    ap.add_argument("--raw-actions", help="forward_dynamics: the actions, .npy float32 [T, D]")
+    ap.add_argument("--actions-out", help="policy / inverse_dynamics: the actions float32 [chunk, D], .npy (CLI: or "
+                    ".pt, the pipeline's out.action[0]; client: or .json)")  # fmt: skip
     if windows:
         ap.add_argument("--window-mode", dest="window_mode", choices=("chained", "kv"), default="chained")
         for name, typ in CLI_WINDOW_PARAMS.items():
@@ -424,10 +610,16 @@ def add_request_arguments(ap, windows: bool = False) -> None:
 def params_from_arguments(args) -> dict[str, Any]:
     """The request parameters the user set on the command line (the rest take the deployment's defaults)."""
     keys = (*CLI_PARAMS, "use_system_prompt", "add_templates", "window_mode", *CLI_WINDOW_PARAMS, *CLI_VIDEO_PARAMS)
-    return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
+    params = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
+    action = {"mode": args.action_mode} if getattr(args, "action_mode", None) else {}
+    action.update({k: getattr(args, k) for k in CLI_ACTION_PARAMS if getattr(args, k, None) is not None})
+    if action:  # an action flag without --action-mode: validation names the missing `action.mode`
+        params["action"] = action
+    return params
 
 
 CLI_VIDEO_PARAMS = ("condition_frame_indexes", "condition_video_keep", "enable_sound")
+CLI_ACTION_PARAMS: dict[str, type] = {"chunk_size": int, "domain": str, "resolution_tier": int, "view_point": str}
 
 
 def _index_list(text: str) -> list[int]:

@@ -13,6 +13,11 @@ Layouts:
               tokens in each branch's segment (text | vision | sound); every sound token is noisy and gets the
               row's timestep (the pipeline steps sound with a copy of the vision scheduler: the same t)
   sound velocity [sound_dim, T_s] fp32
+  action      [T_a, action_dim] in the model dtype (the sampler's [chunk, action_dim]), after the sound tokens
+              (text | vision | sound | action); all noisy at the row's timestep (policy, inverse dynamics) or all
+              clean (forward dynamics: no timestep embedding, zero velocity); `action_domain` picks the row of the
+              domain-aware linears every one of them goes through
+  action velocity [T_a, action_dim] fp32, zero on clean tokens
 
 Precision: `Row.a16` says how the row's FP8 layer linears run this step — W8A16 (True) or W8A8 — as the FP8 step
 policy decides for its step (model/fp8.py); a model without FP8 linears ignores it. Rows of one tick may differ.
@@ -33,8 +38,17 @@ class Branch:
     context frames, oldest first) and the rotary tables of its latent tokens."""
 
     prefix: tuple[PageList, ...]
-    cos: torch.Tensor  # [N + T_s, head_dim]: vision then sound positions
-    sin: torch.Tensor  # [N + T_s, head_dim]
+    cos: torch.Tensor  # [N + T_s + T_a, head_dim]: vision, sound, then action positions
+    sin: torch.Tensor  # [N + T_s + T_a, head_dim]
+
+
+@dataclass(frozen=True)
+class ActionBand:
+    """A request's action tokens for one step (the row builder's input)."""
+
+    latents: torch.Tensor  # [T_a, action_dim] fp32, as sampled
+    domain: int  # the embodiment's row of the domain-aware linears
+    noisy: bool  # policy / inverse dynamics: all noisy at the step's t; forward dynamics: all clean
 
 
 @dataclass(frozen=True)
@@ -42,11 +56,13 @@ class Row:
     tokens: torch.Tensor  # [N, patch_latent_dim], model dtype
     sound: torch.Tensor  # [T_s, sound_dim] model dtype; T_s = 0 without sound
     timestep: float  # the step's timestep; its embedding goes to noisy tokens only
-    noisy_mask: torch.Tensor  # [N + T_s] bool (sound tokens: all True)
+    noisy_mask: torch.Tensor  # [N + T_s + T_a] bool (sound tokens: all True)
     token_shape: tuple[int, int, int]  # (T, h, w) patches
     latent_hw: tuple[int, int]  # (H, W) latent pixels; h*p, w*p when the grid needed no padding
     branches: tuple[Branch, ...]  # (cond,) or (cond, uncond)
     commit: bool  # return the tokens' K/V instead of a velocity
+    action: torch.Tensor  # [T_a, action_dim] model dtype; T_a = 0 without actions
+    action_domain: int = 0
     a16: bool = True  # FP8 linears: W8A16 this step (False: W8A8); ignored by 16-bit models
 
 
@@ -56,7 +72,8 @@ class Segment:
     length: int
     prefix: tuple[PageList, ...]
     collect_kv: bool
-    sound: int = 0  # the last `sound` of the `length` tokens are sound tokens
+    sound: int = 0  # the `sound` tokens before the action tokens are sound tokens
+    action: int = 0  # the last `action` of the `length` tokens are action tokens
 
 
 @dataclass
@@ -64,6 +81,7 @@ class RowOutput:
     velocity: list[torch.Tensor]  # per branch [1, C, T, H, W] fp32; empty for a commit row
     kv: list[tuple[torch.Tensor, torch.Tensor]]  # commit rows: per branch (k, v) [layers, N, kv_heads, d]
     sound_velocity: list[torch.Tensor] = field(default_factory=list)  # per branch [sound_dim, T_s] fp32
+    action_velocity: list[torch.Tensor] = field(default_factory=list)  # per branch [T_a, action_dim] fp32
 
 
 def patchify(latents: torch.Tensor, p: int) -> torch.Tensor:
@@ -93,6 +111,7 @@ def denoise_step_row(
     dtype: torch.dtype,
     commit: bool = False,
     sound_latents: torch.Tensor | None = None,
+    action: ActionBand | None = None,
     a16: bool = True,
 ) -> Row:
     """Build one request's input to a denoise step.
@@ -100,11 +119,11 @@ def denoise_step_row(
     latents [1, C, T, H, W] (any dtype; cast to the model dtype), `timestep` the scheduler's t for this step
     (applied to the frames in `noisy_frames`), `branches` per CFG branch. `commit`: an AR commit pass over
     clean latents — no noisy frames, no timestep; the step returns the tokens' K/V. `sound_latents`
-    [sound_dim, T_s] (fp32, as sampled): the request's sound band, every token noisy at `timestep`; the
-    branches' rotary tables then cover N + T_s positions. `a16`: the FP8 step policy's precision for this step
-    (W8A16; False: W8A8)."""
-    if commit and (len(noisy_frames) or sound_latents is not None):
-        raise ValueError("a commit row has no noisy frames and no sound")
+    [sound_dim, T_s] (fp32, as sampled): the request's sound band, every token noisy at `timestep`. `action`: its
+    action band. The branches' rotary tables cover N + T_s + T_a positions. `a16`: the FP8 step policy's precision
+    for this step (W8A16; False: W8A8)."""
+    if commit and (len(noisy_frames) or sound_latents is not None or action is not None):
+        raise ValueError("a commit row has no noisy frames, no sound and no actions")
     _, _, t, h, w = latents.shape
     token_shape = (t, -(-h // patch), -(-w // patch))
     per_frame = token_shape[1] * token_shape[2]
@@ -114,6 +133,9 @@ def denoise_step_row(
     sound = latents.new_zeros(0, 0, dtype=dtype) if sound_latents is None else sound_latents.t().to(dtype)
     if len(sound):
         noisy_mask = torch.cat([noisy_mask, noisy_mask.new_ones(len(sound))])
+    acts = latents.new_zeros(0, 0, dtype=dtype) if action is None else action.latents.to(dtype)
+    if action is not None:  # one value for the whole band: a fill, no host-to-device copy
+        noisy_mask = torch.cat([noisy_mask, noisy_mask.new_full((len(acts),), action.noisy)])
     return Row(
         tokens=patchify(latents.to(dtype), patch),
         sound=sound,
@@ -123,6 +145,8 @@ def denoise_step_row(
         latent_hw=(h, w),
         branches=branches,
         commit=commit,
+        action=acts,
+        action_domain=0 if action is None else action.domain,
         a16=a16,
     )
 
@@ -136,9 +160,9 @@ def segments_of(rows: list[Row]) -> tuple[list[Segment], int]:
     request's result does not depend on its neighbours (bit for bit on CPU); padding rows never reach attention."""
     segments, start = [], 0
     for row in rows:
-        s = row.sound.shape[0]
-        n = row.tokens.shape[0] + s
+        s, a = row.sound.shape[0], row.action.shape[0]
+        n = row.tokens.shape[0] + s + a
         for br in row.branches:
-            segments.append(Segment(start, n, br.prefix, row.commit, s))
+            segments.append(Segment(start, n, br.prefix, row.commit, s, a))
             start += -(-n // SEGMENT_ALIGN) * SEGMENT_ALIGN
     return segments, start

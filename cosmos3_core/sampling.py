@@ -39,8 +39,14 @@ class Scheduler(UniPCMultistepScheduler):
 
 
 def initial_noise(shape: tuple[int, ...], seed: int, device: torch.device | str) -> torch.Tensor:
+    return initial_noise_bands([shape], seed, device)[0]
+
+
+def initial_noise_bands(shapes: list[tuple[int, ...]], seed: int, device: torch.device | str) -> list[torch.Tensor]:
+    """One noise tensor per shape, drawn in order from one generator: the pipeline's order is vision (its full latent
+    shape, clean frames included), then sound `[sound_dim, T]`, then action `[chunk, action_dim]` (P:950-988)."""
     gen = torch.Generator("cpu").manual_seed(seed)
-    return torch.randn(shape, generator=gen, dtype=torch.float32).to(device)
+    return [torch.randn(shape, generator=gen, dtype=torch.float32).to(device) for shape in shapes]
 
 
 def checkpoint_shift(base_config: dict[str, Any]) -> float:

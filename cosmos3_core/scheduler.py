@@ -13,11 +13,17 @@ the next window's first frames. Pages: text at admission; a kv stream's largest 
 admission so a stream never stalls for pages mid-way.
 
 Events go to the request's `Sink`: `progress` after each step, `chunk` per finished piece of a non-final window,
-then exactly one of `done` (the last frames) or `error`.
+then exactly one of `done` (the last frames; with them the sound latents and the generated actions, when the request
+has them) or `error`.
+
+Robot actions: a request's action band [chunk, action_dim] starts as noise drawn after the vision (and sound) noise
+(policy, inverse dynamics) or as the given actions (forward dynamics: clean, never stepped); its own UniPC twin steps
+it with the guided action velocity; channels at or above the domain's raw width are zeroed after every step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import deque
@@ -28,13 +34,14 @@ import torch
 
 from . import faults
 from .kv_pool import KVPool, PageList
+from .model.action import action_position_ids
 from .model.config import ModelConfig
+from .model.embodiments import DOMAIN_IDS, FORWARD
 from .model.rotary import rotary_tables, vision_position_ids
 from .model.sound import SoundSpec, sound_position_ids
-from .model.sound import initial_noise as sound_initial_noise
 from .requests import GenerationParams, RequestError
-from .rows import Branch, RowOutput
-from .sampling import guided_velocity, initial_noise, make_scheduler
+from .rows import ActionBand, Branch, RowOutput
+from .sampling import guided_velocity, initial_noise_bands, make_scheduler
 from .windows import WindowPlan, latent_frames, plan_windows
 from .wire import ChunkInfo, PrefillResult
 
@@ -42,7 +49,13 @@ from .wire import ChunkInfo, PrefillResult
 class Sink(Protocol):
     def progress(self, step: int, steps: int, window: int, windows: int) -> None: ...
     def chunk(self, latents: torch.Tensor, info: ChunkInfo) -> None: ...
-    def done(self, latents: torch.Tensor, info: ChunkInfo) -> None: ...  # with sound: also sound=[sound_dim, T_s]
+    def done(
+        self,
+        latents: torch.Tensor,
+        info: ChunkInfo,
+        sound: torch.Tensor | None = None,  # enable_sound: [sound_dim, T_s]
+        actions: torch.Tensor | None = None,  # policy / inverse dynamics: [chunk, raw_action_dim] fp32
+    ) -> None: ...
     def error(self, message: str) -> None: ...
     def cancelled(self) -> bool: ...
 
@@ -70,6 +83,8 @@ class Job:
     timesteps: list[float] = field(default_factory=list)  # the scheduler's, on the host: no sync per step
     sound: torch.Tensor | None = None  # enable_sound: [sound_dim, T_s] fp32
     sound_scheduler: Any = None  # the vision scheduler's twin (the pipeline's deepcopy): same timesteps
+    action: ActionBand | None = None  # action requests: the band, latents [chunk, action_dim] fp32
+    action_scheduler: Any = None  # another twin, stepped only when the action tokens are noisy
     step: int = 0
     t_admit: float = 0.0
     t_last_chunk: float = 0.0
@@ -139,7 +154,7 @@ class Scheduler:
             return 0
         committed = plan.total_latent - plan.windows[-1].length
         frames = min(plan.context, committed) if plan.context else committed
-        h, w = self.cfg.token_grid(p.height, p.width)
+        h, w = self.cfg.token_grid(*p.frame_size)
         return branches * frames * self.pool.pages_for(h * w)
 
     def _pages_needed(self, job_or_prefill: Job | PrefillResult, reserve: int) -> int:
@@ -153,6 +168,8 @@ class Scheduler:
         p = prefill.params
         if p.enable_sound and self.sound is None:
             raise RequestError("enable_sound", "this checkpoint has no sound tokenizer or sound weights")
+        if p.action_mode and not self.cfg.action_gen:
+            raise RequestError("action", "this checkpoint has no action weights (action_gen)")
         plan = self.plan(p)
         reserve = self._context_reserve(p, plan, len(prefill.text_k))
         need = self._pages_needed(prefill, reserve)
@@ -199,7 +216,7 @@ class Scheduler:
                     self._start_window(job, previous=None)
                     ended = False
                 else:
-                    ended = self._advance(job, out.velocity, out.sound_velocity)
+                    ended = self._advance(job, out)
             except Exception as e:  # noqa: BLE001 - fails this request only
                 self.live.remove(job)
                 self._finish(job, error=f"internal error in denoise step: {e}")
@@ -239,14 +256,19 @@ class Scheduler:
 
     def _start_window(self, job: Job, previous: torch.Tensor | None) -> None:
         p, win, cfg = job.params, job.plan.windows[job.window], self.cfg
-        h, w = cfg.token_grid(p.height, p.width)
-        shape = (1, cfg.latent_channel, win.length, *cfg.latent_hw(p.height, p.width))
-        if p.enable_sound:  # one generator: vision noise, then sound's (AR windows with sound are refused)
-            latents, job.sound = sound_initial_noise(
-                shape, self.sound.latent_shape(p.num_frames, p.fps), p.seed, self.device
-            )
-        else:
-            latents = initial_noise(shape, p.seed + win.index, self.device)
+        h, w = cfg.token_grid(*p.frame_size)
+        shape = (1, cfg.latent_channel, win.length, *cfg.latent_hw(*p.frame_size))
+        # one generator: vision noise, then sound's, then action's (AR windows, one seed each, have neither)
+        bands = [shape]
+        if p.enable_sound:
+            bands.append(self.sound.latent_shape(p.num_frames, p.fps))
+        if p.action_mode:
+            bands.append((p.chunk_size, cfg.action_dim))
+        noise = initial_noise_bands(bands, p.seed + win.index, self.device)
+        latents = noise[0]
+        job.sound = noise[1] if p.enable_sound else None
+        if p.action_mode:
+            job.action = self._action_band(job, noise[-1])
         clean: list[int] = []
         if win.pinned:  # chained: the previous window's tail, clean
             latents[:, :, : win.pinned] = previous[:, :, -win.pinned :]
@@ -258,31 +280,48 @@ class Scheduler:
         # the pipeline's noisy set: every frame not clean (a gap such as v2v's [0, 2] leaves frame 1 noisy)
         noisy = [f for f in range(win.length) if f not in clean]
         job.noisy_frames = torch.tensor(noisy, dtype=torch.long).to(self.device)
-        sound_len = 0 if job.sound is None else job.sound.shape[1]
+        bands_len = (0 if job.sound is None else job.sound.shape[1], p.chunk_size)
         job.branches = tuple(
             Branch(
-                (text, *ctx),
-                *self._rotary(text.num_tokens, (win.length, h, w), p.fps, win.rotary_offset, sound_len),
+                (text, *ctx), *self._rotary(text.num_tokens, (win.length, h, w), p.fps, win.rotary_offset, bands_len)
             )
             for text, ctx in zip(job.text_pages, job.context)
         )
-        job.scheduler = make_scheduler(self.sampler_config, p.steps, p.shift, self.native_flow_schedule, self.device)
-        if job.sound is not None:
-            job.sound_scheduler = make_scheduler(
-                self.sampler_config, p.steps, p.shift, self.native_flow_schedule, self.device
-            )
+
+        def twin() -> Any:  # the pipeline's deepcopy of the vision scheduler: its own multistep history
+            return make_scheduler(self.sampler_config, p.steps, p.shift, self.native_flow_schedule, self.device)
+
+        job.scheduler = twin()
+        job.sound_scheduler = twin() if job.sound is not None else None
+        job.action_scheduler = twin() if job.action is not None and job.action.noisy else None
         job.timesteps = job.scheduler.timesteps.tolist()
         job.step = 0
         job.committing = False
 
+    def _action_band(self, job: Job, noise: torch.Tensor) -> ActionBand:
+        """The request's first action band: noise (policy, inverse dynamics) or the given actions (forward dynamics:
+        the pipeline's mask·x0 + (1−mask)·noise with every token clean is x0 exactly), channels at or above the
+        domain's raw width zeroed (P:975-988)."""
+        p = job.params
+        noisy = p.action_mode != FORWARD
+        latents = noise if noisy else job.prefill.cond_actions.to(self.device, torch.float32).clone()
+        latents[:, p.raw_action_dim :] = 0
+        return ActionBand(latents, DOMAIN_IDS[p.domain], noisy)
+
     def _rotary(
-        self, text_len: int, grid: tuple[int, int, int], fps: float, offset: int, sound_len: int = 0
+        self, text_len: int, grid: tuple[int, int, int], fps: float, offset: int, bands: tuple[int, int] = (0, 0)
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        ids = vision_position_ids(self.cfg, grid, text_len, fps, offset)
-        if sound_len:  # text | vision | sound: the sound ids follow the vision ids in the branch's table
-            sound_ids = sound_position_ids(self.cfg, sound_len, text_len, self.sound.latent_fps)
-            ids = torch.cat([ids, sound_ids.to(ids.device, ids.dtype)], dim=1)
-        return rotary_tables(self.cfg, ids, self.dtype, self.device)
+        """The branch's tables over text | vision | sound | action: the sound and action ids (`bands`: their token
+        counts) follow the vision ids."""
+        ids = [vision_position_ids(self.cfg, grid, text_len, fps, offset)]
+        sound_len, action_len = bands
+        if sound_len:
+            ids.append(sound_position_ids(self.cfg, sound_len, text_len, self.sound.latent_fps))
+        if action_len:
+            ids.append(action_position_ids(self.cfg, action_len, text_len, fps))
+        return rotary_tables(
+            self.cfg, torch.cat([i.to(ids[0].device, ids[0].dtype) for i in ids], dim=1), self.dtype, self.device
+        )
 
     def _release(self, job: Job) -> None:
         for pages in job.text_pages + [f for br in job.context for f in br]:
@@ -314,10 +353,11 @@ class Scheduler:
             piece = latents[:, :, a : a + size]
             last = a + size >= n
             info = self._chunk_info(job, final and last, a, piece.shape[2])
-            if final and last and job.sound is not None:
-                job.sink.done(piece, info, sound=job.sound)
-            elif final and last:
-                job.sink.done(piece, info)
+            if final and last:
+                extra: dict[str, torch.Tensor] = {} if job.sound is None else {"sound": job.sound}
+                if job.params.returns_actions:  # the pipeline's out.action[0]: the domain's raw width
+                    extra["actions"] = job.action.latents[:, : job.params.raw_action_dim].clone()  # type: ignore[union-attr]
+                job.sink.done(piece, info, **extra)
             else:
                 job.sink.chunk(piece, info)
 
@@ -357,17 +397,26 @@ class Scheduler:
                 self.pool.write(pages, k[:, rows], v[:, rows])
                 frames.append(pages)
 
-    def _advance(self, job: Job, branch_v: list[torch.Tensor], sound_v: list[torch.Tensor]) -> bool:
+    def _advance(self, job: Job, out: RowOutput) -> bool:
         """Scheduler step for one request; returns True when the request has ended."""
         p = job.params
         if faults.FAIL_STEP_SEED is not None and p.seed == faults.FAIL_STEP_SEED:
             raise faults.InjectedFault(f"injected fault in the denoise step (seed {p.seed})")
-        v = guided_velocity(branch_v, p.guidance_scale)
+        v = guided_velocity(out.velocity, p.guidance_scale)
         t = job.scheduler.timesteps[job.step]
         job.latents = job.scheduler.step(v.unsqueeze(0), t, job.latents.unsqueeze(0), return_dict=False)[0].squeeze(0)
         if job.sound is not None:  # the same guidance, in fp32, and the sound scheduler's own step
-            sv = guided_velocity(sound_v, p.guidance_scale)
+            sv = guided_velocity(out.sound_velocity, p.guidance_scale)
             job.sound = job.sound_scheduler.step(sv.unsqueeze(0), t, job.sound.unsqueeze(0), return_dict=False)[0][0]
+        if job.action_scheduler is not None:  # noisy actions: likewise, then the domain's width kept (P:1869-1886)
+            raw = torch.arange(job.action.latents.shape[1], device=self.device) < p.raw_action_dim  # type: ignore[union-attr]
+            # the pipeline zeroes each branch's prediction beyond the raw width (out of place: the step's outputs are
+            # inference tensors)
+            av = guided_velocity([v * raw for v in out.action_velocity], p.guidance_scale)
+            a = job.action.latents.unsqueeze(0)  # type: ignore[union-attr]
+            a = job.action_scheduler.step(av.unsqueeze(0), t, a, return_dict=False)[0].squeeze(0)
+            a[:, p.raw_action_dim :] = 0
+            job.action = dataclasses.replace(job.action, latents=a)  # type: ignore[arg-type]
         job.step += 1
         job.sink.progress(job.step, p.steps, job.window, len(job.plan.windows))
         if job.step < p.steps:

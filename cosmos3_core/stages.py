@@ -1,7 +1,8 @@
 """The two stages Triton hosts around the denoise engine (what crosses between them: wire.py).
 
-PrefillStage: validated request → token ids (templates, chat template) → UND tower once per CFG branch →
-`PrefillResult` (per-branch text K/V `[layers, tokens, kv_heads, head_dim]`, the i2v/v2v conditioning latents).
+PrefillStage: validated request → token ids (templates, chat template; an action request's JSON caption) → UND tower
+once per CFG branch → `PrefillResult` (per-branch text K/V `[layers, tokens, kv_heads, head_dim]`, the i2v / v2v /
+action conditioning latents, forward dynamics' clean action tokens).
 DecodeStage: normalised latents → uint8 frames, whole or a stream's chunks in order (`launch` a chunk event's,
 then wait for its frames), each stream keeping its decoder cache. The offline CLI chains the same objects.
 """
@@ -15,14 +16,19 @@ import numpy as np
 import torch
 
 from . import faults
+from .deployment import Deployment
+from .model.action import condition_actions, encode_action_condition
 from .model.checkpoint import Checkpoint
 from .model.conditioning import HostFrames, StreamDecoder, VaeCodec
+from .model.embodiments import DOMAIN_IDS, FORWARD, ActionGeometry
 from .model.layers import UND
 from .model.prompts import PromptEncoder
 from .model.rotary import rotary_tables, text_position_ids
 from .model.sound import SoundSpec, decode_sound, load_sound_tokenizer
 from .model.towers import prefill_text_kv
 from .model.video_input import encode_video_condition
+from .parallel.group import Group
+from .parallel.vae import PatchDecoder
 from .requests import Defaults, GenerationParams, Limits, RequestError, validate
 from .sampling import checkpoint_shift
 from .windows import pixel_frames_of_chunk
@@ -47,23 +53,57 @@ class PrefillStage:
             self.no_sound = str(e)
 
     def validate(
-        self, prompt: bytes | str, params: dict, image: np.ndarray | None, video: np.ndarray | None = None
+        self,
+        prompt: bytes | str,
+        params: dict,
+        image: np.ndarray | None,
+        video: np.ndarray | None = None,
+        raw_actions: np.ndarray | None = None,
     ) -> GenerationParams:
         p = validate(
             prompt, params, image, self.defaults, self.limits, self.cfg.pixel_alignment, self.cfg.vae_scale_temporal,
-            self.shift, video,
+            self.shift, video, raw_actions,
         )  # fmt: skip
         if p.enable_sound and self.no_sound is not None:
             raise RequestError("enable_sound", f"this checkpoint cannot make sound ({self.no_sound})")
+        if p.action_mode:
+            self._check_action(p)
         return p
 
+    def _check_action(self, p: GenerationParams) -> None:
+        """What an action request needs of the checkpoint (P:1049-1058, 830-835)."""
+        cfg = self.cfg
+        if not cfg.action_gen:
+            raise RequestError("action", "this checkpoint has no action weights (action_gen)")
+        if p.raw_action_dim > cfg.action_dim:
+            raise RequestError(
+                "action.domain",
+                f"{p.domain!r} has {p.raw_action_dim} action channels; this checkpoint's action_dim is {cfg.action_dim}",
+            )
+        if DOMAIN_IDS[p.domain] >= cfg.num_embodiment_domains:
+            raise RequestError(
+                "action.domain", f"{p.domain!r} is domain {DOMAIN_IDS[p.domain]}; this checkpoint has "
+                f"{cfg.num_embodiment_domains} (num_embodiment_domains)",
+            )  # fmt: skip
+
     @torch.inference_mode()
-    def run(self, p: GenerationParams, image: np.ndarray | None, video: np.ndarray | None = None) -> PrefillResult:
+    def run(
+        self,
+        p: GenerationParams,
+        image: np.ndarray | None,
+        video: np.ndarray | None = None,
+        raw_actions: np.ndarray | None = None,
+    ) -> PrefillResult:
         # an AR window is generated as a clip of window_frames: its templates describe that clip
         frames = p.num_frames if p.window_mode == "none" else p.window_frames
-        cond_ids, uncond_ids = self.prompts.encode(
-            p.prompt, p.negative_prompt, frames, p.height, p.width, p.fps, p.use_system_prompt, p.add_templates
-        )
+        if p.action_mode:  # the canvas's size and chunk + 1 frames, in the JSON caption
+            cond_ids, uncond_ids = self.prompts.encode_action(
+                p.prompt, p.negative_prompt, frames, p.height, p.width, p.fps, p.view_point, p.use_system_prompt
+            )
+        else:
+            cond_ids, uncond_ids = self.prompts.encode(
+                p.prompt, p.negative_prompt, frames, p.height, p.width, p.fps, p.use_system_prompt, p.add_templates
+            )
         branches = [cond_ids, uncond_ids][: p.cfg_branches]
         for name, ids in zip(("prompt", "negative_prompt"), branches):
             if len(ids) > self.limits.max_prompt_tokens:
@@ -74,6 +114,8 @@ class PrefillStage:
             k, v = prefill_text_kv(self.model, torch.tensor(ids, device=self.device), cos, sin, self.und_a16)
             text_k.append(k)
             text_v.append(v)
+        if p.action_mode:
+            return PrefillResult(p, text_k, text_v, *self._action_condition(p, image, video, raw_actions))
         cond = self.codec.encode_first_frame(image, p.height, p.width) if image is not None else None
         if video is not None:  # v2v: [1, C, T_lat, h, w], the clean frames encoded, the rest zero
             cond = encode_video_condition(
@@ -82,18 +124,34 @@ class PrefillStage:
             ).latents  # fmt: skip
         return PrefillResult(p, text_k, text_v, cond)
 
+    def _action_condition(
+        self, p: GenerationParams, image: np.ndarray | None, video: np.ndarray | None, raw: np.ndarray | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """→ (clean vision latents [1, C, T_lat, lh, lw]: the anchor frame, or the whole clip for inverse dynamics;
+        forward dynamics' clean action tokens [chunk, action_dim] or None)."""
+        clip = video if video is not None else image[None]  # type: ignore[index]  # an image is a one-frame clip
+        geo = ActionGeometry.of(clip.shape[1], clip.shape[2], p.resolution_tier, self.cfg.pixel_alignment)
+        cond = encode_action_condition(self.codec, clip, p.action_mode, p.chunk_size, geo)
+        if p.action_mode != FORWARD:
+            return cond, None
+        return cond, condition_actions(torch.from_numpy(raw), p.chunk_size, self.cfg.action_dim)  # type: ignore[arg-type]
+
 
 class DecodeStage:
     """Whole videos, or AR streams chunk by chunk (decoder cache kept per stream id between chunks)."""
 
     STREAM_IDLE_S = 900.0  # a stream whose chunks stopped (its request failed upstream) is dropped after this
 
-    def __init__(self, ckpt: Checkpoint, device: str, dtype: torch.dtype, compile: bool = False):
+    def __init__(
+        self, ckpt: Checkpoint, device: str, dtype: torch.dtype, compile: bool = False, group: Group | None = None
+    ):
+        """`group`: decode each chunk split by rows over its decode ranks (parallel/vae.py)."""
         cuda = str(device).startswith("cuda")
         if cuda:
             torch.backends.cudnn.benchmark = True  # the Wan decoder's conv3d shapes repeat every chunk
         compile = compile and cuda  # the fused kernels save memory traffic on the GPU; on CPU, only compile time
-        self.codec = VaeCodec(ckpt.load_vae(device, dtype), compile)
+        wrap = None if group is None else (lambda decoder: PatchDecoder(decoder, group))
+        self.codec = VaeCodec(ckpt.load_vae(device, dtype), compile, wrap)
         try:  # the sound tokenizer in the deployment's dtype, as the pipeline loads its components
             self.sound_tokenizer = load_sound_tokenizer(ckpt.root, device, dtype)
         except (ValueError, OSError):
@@ -106,6 +164,14 @@ class DecodeStage:
         if compile:  # compile the fused kernels now, not mid-stream: 1 + 4 + 1 latent frames (size-1 dims compile
             # apart from the dynamic ones) at distinct sizes (no duck-sized guards) cover every later size
             self.run(torch.zeros(1, ckpt.config.latent_channel, 6, 5, 7))
+
+    @classmethod
+    def from_deployment(cls, ckpt: Checkpoint, d: Deployment, device: str, group: Group | None = None) -> DecodeStage:
+        """`group`: a running group to decode over (the CLI's, shared with its engine); else one of the
+        deployment's `parallel.vae` ranks is started when that is above 1."""
+        if group is None and d.parallel.vae > 1:
+            group = Group(d.worker_spec(ckpt.root, ("decode",)))
+        return cls(ckpt, device, d.torch_dtype, d.compile, group if d.parallel.vae > 1 else None)
 
     def run(self, latents: torch.Tensor) -> np.ndarray:
         """normalised latents [1, C, T, h, w] → uint8 [T', H, W, 3]."""

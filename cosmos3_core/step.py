@@ -15,7 +15,7 @@ from collections import OrderedDict
 
 import torch
 
-from .attention import SdpaAttention, make_attention
+from .attention import Backend, SdpaAttention, make_attention
 from .graphs import StepLayout
 from .kv_pool import KVPool
 from .model.layers import Cosmos3Transformer
@@ -29,18 +29,23 @@ class DenoiseStep:
     and, on CUDA with `cuda_graphs`, the captured forward. The most recent MAX_LAYOUTS layouts are kept."""
 
     MAX_LAYOUTS = 16
+    layout_class = StepLayout  # parallel/ulysses.py: layouts that split the pack's rows over ranks
 
     def __init__(
         self,
         model: Cosmos3Transformer,
         pool: KVPool,
         kernels: GenKernels = EAGER,
-        attention: str = "auto",
+        attention: str | Backend = "auto",
         cuda_graphs: bool = True,
     ):
         cfg = model.cfg
         self.model, self.pool, self.kernels = model, pool, kernels
-        self.attention = make_attention(attention, pool, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        self.attention = (
+            make_attention(attention, pool, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+            if isinstance(attention, str)
+            else attention  # a backend made by the caller (parallel/ulysses.py: over a head-sharded pool)
+        )
         self.sdpa = self.attention if isinstance(self.attention, SdpaAttention) else SdpaAttention(pool)
         self.cuda_graphs = cuda_graphs and pool.k_pages.is_cuda
         self.graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None  # shared: replays are serial
@@ -52,13 +57,15 @@ class DenoiseStep:
         segments, total = segments_of(rows)
         attention = self.attention if self.attention.supports(segments) else self.sdpa
         key = (
-            tuple((r.tokens.shape[0], r.sound.shape[0], len(r.branches), r.commit, r.a16) for r in rows),
+            tuple(
+                (r.tokens.shape[0], r.sound.shape[0], r.action.shape[0], len(r.branches), r.commit, r.a16) for r in rows
+            ),
             attention.name,
             attention.shape_key(segments),
         )
         a16_segments = sum(len(r.branches) for r in rows if r.a16)
         a16_rows = segments[a16_segments].start if a16_segments < len(segments) else total
-        layout = self.layouts.pop(key, None) or StepLayout(
+        layout = self.layouts.pop(key, None) or self.layout_class(
             self.model, self.kernels, attention, total, rows[0].tokens.shape[1], segments, self.graph_pool, a16_rows
         )
         self.layouts[key] = layout
@@ -69,7 +76,7 @@ class DenoiseStep:
     @torch.inference_mode()
     def __call__(self, rows: list[Row]) -> list[RowOutput]:
         """One GEN pass over all rows → per row (in the given order) its per-branch velocity (fp32, zero on clean
-        frames) and sound velocity, or K/V."""
+        frames), sound and action velocities, or K/V."""
         order = sorted(range(len(rows)), key=lambda i: not rows[i].a16)  # stable: W8A16 rows first
         if order != sorted(order):
             packed_outputs = self([rows[i] for i in order])
@@ -80,13 +87,13 @@ class DenoiseStep:
         layout, segments = self.layout(rows)
         layout.fill(rows, segments)
         had_graph = layout.graph is not None
-        preds, sound_preds, collected = layout.run()
+        preds, sound_preds, action_preds, collected = layout.run()
         self.captures += layout.graph is not None and not had_graph
         p = self.model.cfg.latent_patch_size
         out: list[RowOutput] = []
-        seg = at = 0  # at: the next row of sound_preds
+        seg = at = at_a = 0  # at, at_a: the next row of sound_preds, action_preds
         for row in rows:
-            n, s = row.tokens.shape[0], row.sound.shape[0]
+            n, s, a = row.tokens.shape[0], row.sound.shape[0], row.action.shape[0]
             result = RowOutput([], [])
             for _ in row.branches:
                 if row.commit:
@@ -99,6 +106,10 @@ class DenoiseStep:
                     if s:  # every sound token is noisy: its velocity as predicted, [sound_dim, T_s]
                         result.sound_velocity.append(sound_preds[at : at + s].float().t().clone())
                         at += s
+                    if a:  # zero on clean action tokens (forward dynamics); the product is a new tensor
+                        mask = row.noisy_mask[n + s :, None]
+                        result.action_velocity.append(action_preds[at_a : at_a + a].float() * mask)
+                        at_a += a
                 seg += 1
             out.append(result)
         return out

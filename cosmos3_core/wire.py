@@ -2,8 +2,9 @@
 
 - `PrefillResult`: prefill → denoise. Tensors for Triton (`to_wire` / `from_wire`): text_kv
   [2, layers, sum(branch tokens), kv_heads, head_dim] (model dtype), text_lens INT64 [branches], cond_latent FP32
-  [1, C, 1, h, w] (i2v), [1, C, T_lat, h, w] (v2v: `params.clean_frames` encoded, the rest zero) or [0,0,0,0,0];
-  with it `RequestMeta` as JSON (BYTES [1] `request`).
+  [1, C, 1, h, w] (i2v), [1, C, T_lat, h, w] (v2v and action: `params.clean_frames` encoded, the rest zero) or
+  [0,0,0,0,0]; cond_actions FP32 [chunk, action_dim] (forward dynamics: the given actions, padded) or [0, 0]; with it
+  `RequestMeta` as JSON (BYTES [1] `request`).
 - Events, JSON (BYTES [1] `event`), denoise → decode → client: `ProgressEvent` after each step; `ChunkEvent`
   (type "chunk") per streamed piece of latents; the last piece's type is "done" and carries the resolved
   parameters. The engine fills a chunk's place in the video and its timings; decode adds `frames`,
@@ -113,7 +114,8 @@ class PrefillResult:
     params: GenerationParams
     text_k: list[torch.Tensor]  # per branch (cond[, uncond]) [layers, tokens, kv_heads, head_dim]
     text_v: list[torch.Tensor]
-    cond_latent: torch.Tensor | None  # [1, C, 1, h, w] fp32 (i2v), [1, C, T_lat, h, w] (v2v) or None
+    cond_latent: torch.Tensor | None  # [1, C, 1, h, w] fp32 (i2v), [1, C, T_lat, h, w] (v2v, action) or None
+    cond_actions: torch.Tensor | None = None  # forward dynamics: [chunk, action_dim] fp32, the clean action tokens
 
     def to_wire(self) -> dict[str, torch.Tensor | np.ndarray]:
         import torch
@@ -121,11 +123,17 @@ class PrefillResult:
         kv = torch.stack([torch.cat(self.text_k, dim=1), torch.cat(self.text_v, dim=1)])
         lens = np.array([k.shape[1] for k in self.text_k], dtype=np.int64)
         cond = self.cond_latent if self.cond_latent is not None else torch.zeros(0, 0, 0, 0, 0)
-        return {"text_kv": kv, "text_lens": lens, "cond_latent": cond.float()}
+        actions = self.cond_actions if self.cond_actions is not None else torch.zeros(0, 0)
+        return {"text_kv": kv, "text_lens": lens, "cond_latent": cond.float(), "cond_actions": actions.float()}
 
     @classmethod
     def from_wire(
-        cls, params: GenerationParams, text_kv: torch.Tensor, text_lens: np.ndarray, cond_latent: torch.Tensor
+        cls,
+        params: GenerationParams,
+        text_kv: torch.Tensor,
+        text_lens: np.ndarray,
+        cond_latent: torch.Tensor,
+        cond_actions: torch.Tensor,
     ) -> PrefillResult:
         splits = [int(n) for n in text_lens]
         return cls(
@@ -133,4 +141,5 @@ class PrefillResult:
             text_k=list(text_kv[0].split(splits, dim=1)),
             text_v=list(text_kv[1].split(splits, dim=1)),
             cond_latent=cond_latent if cond_latent.numel() else None,
+            cond_actions=cond_actions if cond_actions.numel() else None,
         )

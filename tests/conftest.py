@@ -26,6 +26,12 @@ def nano_ckpt(tiny_ckpts) -> Path:
 
 
 @pytest.fixture(scope="session")
+def action_ckpt(tmp_path_factory) -> Path:
+    """Nano with sound and an action head (action_dim 16, 32 domains; modality embeddings redrawn non-zero)."""
+    return make_tiny(tmp_path_factory.mktemp("ckpt_action") / "nano", variant="nano", seed=7, sound=True, action=True)
+
+
+@pytest.fixture(scope="session")
 def test_image() -> np.ndarray:
     """A smooth RGB image of a size that needs resize + crop (40x56)."""
     yy, xx = np.mgrid[0:40, 0:56]

@@ -35,3 +35,19 @@ def test_instance_counts_are_checked_at_load(tmp_path, instances, message):
         Deployment.load(path)
     path.write_text("instances: {denoise: 2}\n")
     assert Deployment.load(path).instances == {"prefill": 1, "denoise": 2, "vae_decode": 1}
+
+
+def test_perf_analyzer_input_is_a_valid_request_for_the_bench_config():
+    """bench/perf_analyzer/edge_t2v.json, in perf_analyzer's real-data format, is the request bench.served times."""
+    import json
+
+    root = Path(__file__).parent.parent
+    cfg = Checkpoint.open(resolve_checkpoint("random:edge")).config
+    d = Deployment.load(root / "configs/bench_edge.yaml")
+    (entry,) = json.loads((root / "bench/perf_analyzer/edge_t2v.json").read_text())["data"]
+    assert set(entry) == {"prompt", "parameters"}
+    params = json.loads(entry["parameters"][0])
+    p = validate(
+        entry["prompt"][0], params, None, d.defaults, d.limits, cfg.pixel_alignment, cfg.vae_scale_temporal, 5.0
+    )
+    assert (p.height, p.width, p.num_frames, p.steps, p.guidance_scale) == (480, 832, 121, 20, 6.0)

@@ -393,7 +393,7 @@ class _Sink:
 
     def progress(self, *a): ...
     def chunk(self, *a): ...
-    def done(self, latents, info):
+    def done(self, latents, info, **extra):
         self.latents = latents
 
     def error(self, message):

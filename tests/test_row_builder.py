@@ -29,8 +29,9 @@ def test_rows_are_built_only_by_denoise_step_row():
                     assert not calls, f"rows.{fn.name} builds a Row"
 
 
-def test_step_reads_every_row_field(monkeypatch, nano_ckpt):
-    """Rename any field of the builder's output (without the step following) and the real step fails."""
+def test_step_reads_every_row_field(monkeypatch, action_ckpt):
+    """Rename any field of the builder's output (without the step following) and the real step fails (a row with
+    every band: vision, sound and actions)."""
     import dataclasses
 
     import pytest
@@ -39,15 +40,19 @@ def test_step_reads_every_row_field(monkeypatch, nano_ckpt):
     from cosmos3_core.model.checkpoint import Checkpoint
     from cosmos3_core.model.layers import GEN
 
-    ckpt = Checkpoint.open(nano_ckpt)
+    ckpt = Checkpoint.open(action_ckpt)
     cfg = ckpt.config
     model = ckpt.load_transformer({GEN}, "cpu", torch.float32)
     pool = KVPool(8, 4, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, torch.float32, "cpu")
     pages = pool.alloc(5)
-    cos = sin = torch.ones(1 * 2 * 2, cfg.head_dim)
+    cos = sin = torch.ones(1 * 2 * 2 + 3 + 2, cfg.head_dim)  # 4 vision, 3 sound, 2 action tokens
     branch = rows.Branch((pages,), cos, sin)
     latents = torch.randn(1, cfg.latent_channel, 1, 4, 4)
-    row = rows.denoise_step_row(latents, 500.0, torch.arange(1), (branch,), cfg.latent_patch_size, torch.float32)
+    action = rows.ActionBand(torch.randn(2, cfg.action_dim), domain=7, noisy=True)
+    row = rows.denoise_step_row(
+        latents, 500.0, torch.arange(1), (branch,), cfg.latent_patch_size, torch.float32,
+        sound_latents=torch.randn(cfg.sound_dim, 3), action=action,
+    )  # fmt: skip
     step.DenoiseStep(model, pool)([row])  # the builder's row runs
     for f in dataclasses.fields(rows.Row):
         renamed = type("RenamedRow", (), {(f.name + "_renamed" if k == f.name else k): getattr(row, k)

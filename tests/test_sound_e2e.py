@@ -63,7 +63,12 @@ def gen(ckpt):
     from cosmos3_core.deployment import Deployment
     from cosmos3_core.generate import Generator
 
-    return Generator(Deployment.load("configs/tiny.yaml", checkpoint=str(ckpt), device="cpu", dtype="float32"))
+    # a sound warmup request: warmup passes the sound band through the real step like any request
+    warmup = [{**BASE, "steps": 2, "enable_sound": True}]
+    d = Deployment.load(
+        "configs/tiny.yaml", checkpoint=str(ckpt), device="cpu", dtype="float32", warmup_requests=warmup
+    )
+    return Generator(d)
 
 
 @pytest.mark.parametrize("task", ["t2v", "i2v", "v2v", "t2v_guidance1"])
@@ -96,7 +101,8 @@ def test_cli_sound_matches_pipeline(ckpt, pipe, gen, tmp_path, task, test_image)
     ours_v, ours_s = torch.load(tmp_path / "v.pt"), torch.load(tmp_path / "a.pt")
     assert ours_v.shape == ref_v.shape and ours_s.shape == ref_s.shape == (2, 15 * 1920)  # 9 frames at 16 fps
     assert rel_l2(ours_v, ref_v) <= 1e-4
-    latents, sound = gen.generate(PROMPT, request, image, video=clip)
+    out = gen.generate(PROMPT, request, image, video=clip)
+    latents, sound = out.latents, out.sound
     assert torch.equal(latents, ours_v)  # the CLI is this engine
     assert sound.shape == captured["sound"].shape and rel_l2(sound, captured["sound"]) <= 1e-4
     assert torch.equal(torch.from_numpy(gen.decode.audio(captured["sound"])), ref_s)

@@ -42,9 +42,13 @@ def preprocess_image(image: np.ndarray, height: int, width: int) -> torch.Tensor
 
 
 class VaeCodec:
-    def __init__(self, vae, compile: bool = False):
+    """`wrap`: applied to our decoder when it is prepared (parallel/vae.py splits it over ranks); diffusers'
+    fallback decoder is never wrapped."""
+
+    def __init__(self, vae, compile: bool = False, wrap: Callable[[WanDecoder], object] | None = None):
         self.vae = vae
         self.compile = compile
+        self.wrap = wrap
         self._decoder: WanDecoder | DiffusersDecoder | None = None
         self.dtype = vae.dtype
         dev = self.device
@@ -57,6 +61,8 @@ class VaeCodec:
         if self._decoder is None:
             if (reason := unsupported(self.vae)) is None:
                 self._decoder = WanDecoder(self.vae, DecoderKernels.compiled() if self.compile else EAGER)
+                if self.wrap is not None:
+                    self._decoder = self.wrap(self._decoder)
             else:  # a checkpoint diffusers runs is served, only slower
                 log.warning("VAE decode falls back to diffusers' AutoencoderKLWan decoder (slower): %s", reason)
                 self._decoder = DiffusersDecoder(self.vae)

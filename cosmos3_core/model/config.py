@@ -57,6 +57,9 @@ class ModelConfig:
     sound_gen: bool = False  # the transformer has audio_proj_in/out and audio_modality_embed
     sound_dim: int = 0
     sound_latent_fps: float = 25.0
+    action_gen: bool = False  # the transformer has action_proj_in/out (domain-aware) and action_modality_embed
+    action_dim: int = 0  # action token width: every embodiment's raw actions zero-padded to it
+    num_embodiment_domains: int = 32  # rows of the domain-aware linears (the domain table indexes them)
 
     @property
     def nemotron_norm(self) -> bool:
@@ -102,6 +105,8 @@ class ModelConfig:
             raise CheckpointError(
                 f"{transformer_config}: key 'hidden_act' is {hidden_act!r}; supported: {', '.join(HIDDEN_ACTS)}"
             )
+        if t.get("action_gen") and not t.get("action_dim"):
+            raise CheckpointError(f"{transformer_config}: key 'action_dim' must be set when 'action_gen' is true")
         rope_axes = t.get("rope_axes_dim") or (t.get("rope_scaling") or {}).get("mrope_section", [24, 20, 20])
         latent_channel = int(get(t, "latent_channel", transformer_config, 48))
         patch = int(get(t, "latent_patch_size", transformer_config, 2))
@@ -148,4 +153,7 @@ class ModelConfig:
             sound_gen=bool(t.get("sound_gen", False)),
             sound_dim=int(t.get("sound_dim") or 0),
             sound_latent_fps=float(t.get("sound_latent_fps", 25.0)),
+            action_gen=bool(t.get("action_gen", False)),
+            action_dim=int(t.get("action_dim") or 0),
+            num_embodiment_domains=int(t.get("num_embodiment_domains", 32)),
         )

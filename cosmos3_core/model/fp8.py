@@ -265,7 +265,10 @@ def linear(m: nn.Module, x: torch.Tensor, a16_rows: int) -> torch.Tensor:
 
 def layer_linear_names(model: nn.Module) -> list[str]:
     """The module names of every `nn.Linear` under `layers.` (both towers' attention projections and MLPs): the
-    linears an FP8 checkpoint stores in E4M3 and `precision: fp8` quantizes."""
+    linears an FP8 checkpoint stores in E4M3 and `precision: fp8` quantizes. Nothing outside the layers is: the
+    embeddings, `proj_in`/`proj_out`, the sound projections and the action bands' domain-aware linears
+    (`action_proj_in`/`action_proj_out`, per-embodiment weights) stay in the model dtype, as diffusers'
+    mixed precision leaves them (its `_classify_cosmos3_linear` names only the layers' attention and MLP linears)."""
     return [n for n, m in model.named_modules() if n.startswith("layers.") and isinstance(m, nn.Linear)]
 
 

@@ -6,7 +6,9 @@ reads latent tokens. `Cosmos3Transformer(cfg, parts)` builds only the towers a s
 computations live in `towers.py`, so the module tree stays a plain weight container.
 
 Layer linears are `nn.Linear` as built; an FP8 checkpoint or `precision: fp8` swaps them for `fp8.Fp8Linear` at
-load (`checkpoint.py`), so callers run them through `fp8.linear` with the rows' precision.
+load (`checkpoint.py`), so callers run them through `fp8.linear` with the rows' precision. The action bands'
+`DomainAwareLinear`s are never FP8: they sit outside the layers, which diffusers' mixed precision leaves in high
+precision too (`_classify_cosmos3_linear` classifies only layer attention/MLP linears).
 
 Layouts: token-major, `[tokens, hidden]`; per-head tensors `[tokens, heads, head_dim]`.
 """
@@ -132,6 +134,19 @@ class TimestepEmbedder(nn.Module):
         return self.linear_2(nn.functional.silu(self.linear_1(sinusoid.to(w.dtype))))
 
 
+class DomainAwareLinear(nn.Module):
+    """A linear layer per embodiment domain (weights only; the product is `towers.domain_linear`).
+
+    `fc.weight` [domains, in*out] holds each domain's matrix laid out (in, out), the transpose of `nn.Linear`'s
+    (out, in), and `bias.weight` [domains, out]: the keys and layout of diffusers' `DomainAwareLinear`."""
+
+    def __init__(self, in_features: int, out_features: int, domains: int):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.fc = nn.Embedding(domains, in_features * out_features)
+        self.bias = nn.Embedding(domains, out_features)
+
+
 class Cosmos3Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, parts: frozenset[str]):
         super().__init__()
@@ -149,6 +164,11 @@ class Cosmos3Transformer(nn.Module):
                 self.audio_proj_in = nn.Linear(cfg.sound_dim, cfg.hidden_size)
                 self.audio_proj_out = nn.Linear(cfg.hidden_size, cfg.sound_dim)
                 self.audio_modality_embed = nn.Parameter(torch.zeros(cfg.hidden_size))
+            if cfg.action_gen:  # action tokens: per-embodiment projections and a modality embedding
+                domains = cfg.num_embodiment_domains
+                self.action_proj_in = DomainAwareLinear(cfg.action_dim, cfg.hidden_size, domains)
+                self.action_proj_out = DomainAwareLinear(cfg.hidden_size, cfg.action_dim, domains)
+                self.action_modality_embed = nn.Parameter(torch.zeros(cfg.hidden_size))
 
     @property
     def dtype(self) -> torch.dtype:

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from ..sampling import initial_noise_bands
 from .config import ModelConfig
 
 __all__ = ["SoundSpec", "decode_sound", "initial_noise", "load_sound_tokenizer", "sound_position_ids"]
@@ -101,10 +102,8 @@ def initial_noise(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(vision noise, sound noise), both fp32, from one CPU generator in the pipeline's order: the sound noise is
     the generator's next draw after the full vision tensor (`sampling.initial_noise` draws the vision one alone)."""
-    gen = torch.Generator("cpu").manual_seed(seed)
-    vision = torch.randn(vision_shape, generator=gen, dtype=torch.float32)
-    sound = torch.randn(sound_shape, generator=gen, dtype=torch.float32)
-    return vision.to(device), sound.to(device)
+    vision, sound = initial_noise_bands([vision_shape, sound_shape], seed, device)
+    return vision, sound
 
 
 def sound_position_ids(cfg: ModelConfig, sound_len: int, text_len: int, latent_fps: float = 25.0) -> torch.Tensor:

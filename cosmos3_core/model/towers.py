@@ -4,7 +4,9 @@
   GEN-facing K (`k_norm_und_for_gen(norm_k(K))`, rotated) and V, `[layers, tokens, kv_heads, head_dim]`.
   Exact: UND tokens attend causally to text only, so this K/V never depends on the denoise step.
 - `gen_forward`: the GEN tower over a packed step (many requests' rows, both CFG branches), attending to
-  [text K/V from the pool | the segment's own tokens] → `[rows, patch_latent_dim]` predictions.
+  [text K/V from the pool | the segment's own tokens] → `[rows, patch_latent_dim]` predictions (and the sound and
+  action rows' own).
+- `domain_linear`: a domain-aware linear with each row's embodiment weights gathered for that row.
 - `fused_reference`: the whole stack every step, as the reference model runs it. Tests only.
 
 Precision (FP8 layer linears, `fp8.py`): every linear call takes `a16_rows` — rows [0, a16_rows) of its input run
@@ -21,7 +23,7 @@ import torch
 
 from ..attention import Plan, sdpa
 from .fp8 import linear
-from .layers import Cosmos3Transformer, Layer
+from .layers import Cosmos3Transformer, DomainAwareLinear, Layer
 from .rotary import apply_rotary
 
 
@@ -81,6 +83,14 @@ def embed_latent_tokens(
     return x + torch.where(noisy_mask[:, None], temb, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
+def domain_linear(layer: DomainAwareLinear, x: torch.Tensor, domain: torch.Tensor) -> torch.Tensor:
+    """x [R, in], domain [R] int64 → [R, out]: each row through its own domain's matrix and bias, as diffusers'
+    `DomainAwareLinear` computes it (one [1, in] @ [in, out] per row, so a row's result never depends on the rows
+    packed with it, whatever their domains)."""
+    w = layer.fc(domain).view(-1, layer.in_features, layer.out_features)  # [R, in*out] → [R, in, out]
+    return torch.bmm(x.unsqueeze(1), w).squeeze(1) + layer.bias(domain)  # [R, 1, in] @ [R, in, out] → [R, out]
+
+
 @torch.inference_mode()
 def prefill_text_kv(
     model: Cosmos3Transformer, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, a16: bool = True
@@ -118,20 +128,28 @@ EAGER = GenKernels()
 
 def gen_forward(
     model: Cosmos3Transformer, packed, attend: Plan, kernels: GenKernels = EAGER
-) -> tuple[torch.Tensor, torch.Tensor | None, dict[int, tuple[torch.Tensor, torch.Tensor]]]:  # graphs.PackedStep
+) -> tuple[
+    torch.Tensor, torch.Tensor | None, torch.Tensor | None, dict[int, tuple[torch.Tensor, torch.Tensor]]
+]:  # packed: graphs.PackedStep
     """One GEN pass over a packed step → predictions [rows, patch_latent_dim] (every row, clean ones too), the
-    sound rows' predictions [R, sound_dim] (None without sound) and,
-    for each segment that asks (`collect_kv`), its tokens' K/V [layers, tokens, kv_heads, d]. `attend` is the
-    step's attention plan (already updated for these segments). No host synchronisation: capturable."""
+    sound rows' predictions [R, sound_dim] (None without sound), the action rows' [A, action_dim] (None without
+    actions; clean ones too) and, for each segment that asks (`collect_kv`), its tokens' K/V
+    [layers, tokens, kv_heads, d]. `attend` is the step's attention plan (already updated for these segments). No
+    host synchronisation: capturable."""
     collect = [i for i, seg in enumerate(packed.segments) if seg.collect_kv]
     ks: dict[int, list[torch.Tensor]] = {i: [] for i in collect}
     vs: dict[int, list[torch.Tensor]] = {i: [] for i in collect}
     x = embed_latent_tokens(model, packed.tokens, packed.noisy_mask, packed.segment_timesteps, packed.token_segment)
-    sound_rows = packed.sound_rows
-    if sound_rows.numel():  # sound tokens: audio_proj_in(x) + audio_modality_embed + temb(t), all noisy
+    sound_rows, action_rows = packed.sound_rows, packed.action_rows
+    if sound_rows.numel() or action_rows.numel():  # their rows' embeddings replace proj_in's (of zeros) there
         temb = model.time_embedder(packed.segment_timesteps * model.cfg.timestep_scale).to(x.dtype)
+    if sound_rows.numel():  # sound tokens: audio_proj_in(x) + audio_modality_embed + temb(t), all noisy
         sound = model.audio_proj_in(packed.sound) + model.audio_modality_embed
         x = x.index_put((sound_rows,), sound + temb[packed.token_segment[sound_rows]])
+    if action_rows.numel():  # action tokens: action_proj_in[domain](x) + action_modality_embed (+ temb(t) if noisy)
+        action = domain_linear(model.action_proj_in, packed.action, packed.action_domain) + model.action_modality_embed
+        t_emb = torch.where(packed.noisy_mask[action_rows, None], temb[packed.token_segment[action_rows]], 0.0)
+        x = x.index_put((action_rows,), action + t_emb)
     for i, layer in enumerate(model.layers):
         q, k, v = kernels.qkv(layer, x, packed.cos, packed.sin, packed.a16_rows)
         for j in collect:
@@ -141,7 +159,11 @@ def gen_forward(
         x = kernels.residual(layer, x, attend(q, k, v, i), packed.a16_rows)
     h = model.norm_moe_gen(x)
     sound_out = model.audio_proj_out(h[sound_rows]) if sound_rows.numel() else None
-    return model.proj_out(h), sound_out, {j: (torch.stack(ks[j]), torch.stack(vs[j])) for j in collect}
+    action_out = (
+        domain_linear(model.action_proj_out, h[action_rows], packed.action_domain) if action_rows.numel() else None
+    )
+    kv = {j: (torch.stack(ks[j]), torch.stack(vs[j])) for j in collect}
+    return model.proj_out(h), sound_out, action_out, kv
 
 
 @torch.inference_mode()

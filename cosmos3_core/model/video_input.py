@@ -33,7 +33,10 @@ import numpy as np
 import torch
 from PIL import Image
 
-__all__ = ["VideoCondition", "check_video_request", "condition_pixels", "encode_video_condition", "initial_latents"]
+__all__ = [
+    "VideoCondition", "check_video_request", "condition_pixels", "encode_video_condition", "initial_latents",
+    "stretch_frames",
+]  # fmt: skip
 
 Keep = Literal["first", "last"]
 
@@ -75,6 +78,19 @@ def check_video_request(
     return idx
 
 
+def stretch_frames(frames: np.ndarray, height: int, width: int) -> torch.Tensor:
+    """uint8 [T, H, W, 3] → [1, 3, T, height, width] fp32 in [-1, 1]: `VideoProcessor.preprocess_video` on PIL frames
+    (each stretched, no crop)."""
+    out = []
+    for frame in frames:
+        # PIL bilinear with reducing_gap=None, exactly VaeImageProcessor.resize on PIL input (a same-size
+        # resize is a copy); then pil_to_numpy's /255 in fp32 and normalize's 2x-1
+        img = Image.fromarray(frame).resize((width, height), resample=Image.Resampling.BILINEAR, reducing_gap=None)
+        out.append(np.asarray(img, dtype=np.uint8).astype(np.float32) / 255.0)
+    x = torch.from_numpy(np.stack(out)).permute(3, 0, 1, 2).unsqueeze(0)  # [T,H,W,3] → [1, 3, T, H, W]
+    return 2.0 * x - 1.0
+
+
 def condition_pixels(
     clip: np.ndarray, indexes: Sequence[int], keep: Keep, height: int, width: int, temporal: int = 4
 ) -> torch.Tensor:
@@ -82,14 +98,7 @@ def condition_pixels(
     pipeline's repeat-padded conditioning clip that the clean latent frames depend on."""
     n = max(indexes) * temporal + 1
     kept = clip[:n] if keep == "first" else clip[-n:]  # a shorter clip is kept whole (P:819-822)
-    frames = []
-    for frame in kept:
-        # PIL bilinear with reducing_gap=None, exactly VaeImageProcessor.resize on PIL input (a same-size
-        # resize is a copy); then pil_to_numpy's /255 in fp32 and normalize's 2x-1
-        img = Image.fromarray(frame).resize((width, height), resample=Image.Resampling.BILINEAR, reducing_gap=None)
-        frames.append(np.asarray(img, dtype=np.uint8).astype(np.float32) / 255.0)
-    x = torch.from_numpy(np.stack(frames)).permute(3, 0, 1, 2).unsqueeze(0)  # [T,H,W,3] → [1, 3, T, H, W]
-    x = 2.0 * x - 1.0
+    x = stretch_frames(kept, height, width)
     if x.shape[2] < n:  # repeat the last kept frame (P:874-877)
         x = torch.cat([x, x[:, :, -1:].expand(-1, -1, n - x.shape[2], -1, -1)], dim=2)
     return x.contiguous()

@@ -264,9 +264,12 @@ class DecoderStream:
             x = self.k.split_time(self._plain_conv(resample.time_conv, x), resample.time_conv.bias)
         t, h, w, c = x.shape[1:]
         weight, bias = self.d.phases[id(resample.resample[1])]
-        y = F.conv2d(x.reshape(b * t, h, w, c).permute(0, 3, 1, 2), weight, None, padding=1).permute(0, 2, 3, 1)
-        y = self.k.phases_to_pixels(y, bias)  # [B·T, 2H, 2W, C']
+        y = self.k.phases_to_pixels(self._phase_conv(x.reshape(b * t, h, w, c), weight), bias)  # [B·T, 2H, 2W, C']
         return y.reshape(b, t, 2 * h, 2 * w, -1)
+
+    def _phase_conv(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """[N, h, w, C] → the phase conv's output [N, h+1, w+1, 4C'] (padding 1; the caller adds the bias)."""
+        return F.conv2d(x.permute(0, 3, 1, 2), weight, None, padding=1).permute(0, 2, 3, 1)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         d = self.dec

@@ -13,10 +13,11 @@ def resolve_checkpoint(path: str | Path) -> Path:
     import shutil
     import tempfile
 
+    from ..caches import cache_root
     from .make_tiny import make_tiny
     from .random_checkpoint import write_skeleton
 
-    cache = Path(os.environ.get("COSMOS3_CACHE", Path.home() / ".cache" / "cosmos3"))
+    cache = cache_root()
     if path and not str(path).startswith("random:"):
         return Path(path)
     if path:

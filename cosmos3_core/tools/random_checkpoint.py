@@ -11,6 +11,20 @@ so that diffusers' `from_pretrained` and our loader read the same files. The tra
 initialised (transformers' `_init_weights` with `initializer_range` 0.02): every matrix and embedding
 N(0, 0.02²), biases 0, norm scales 1. The VAE keeps torch's default init under the seed. Everything is stored in
 bf16 (the fp32 time embedder in fp32), so a bf16 run holds exactly the weights an fp32 run holds.
+
+Sound (Nano has it, Edge does not): `add_sound(root, preset)` adds to a written checkpoint, in place, the
+transformer's sound heads (config `sound_gen`, `sound_dim`, `sound_latent_fps`; `audio_proj_in/out`,
+`audio_modality_embed` in their own shard, `diffusion_pytorch_model-sound.safetensors`, drawn from their own
+generator so that every other tensor stays the plain checkpoint's) and `sound_tokenizer/`
+(`Cosmos3AVAEAudioTokenizer`). Nano's sizes: `sound_dim` 64 and 25 latents/s (cosmos3.md); its tokenizer's sizes are
+not published, so the class defaults (48 kHz stereo, `vocoder_input_dim` 64, `dec_dim` 320, strides (2,4,5,6,8):
+~496 M parameters, ~1 GB in bf16). The tokenizer's decoder is drawn so that a parity test can see through it: weight-
+norm directions N(0, 1), biases 0, Snake α around e^-1 and β around 1 (log scale), and each convolution's gain set on
+a probe input so its output has unit std (a residual branch 0.5, the waveform 0.3: little of it clamped). A change of
+the latents then changes the waveform by about as much, neither swallowed by the biases (torch's default init: 1e-3
+→ 3e-5) nor amplified by stacked Snakes. `write_skeleton(out, "nano_sound")` is Nano with these parts (the
+tokenizer with its weights, the transformer drawn at load as for `random:nano`); `"tiny_sound"` is
+`make_tiny(variant="nano", sound=True)` (CPU tests of the benchmarks).
 """
 
 from __future__ import annotations
@@ -25,6 +39,7 @@ from .make_tiny import build_text_tokenizer
 
 LLM_INIT_STD = 0.02  # transformers' default `initializer_range` (Qwen3, Nemotron, Llama)
 SHARD_BYTES = 4 << 30
+HEADS = ("audio_", "action_")  # optional heads, not drawn by write_weights
 
 PRESETS: dict[str, dict[str, Any]] = {
     "edge": {
@@ -50,20 +65,46 @@ WAN22_VAE = {
     "is_residual": True, "in_channels": 12, "out_channels": 12, "patch_size": 2, "scale_factor_spatial": 16,
     "scale_factor_temporal": 4, "latents_mean": [0.0] * 48, "latents_std": [1.0] * 48,
 }  # fmt: skip
+SOUND_TRANSFORMER = {"sound_gen": True, "sound_dim": 64, "sound_latent_fps": 25.0}
+SOUND_TOKENIZER: dict[str, Any] = {"vocoder_input_dim": 64}  # the rest: Cosmos3AVAEAudioTokenizer's defaults
+SOUND_SHARD = "diffusion_pytorch_model-sound.safetensors"
+SOUND_SEED = 0x50D  # added to the seed: the sound parts' own draws
+SOUND_PROBE_LATENTS = 8  # latent frames of the probe that sets the tokenizer's gains
 SCHEDULER = {
     "_class_name": "UniPCMultistepScheduler", "num_train_timesteps": 1000, "prediction_type": "flow_prediction",
     "use_flow_sigmas": True, "flow_shift": 5.0, "solver_order": 2, "solver_type": "bh2", "final_sigmas_type": "zero",
 }  # fmt: skip
 
 
+def sound_parts(preset: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(transformer config keys, tokenizer config) of a preset's sound: Nano's, or the tiny checkpoints' (make_tiny)."""
+    if preset in ("tiny", "tiny_sound"):
+        from . import make_tiny
+
+        return dict(make_tiny.SOUND_TRANSFORMER), dict(make_tiny.SOUND_TOKENIZER_CONFIG)
+    if preset.removesuffix("_sound") == "nano":
+        return dict(SOUND_TRANSFORMER), dict(SOUND_TOKENIZER)
+    raise ValueError(f"preset {preset!r} has no sound (Nano and the tiny checkpoints do)")
+
+
 def write_skeleton(out: Path, preset: str, weights: bool = False, seed: int = 0, device: str = "cpu") -> Path:
-    """`weights`: also write LLM-like random weights (`write_weights`), drawn on `device`."""
-    if preset not in PRESETS:
-        raise ValueError(f"unknown random preset {preset!r}; known: {', '.join(PRESETS)}")
+    """`weights`: also write LLM-like random weights (`write_weights`), drawn on `device`. `<preset>_sound`: with
+    the sound parts (`add_sound`); `tiny_sound`: the tiny checkpoint with sound (`make_tiny`)."""
+    if preset == "tiny_sound":
+        from .make_tiny import make_tiny
+
+        return make_tiny(out, variant="nano", seed=seed, sound=True)
+    base = preset.removesuffix("_sound")
+    if base not in PRESETS:
+        known = ", ".join([*PRESETS, "nano_sound", "tiny_sound"])
+        raise ValueError(f"unknown random preset {preset!r}; known: {known}")
+    sound = preset != base
+    if sound:
+        sound_parts(preset)  # a preset without sound fails here, before anything is written
     out = Path(out)
     for sub in ("transformer", "vae", "scheduler"):
         (out / sub).mkdir(parents=True, exist_ok=True)
-    (out / "transformer" / "config.json").write_text(json.dumps({**COMMON, **PRESETS[preset]}, indent=1))
+    (out / "transformer" / "config.json").write_text(json.dumps({**COMMON, **PRESETS[base]}, indent=1))
     (out / "vae" / "config.json").write_text(json.dumps(WAN22_VAE, indent=1))
     (out / "scheduler" / "scheduler_config.json").write_text(json.dumps(SCHEDULER, indent=1))
     build_text_tokenizer().save_pretrained(out / "text_tokenizer")
@@ -71,7 +112,7 @@ def write_skeleton(out: Path, preset: str, weights: bool = False, seed: int = 0,
         "_class_name": "Cosmos3OmniPipeline", "random_weights": True, "transformer": ["diffusers", "Cosmos3OmniTransformer"],
         "vae": ["diffusers", "AutoencoderKLWan"], "scheduler": ["diffusers", "UniPCMultistepScheduler"],
         "text_tokenizer": ["transformers", "PreTrainedTokenizerFast"], "enable_safety_checker": False,
-        "default_use_system_prompt": True, "use_native_flow_schedule": preset == "edge",
+        "default_use_system_prompt": True, "use_native_flow_schedule": base == "edge",
     }  # fmt: skip
     if weights:
         del index["random_weights"]  # the weights are in the files
@@ -79,20 +120,24 @@ def write_skeleton(out: Path, preset: str, weights: bool = False, seed: int = 0,
     (out / "model_index.json").write_text(json.dumps(index, indent=1))
     if weights:
         write_weights(out, seed, device)
+    if sound:
+        add_sound(out, preset, seed, device, weights=weights)
     return out
 
 
 def llm_init(name: str, shape: tuple[int, ...], gen: torch.Generator, device: str) -> torch.Tensor:
     """One transformer tensor as an LLM initialises it: norm scales 1, biases 0, the rest N(0, 0.02²)."""
     if len(shape) == 1:
-        is_norm = "norm" in name.rsplit(".", 2)[-2]  # the owning module's name: input_layernorm, norm_added_q, ...
+        parts = name.rsplit(".", 2)  # the owning module's name: input_layernorm, norm_added_q, ...
+        is_norm = len(parts) > 1 and "norm" in parts[-2]
         return torch.ones(shape, device=device) if is_norm else torch.zeros(shape, device=device)
     return torch.randn(shape, generator=gen, device=device) * LLM_INIT_STD
 
 
 def write_weights(root: Path, seed: int = 0, device: str = "cpu", shard_bytes: int = SHARD_BYTES) -> None:
     """Write LLM-like random transformer weights and a seeded random VAE into the checkpoint at `root` (its configs
-    as they are), as diffusers' `save_pretrained` lays them out; existing weight files are replaced."""
+    as they are), as diffusers' `save_pretrained` lays them out; existing weight files are replaced. The sound and
+    action heads are left out (`add_sound` draws the sound ones), so the rest is the same with or without them."""
     from diffusers import AutoencoderKLWan, Cosmos3OmniTransformer
     from safetensors.torch import save_file
 
@@ -103,7 +148,7 @@ def write_weights(root: Path, seed: int = 0, device: str = "cpu", shard_bytes: i
         model = Cosmos3OmniTransformer(**tcfg)
     fp32 = tuple(f"{m}." for m in model._keep_in_fp32_modules or ())
     specs = [(k, tuple(v.shape), torch.float32 if k.startswith(fp32) else torch.bfloat16)
-             for k, v in model.state_dict().items()]  # fmt: skip
+             for k, v in model.state_dict().items() if not k.startswith(HEADS)]  # fmt: skip
     shards: list[list[tuple[str, tuple[int, ...], torch.dtype]]] = [[]]
     size = 0
     for spec in specs:
@@ -134,3 +179,120 @@ def write_weights(root: Path, seed: int = 0, device: str = "cpu", shard_bytes: i
         vae = AutoencoderKLWan.from_config({k: v for k, v in vcfg.items() if not k.startswith("_")})
     vae.to(torch.bfloat16).save_pretrained(root / "vae", safe_serialization=True)
     del vae
+
+
+def has_sound(root: Path) -> bool:
+    """The checkpoint names a sound tokenizer (`add_sound` records it last, once every part is written)."""
+    index = json.loads((Path(root) / "model_index.json").read_text())
+    return (index.get("sound_tokenizer") or [None])[0] is not None
+
+
+def add_sound(root: Path, preset: str, seed: int = 0, device: str = "cpu", weights: bool = True) -> Path:
+    """Add `preset`'s sound parts (`sound_parts`) to the checkpoint at `root`, in place: the transformer's config
+    keys, its sound weights (`weights`; LLM-like, their own shard and generator, so every other tensor is unchanged)
+    and `sound_tokenizer/` (`write_sound_tokenizer`). `model_index.json` names the tokenizer last, so an interrupted
+    run is redone whole. The transformer weights go into the checkpoint's index (made when it had a single file)."""
+    root = Path(root)
+    tsound, tokcfg = sound_parts(preset)
+    tdir = root / "transformer"
+    cfg_path = tdir / "config.json"
+    cfg = {**json.loads(cfg_path.read_text()), **tsound}
+    tokcfg = {**tokcfg, "vocoder_input_dim": tsound["sound_dim"]}
+    if weights:
+        write_sound_weights(tdir, cfg, seed, device)
+    cfg_path.write_text(json.dumps(cfg, indent=1))
+    write_sound_tokenizer(root / "sound_tokenizer", tokcfg, seed, device)
+    index_path = root / "model_index.json"
+    index = json.loads(index_path.read_text())
+    index["sound_tokenizer"] = ["diffusers", "Cosmos3AVAEAudioTokenizer"]
+    index_path.write_text(json.dumps(index, indent=1))
+    return root
+
+
+def write_sound_weights(tdir: Path, cfg: dict[str, Any], seed: int, device: str) -> None:
+    """`audio_proj_in/out` (matrices N(0, 0.02²), biases 0) and `audio_modality_embed` (zero upstream; N(0, 0.02²)
+    here, so a missing term shows) in `SOUND_SHARD`, added to the transformer's index."""
+    from diffusers import Cosmos3OmniTransformer
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with torch.device("meta"):
+        model = Cosmos3OmniTransformer(**{k: v for k, v in cfg.items() if not k.startswith("_")})
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items() if k.startswith("audio_")}
+    gen = torch.Generator(device).manual_seed(seed + SOUND_SEED)
+    tensors = {}
+    for k, shape in sorted(shapes.items()):
+        if k.endswith("modality_embed"):
+            t = torch.randn(shape, generator=gen, device=device) * LLM_INIT_STD
+        else:
+            t = llm_init(k, shape, gen, device)
+        tensors[k] = t.to(torch.bfloat16).cpu()
+    save_file(tensors, str(tdir / SOUND_SHARD), metadata={"format": "pt"})
+    index_path = tdir / "diffusion_pytorch_model.safetensors.index.json"
+    if index_path.is_file():
+        index = json.loads(index_path.read_text())
+    else:  # one file: an index that names it, and the sound shard beside it
+        single = tdir / "diffusion_pytorch_model.safetensors"
+        with safe_open(single, framework="pt") as f:
+            keys = list(f.keys())
+        index = {"metadata": {"total_size": single.stat().st_size}, "weight_map": dict.fromkeys(keys, single.name)}
+    metadata = index.get("metadata", {})
+    if SOUND_SHARD not in index["weight_map"].values():  # not counted yet (a redone run counts them once)
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        metadata["total_size"] = metadata.get("total_size", 0) + size
+    weight_map = {k: v for k, v in index["weight_map"].items() if v != SOUND_SHARD}
+    index |= {"metadata": metadata, "weight_map": weight_map | dict.fromkeys(tensors, SOUND_SHARD)}
+    index_path.write_text(json.dumps(index, indent=1))
+
+
+@torch.no_grad()
+def write_sound_tokenizer(out: Path, config: dict[str, Any], seed: int = 0, device: str = "cpu") -> None:
+    """A random `Cosmos3AVAEAudioTokenizer` (`config` over the class defaults) saved to `out` in bf16. The decoder
+    is drawn to pass a change of its input through at about its size (see the module docstring); the encoder,
+    which generation never runs, keeps torch's default init under the seed."""
+    import shutil
+
+    from diffusers import Cosmos3AVAEAudioTokenizer
+
+    cuda = torch.device(device).type == "cuda"
+    devices = [torch.device(device).index or 0] if cuda else []
+    with torch.random.fork_rng(devices=devices), torch.device(device):
+        torch.manual_seed(seed + SOUND_SEED)
+        tok = Cosmos3AVAEAudioTokenizer(**config).eval()
+        for name, p in tok.decoder.named_parameters():
+            if name.endswith("weight_v"):
+                p.normal_()
+            elif name.endswith("weight_g"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.zero_()
+            elif name.endswith(".alpha"):  # log scale: α ~ e^-1
+                p.copy_(-1.0 + 0.5 * torch.randn_like(p))
+            elif name.endswith(".beta"):
+                p.copy_(0.5 * torch.randn_like(p))
+        probe = torch.randn(1, config["vocoder_input_dim"], SOUND_PROBE_LATENTS)
+        _set_gains(tok.decoder, probe)
+    shutil.rmtree(out, ignore_errors=True)
+    tok.to("cpu", torch.bfloat16).save_pretrained(out, safe_serialization=True)
+
+
+def _set_gains(decoder: torch.nn.Module, probe: torch.Tensor) -> None:
+    """One forward of `probe` that rescales each weight-normed convolution's gain `weight_g` (its biases are 0, so
+    its output scales with it) as the output passes: std 1 on the main path, 0.5 out of a residual branch, 0.3 for
+    the waveform. Later layers see the rescaled outputs, so one pass sets them all."""
+    targets: dict[torch.nn.Module, float] = {}
+    for name, m in decoder.named_modules():
+        if hasattr(m, "weight_g"):
+            targets[m] = 0.3 if m is decoder.conv2 else (0.5 if name.endswith("conv2") else 1.0)
+
+    def hook(module, _inputs, output):
+        scale = targets[module] / output.float().std().clamp_min(1e-12)
+        module.weight_g.mul_(scale)
+        return output * scale
+
+    handles = [m.register_forward_hook(hook) for m in targets]
+    try:
+        decoder(probe)
+    finally:
+        for h in handles:
+            h.remove()

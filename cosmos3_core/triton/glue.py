@@ -30,6 +30,7 @@ from .cancel import CancelMarks
 EMPTY_LATENTS = np.zeros((0, 0, 0, 0, 0), dtype=np.float32)
 EMPTY_VIDEO = np.zeros((0, 0, 0, 3), dtype=np.uint8)
 EMPTY_SOUND = np.zeros((0, 0), dtype=np.float32)  # sound latents / audio of a response that has none
+EMPTY_ACTIONS = np.zeros((0, 0), dtype=np.float32)  # actions of a response that has none
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
@@ -137,8 +138,15 @@ class TritonSink:
         self.meta = meta
         self.marks = marks
 
-    def _send(self, latents: torch.Tensor | np.ndarray, event: Event, final: bool, sound: Any = EMPTY_SOUND) -> None:
-        self.responder.send(self.sender, lambda: latents_response(latents, event, sound), final)
+    def _send(
+        self,
+        latents: torch.Tensor | np.ndarray,
+        event: Event,
+        final: bool,
+        sound: Any = EMPTY_SOUND,
+        actions: Any = EMPTY_ACTIONS,
+    ) -> None:
+        self.responder.send(self.sender, lambda: latents_response(latents, event, sound, actions), final)
 
     def progress(self, step: int, steps: int, window: int, windows: int) -> None:
         self._send(EMPTY_LATENTS, self.meta.progress(step, steps, window, windows), final=False)
@@ -146,9 +154,17 @@ class TritonSink:
     def chunk(self, latents: torch.Tensor, info: ChunkInfo) -> None:
         self._send(latents.float().cpu(), self.meta.chunk(info, final=False), final=False)
 
-    def done(self, latents: torch.Tensor, info: ChunkInfo, sound: torch.Tensor | None = None) -> None:
-        s = EMPTY_SOUND if sound is None else sound.float().cpu()  # sound latents [sound_dim, T_s] ride with done
-        self._send(latents.float().cpu(), self.meta.chunk(info, final=True), True, s)  # the last chunk rides here
+    def done(
+        self,
+        latents: torch.Tensor,
+        info: ChunkInfo,
+        sound: torch.Tensor | None = None,
+        actions: torch.Tensor | None = None,
+    ) -> None:
+        # sound latents [sound_dim, T_s] and actions [chunk, D] ride with done, as does the last chunk
+        s = EMPTY_SOUND if sound is None else sound.float().cpu()
+        a = EMPTY_ACTIONS if actions is None else actions.float().cpu()
+        self._send(latents.float().cpu(), self.meta.chunk(info, final=True), True, s, a)
         self._forget()
 
     def error(self, message: str) -> None:
@@ -166,15 +182,21 @@ class TritonSink:
             self.marks.clear(self.meta.id)
 
 
-def latents_response(latents: torch.Tensor | np.ndarray, event: Event, sound: Any = EMPTY_SOUND) -> Any:
+def latents_response(
+    latents: torch.Tensor | np.ndarray, event: Event, sound: Any = EMPTY_SOUND, actions: Any = EMPTY_ACTIONS
+) -> Any:
     return pb_utils.InferenceResponse(
-        output_tensors=[output("latents", latents), text_output("event", encode_event(event)), output("sound_latents", sound)]
+        output_tensors=[output("latents", latents), text_output("event", encode_event(event)),
+                        output("sound_latents", sound), output("actions", actions)]
     )  # fmt: skip
 
 
-def video_response(video: np.ndarray, event: Event, audio: np.ndarray = EMPTY_SOUND) -> Any:
+def video_response(
+    video: np.ndarray, event: Event, audio: np.ndarray = EMPTY_SOUND, actions: np.ndarray = EMPTY_ACTIONS
+) -> Any:
     return pb_utils.InferenceResponse(
-        output_tensors=[output("video", video), text_output("event_out", encode_event(event)), output("audio", audio)]
+        output_tensors=[output("video", video), text_output("event_out", encode_event(event)), output("audio", audio),
+                        output("actions_out", actions)]
     )  # fmt: skip
 
 
@@ -219,6 +241,8 @@ class DecodeLoop:
             if not latents.numel():  # a progress event passes through
                 return lambda: video_response(EMPTY_VIDEO, event)
             sound = input_torch(request, "sound_latents")
+            # passed through (on the host): FP32 [chunk, D] on an action request's done, else [0, 0]
+            actions = input_torch(request, "actions").cpu().numpy()
             finish = self.stage.launch(event, latents, sound if sound.numel() else None)
         except Exception as e:  # noqa: BLE001
             return self._failed(event, e)
@@ -230,7 +254,7 @@ class DecodeLoop:
                 return self._failed(event, e)()
             out["timings"].update(self.metrics.frames_out(out))
             del out["t0"]
-            return video_response(video, out, audio)
+            return video_response(video, out, audio, actions)
 
         return build
 

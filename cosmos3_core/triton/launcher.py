@@ -59,6 +59,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..parallel.config import NO_MULTICAST
+
 OPT_TRITONSERVER = Path("/opt/tritonserver/bin/tritonserver")
 OPT_BACKENDS = Path("/opt/tritonserver/backends")
 
@@ -213,6 +215,7 @@ def server_env(base: Mapping[str, str] | None = None, *, tritonserver: Path | No
     env["LD_LIBRARY_PATH"] = ld
     env.pop("PYTHONPATH", None)  # not seen by the stub anyway; keep the server env unambiguous
     env.setdefault("PYTHONUNBUFFERED", "1")
+    env.update(NO_MULTICAST)  # the denoise/decode instances may start a group of GPU workers (parallel/group.py)
     return env
 
 

@@ -26,6 +26,7 @@ from string import Template
 
 import yaml
 
+from ..caches import use_kernel_caches
 from ..deployment import DEFAULT_CONFIG, Deployment
 from ..tools.checkpoints import resolve_checkpoint
 from .cancel import CancelMarks
@@ -123,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)  # fmt: skip
         return 1
     deployment = Deployment.load(args.config, checkpoint=args.checkpoint)
+    use_kernel_caches()  # the stubs inherit these: kernels built by `make warm` or an earlier server are reused
     repo, deployment = render(deployment, workdir)
     print(f"rendered {repo}", file=sys.stderr)
     if args.render_only:

@@ -56,6 +56,7 @@ class TritonPythonModel:
                     input_torch(request, "text_kv"),
                     input_array(request, "text_lens").astype(np.int64),
                     input_torch(request, "cond_latent"),
+                    input_torch(request, "cond_actions"),
                 )
                 self.engine.submit(result, sink)
             except (RequestError, QueueFull) as e:

@@ -1,5 +1,5 @@
-"""cosmos3_prefill: validate the request, tokenize, run the understanding tower once, VAE-encode an i2v image or
-the v2v clip's conditioning frames.
+"""cosmos3_prefill: validate the request, tokenize, run the understanding tower once, VAE-encode an i2v image, the
+v2v clip's conditioning frames or an action request's anchor frame (inverse dynamics: its clip).
 
 Thin adaptor over `cosmos3_core.stages.PrefillStage`; what it sends on is typed in `cosmos3_core/wire.py`.
 """
@@ -41,8 +41,9 @@ class TritonPythonModel:
                 raise RequestError("parameters", "expected exactly one JSON string")
             params = parse_parameters_json(None if raw_params is None else raw_params.reshape(-1)[0])
             image, video = input_array(request, "image"), input_array(request, "condition_video")
-            p = self.stage.validate(prompt.reshape(-1)[0], params, image, video)
-            wire = self.stage.run(p, image, video).to_wire()
+            raw_actions = input_array(request, "raw_actions")
+            p = self.stage.validate(prompt.reshape(-1)[0], params, image, video, raw_actions)
+            wire = self.stage.run(p, image, video, raw_actions).to_wire()
         except RequestError as e:
             return error_response(str(e))
         except Exception as e:  # noqa: BLE001 - one bad request never takes the instance down

@@ -15,7 +15,7 @@ from cosmos3_core.triton.glue import DecodeLoop, DecodeMetrics, deployment_from_
 class TritonPythonModel:
     def initialize(self, args):
         d, device = deployment_from_args(args)
-        stage = DecodeStage(Checkpoint.open(d.checkpoint), device, d.torch_dtype, d.compile)
+        stage = DecodeStage.from_deployment(Checkpoint.open(d.checkpoint), d, device)  # parallel.vae: over a group
         metrics = DecodeMetrics({"model": args["model_name"], "instance": args["model_instance_name"]})
         self.loop = DecodeLoop(stage, CancelMarks(d.cancel_dir), metrics, device)
 
