@@ -5,6 +5,8 @@ diffusers in fp32 on the same weights. Rerun after every numeric change.
   python -m bench.parity --preset tiny                # the whole harness on CPU (fp32 against fp32)
   python -m bench.parity --preset nano --cases '*+sound-9f-4s-flow' 'v2v-*-9f-4s-flow'   # sound and v2v
   python -m bench.parity --preset nano --cases 'policy-480-*' 'fd-480-*' 'id-256-*'      # robot actions
+  python -m bench.parity --preset edge --precision fp8 [--fp8-policy '{"first_steps": 3}'] --bar 100
+                                                      # ours in FP8 (quantized at load), beside diffusers' bf16
   python -m bench.parity --report F.json --md BENCHMARKS.md   # render a saved run
 
 The checkpoint is a real diffusers one with LLM-like random weights at the preset's shapes
@@ -352,14 +354,19 @@ def with_schedule(root: Path, schedule: str) -> Path:
     return other
 
 
-def load_ours(root: Path, device: str, dtype: torch.dtype, compile: bool, attention: str):
-    """`Generator` (prefill → engine → decode, what the server's three stages run) with the served settings."""
+def load_ours(
+    root: Path, device: str, dtype: torch.dtype, compile: bool, attention: str, precision: str = "checkpoint",
+    fp8_policy: dict | None = None,
+):  # fmt: skip
+    """`Generator` (prefill → engine → decode, what the server's three stages run) with the served settings;
+    `precision`/`fp8_policy` as a deployment's (fp8: layer linears quantized at load, model/fp8.py)."""
     from cosmos3_core.deployment import Deployment
     from cosmos3_core.generate import Generator
 
     name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
     d = Deployment(checkpoint=str(root), device=device, dtype=name, pool_pages=512, compile=compile,
-                   attention=attention, cuda_graphs=True)  # fmt: skip
+                   attention=attention, cuda_graphs=True, precision=precision,
+                   fp8_policy=fp8_policy or {})  # fmt: skip
     return Generator(d)
 
 
@@ -457,7 +464,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for variant in variants:  # a fresh Generator per backend and schedule, each freed before the next
         t0 = time.perf_counter()
         for schedule in dict.fromkeys(c.schedule for c in cases):
-            gen = load_ours(with_schedule(root, schedule), args.device, lowp, args.compile, variant)
+            gen = load_ours(with_schedule(root, schedule), args.device, lowp, args.compile, variant, args.precision,
+                            json.loads(args.fp8_policy))  # fmt: skip
             for c in (c for c in cases if c.schedule == schedule):
                 p = params_of(c, args.preset, args.seed)
                 out, backend = run_ours(gen, p, *inputs[c.name])
@@ -479,6 +487,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {"preset": args.preset, "gpu": gpu, "date": datetime.date.today().isoformat(),
             "command": "python -m bench.parity " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
             "dtype": str(lowp).removeprefix("torch."), "compile": args.compile, "bar": args.bar, "seed": args.seed,
+            "precision": args.precision, "fp8_policy": json.loads(args.fp8_policy),
             "size": [h, w], "variants": variants, "skipped": skipped, "timings": timings, "cases": rows}  # fmt: skip
 
 
@@ -530,7 +539,8 @@ def summary(result: dict[str, Any]) -> str:
     ok = sum(r["pass"] for r in rows)
     worst = max((x for x in ratios if not math.isnan(x)), default=math.nan)
     t = ", ".join(f"{k.removesuffix('_s')} {v:.0f} s" for k, v in result["timings"].items())
-    return (f"{result['preset']} at {result['size'][1]}×{result['size'][0]}, {result['dtype']}, compile "
+    fp8 = f", ours FP8 {result.get('fp8_policy') or 'policy 3+3'}" if result.get("precision") == "fp8" else ""
+    return (f"{result['preset']} at {result['size'][1]}×{result['size'][0]}, {result['dtype']}{fp8}, compile "
             f"{'on' if result['compile'] else 'off'}, on {result['gpu']}, {result['date']}: {ok}/{len(rows)} cases "
             f"pass, worst ratio {worst:.3f}" + (f"; not run: {', '.join(result['skipped'])}" if result["skipped"] else "")
             + f". Wall: {t}.")  # fmt: skip
@@ -562,6 +572,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto", help="auto: bf16 on CUDA")
     ap.add_argument("--compile", action="store_true", help="as the served configs do (GEN stack, decoder kernels)")
+    ap.add_argument(
+        "--precision",
+        choices=["checkpoint", "fp8"],
+        default="checkpoint",
+        help="fp8: ours with the layer linears quantized at load (a deployment's precision: fp8)",
+    )
+    ap.add_argument("--fp8-policy", default="{}", help="JSON: a deployment's fp8_policy (first_steps, last_steps, ...)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--bar", type=float, default=BAR)
     ap.add_argument("--json", default="")

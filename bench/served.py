@@ -153,7 +153,8 @@ def side_by_side(deployment: Deployment, overrides: dict, inprocess: int, diffus
     out = {}
     if inprocess:
         args = SimpleNamespace(preset=preset, repeat=inprocess, compile=deployment.compile,
-                               variants=[deployment.attention + ("+graphs" if deployment.cuda_graphs else "")])  # fmt: skip
+                               variants=[deployment.attention + ("+graphs" if deployment.cuda_graphs else "")],
+                               precision=deployment.precision, fp8_policy=deployment.fp8_policy)  # fmt: skip
         phases = next(iter(ours(args, params).values()))["phases"]
         out["inprocess"] = {"e2e": phases["e2e"], "phases": phases}
     if diffusers:

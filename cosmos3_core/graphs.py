@@ -1,7 +1,8 @@
 """Step layouts: what a packed step of one shape owns, and its CUDA graph.
 
-A layout is fixed by the packed rows' sizes, branches and commit flags (plus whatever the attention backend's
-shapes depend on: SDPA's prefix lengths; nothing for FlashInfer, whose page tables are plan data). It owns:
+A layout is fixed by the packed rows' sizes, branches, commit flags and FP8 precisions (W8A16 rows are packed
+first: `PackedStep.a16_rows` is where W8A8 starts), plus whatever the attention backend's shapes depend on (SDPA's
+prefix lengths; nothing for FlashInfer, whose page tables are plan data). It owns:
 - the packed input buffers `[S, ...]` (tokens, noisy mask, rotary cos/sin; sound tokens and their row index
   `sound_rows`, fixed by the layout, so a sound layout captures like any other; action tokens likewise, with
   `action_rows` and each action row's domain), zero padding included, and the per-segment timesteps, refilled each
@@ -42,10 +43,12 @@ class PackedStep:
     action: torch.Tensor  # [A, action_dim]: every segment's action tokens, in segment order (A = 0: none)
     action_rows: torch.Tensor  # [A] int64: where they sit in the pack (fixed by the layout)
     action_domain: torch.Tensor  # [A] int64: each action token's embodiment (refilled: requests of one shape differ)
+    a16_rows: int  # FP8 linears: rows [0, a16_rows) run W8A16, the rest W8A8 (fixed by the layout)
 
 
 class StepLayout:
-    """`graph_pool`: the CUDA graph memory pool its capture shares (None: never capture, e.g. on the CPU)."""
+    """`graph_pool`: the CUDA graph memory pool its capture shares (None: never capture, e.g. on the CPU).
+    `a16_rows`: the pack's leading rows whose FP8 linears run W8A16 (the rest W8A8)."""
 
     def __init__(
         self,
@@ -56,6 +59,7 @@ class StepLayout:
         token_dim: int,
         segments: list[Segment],
         graph_pool: tuple | None,
+        a16_rows: int,
     ):
         cfg = model.cfg
         dev, dt = attention.pool.k_pages.device, attention.pool.k_pages.dtype
@@ -81,6 +85,7 @@ class StepLayout:
             action=torch.zeros(actions, cfg.action_dim, dtype=dt, device=dev),
             action_rows=torch.cat(action_rows).to(dev),
             action_domain=torch.zeros(actions, dtype=torch.long, device=dev),
+            a16_rows=a16_rows,
         )
         for i, s in enumerate(segments):
             self.packed.token_segment[s.start : s.start + s.length] = i

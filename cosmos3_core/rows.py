@@ -18,6 +18,9 @@ Layouts:
               clean (forward dynamics: no timestep embedding, zero velocity); `action_domain` picks the row of the
               domain-aware linears every one of them goes through
   action velocity [T_a, action_dim] fp32, zero on clean tokens
+
+Precision: `Row.a16` says how the row's FP8 layer linears run this step — W8A16 (True) or W8A8 — as the FP8 step
+policy decides for its step (model/fp8.py); a model without FP8 linears ignores it. Rows of one tick may differ.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ class Row:
     commit: bool  # return the tokens' K/V instead of a velocity
     action: torch.Tensor  # [T_a, action_dim] model dtype; T_a = 0 without actions
     action_domain: int = 0
+    a16: bool = True  # FP8 linears: W8A16 this step (False: W8A8); ignored by 16-bit models
 
 
 @dataclass(frozen=True)
@@ -108,6 +112,7 @@ def denoise_step_row(
     commit: bool = False,
     sound_latents: torch.Tensor | None = None,
     action: ActionBand | None = None,
+    a16: bool = True,
 ) -> Row:
     """Build one request's input to a denoise step.
 
@@ -115,7 +120,8 @@ def denoise_step_row(
     (applied to the frames in `noisy_frames`), `branches` per CFG branch. `commit`: an AR commit pass over
     clean latents — no noisy frames, no timestep; the step returns the tokens' K/V. `sound_latents`
     [sound_dim, T_s] (fp32, as sampled): the request's sound band, every token noisy at `timestep`. `action`: its
-    action band. The branches' rotary tables cover N + T_s + T_a positions."""
+    action band. The branches' rotary tables cover N + T_s + T_a positions. `a16`: the FP8 step policy's precision
+    for this step (W8A16; False: W8A8)."""
     if commit and (len(noisy_frames) or sound_latents is not None or action is not None):
         raise ValueError("a commit row has no noisy frames, no sound and no actions")
     _, _, t, h, w = latents.shape
@@ -141,6 +147,7 @@ def denoise_step_row(
         commit=commit,
         action=acts,
         action_domain=0 if action is None else action.domain,
+        a16=a16,
     )
 
 

@@ -4,6 +4,9 @@
 (`graphs.StepLayout`: buffers, attention plan, CUDA graph), runs the GEN tower once over the pack and returns
 each row's per-branch velocity, or, for a commit row (an AR window's clean latents, no timestep), its per-branch,
 per-layer K/V to append to the stream's context. Tensor layouts: rows.py.
+
+FP8 precision is per row (`Row.a16`): the step packs W8A16 rows before W8A8 ones (a stable partition) and gives the
+layout the row where W8A8 starts; outputs come back in the callers' order.
 """
 
 from __future__ import annotations
@@ -50,15 +53,20 @@ class DenoiseStep:
         self.captures = 0
 
     def layout(self, rows: list[Row]) -> tuple[StepLayout, list[Segment]]:
+        """`rows`: W8A16 rows first (see `__call__`)."""
         segments, total = segments_of(rows)
         attention = self.attention if self.attention.supports(segments) else self.sdpa
         key = (
-            tuple((r.tokens.shape[0], r.sound.shape[0], r.action.shape[0], len(r.branches), r.commit) for r in rows),
+            tuple(
+                (r.tokens.shape[0], r.sound.shape[0], r.action.shape[0], len(r.branches), r.commit, r.a16) for r in rows
+            ),
             attention.name,
             attention.shape_key(segments),
         )
+        a16_segments = sum(len(r.branches) for r in rows if r.a16)
+        a16_rows = segments[a16_segments].start if a16_segments < len(segments) else total
         layout = self.layouts.pop(key, None) or self.layout_class(
-            self.model, self.kernels, attention, total, rows[0].tokens.shape[1], segments, self.graph_pool
+            self.model, self.kernels, attention, total, rows[0].tokens.shape[1], segments, self.graph_pool, a16_rows
         )
         self.layouts[key] = layout
         while len(self.layouts) > self.MAX_LAYOUTS:
@@ -67,8 +75,15 @@ class DenoiseStep:
 
     @torch.inference_mode()
     def __call__(self, rows: list[Row]) -> list[RowOutput]:
-        """One GEN pass over all rows → per row its per-branch velocity (fp32, zero on clean frames), sound and
-        action velocities, or K/V."""
+        """One GEN pass over all rows → per row (in the given order) its per-branch velocity (fp32, zero on clean
+        frames), sound and action velocities, or K/V."""
+        order = sorted(range(len(rows)), key=lambda i: not rows[i].a16)  # stable: W8A16 rows first
+        if order != sorted(order):
+            packed_outputs = self([rows[i] for i in order])
+            outputs: list[RowOutput] = [packed_outputs[0]] * len(rows)
+            for position, i in enumerate(order):
+                outputs[i] = packed_outputs[position]
+            return outputs
         layout, segments = self.layout(rows)
         layout.fill(rows, segments)
         had_graph = layout.graph is not None

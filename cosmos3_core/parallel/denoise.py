@@ -58,7 +58,7 @@ def encode_rows(
 ) -> tuple[list[dict[str, Any]], list[torch.Tensor]]:
     """Rows → (metadata, tensors) for a "step" command: each row as the row builder's inputs (latents recovered
     from its tokens, its noisy frames, sound latents, the action band: its latents [T_a, action_dim], domain and
-    noisy flag), so workers rebuild it with `denoise_step_row` itself."""
+    noisy flag; its FP8 precision `a16`), so workers rebuild it with `denoise_step_row` itself."""
     meta, tensors = [], []
     for row, gs in zip(rows, groups):
         t, h, w = row.token_shape
@@ -70,7 +70,8 @@ def encode_rows(
         noisy = flags[:t].nonzero().flatten()
         action = {"domain": row.action_domain, "noisy": bool(flags[t])} if a else None
         meta.append({
-            "t": row.timestep, "commit": row.commit, "groups": gs, "sound": row.sound.shape[0] > 0, "action": action,
+            "t": row.timestep, "commit": row.commit, "a16": row.a16, "groups": gs, "sound": row.sound.shape[0] > 0,
+            "action": action,
             "prefix": [[(list(p.pages), p.num_tokens) for p in br.prefix] for br in row.branches],
         })  # fmt: skip
         tensors += [unpatchify(row.tokens, row.token_shape, patch, row.latent_hw), noisy]
@@ -107,7 +108,8 @@ def decode_rows(
         a = m.get("action")
         action = ActionBand(next(it), a["domain"], a["noisy"]) if a else None
         branches = tuple(Branch(tuple(lists(p, n) for p, n in prefix), next(it), next(it)) for prefix in m["prefix"])
-        rows.append(denoise_step_row(latents, m["t"], noisy, branches, patch, dtype, m["commit"], sound, action))
+        rows.append(denoise_step_row(latents, m["t"], noisy, branches, patch, dtype, m["commit"], sound, action,
+                                     m.get("a16", True)))  # fmt: skip
     return rows
 
 

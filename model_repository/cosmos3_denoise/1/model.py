@@ -9,7 +9,6 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from cosmos3_core.engine import DenoiseEngine, QueueFull
-from cosmos3_core.model.checkpoint import Checkpoint
 from cosmos3_core.requests import RequestError, validate, warmup_inputs
 from cosmos3_core.sampling import checkpoint_shift
 from cosmos3_core.triton.cancel import CancelMarks
@@ -29,7 +28,7 @@ from cosmos3_core.wire import PrefillResult, RequestMeta
 class TritonPythonModel:
     def initialize(self, args):
         d, device = deployment_from_args(args)
-        ckpt = Checkpoint.open(d.checkpoint)
+        ckpt = d.open_checkpoint()
         self.engine = DenoiseEngine.from_deployment(ckpt, d, device)
         cfg, shift = ckpt.config, checkpoint_shift(ckpt.scheduler_config)
         sizes = (d.defaults, d.limits, cfg.pixel_alignment, cfg.vae_scale_temporal, shift)
