@@ -70,3 +70,19 @@ def test_modalities_bf16_gpu_match_fp32_cpu_solo_and_batched(ckpt_and_reference,
         for key in alone:
             assert rel_l2(packed[key].float().cpu(), alone[key]) < 1e-2, f"{name} {key} packed"
     assert (gen.engine.step.captures > 0) == cuda_graphs
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_fp8_on_the_gpu_matches_fp8_on_the_cpu(ckpt_and_reference, cuda_graphs):
+    """`precision: fp8` (weights quantized at load; W8A16 first/last step, W8A8 between on `torch._scaled_mm`):
+    bf16 on the GPU against fp32 on the CPU with the same quantized weights and policy."""
+    ckpt, _ = ckpt_and_reference
+    policy = {"first_steps": 1, "last_steps": 1}
+    cpu = Generator(Deployment(checkpoint=str(ckpt), device="cpu", dtype="float32", precision="fp8", fp8_policy=policy))
+    gpu = Generator(Deployment(checkpoint=str(ckpt), device="cuda", dtype="bfloat16", precision="fp8",
+                               fp8_policy=policy, attention="sdpa", cuda_graphs=cuda_graphs))  # fmt: skip
+    for name, prompt, params, image, clip, raw in REQUESTS[:3]:
+        ref = parts(cpu.generate(prompt, params, image, video=clip, raw_actions=raw))
+        ours = parts(gpu.generate(prompt, params, image, video=clip, raw_actions=raw))
+        for key in ref:
+            assert rel_l2(ours[key], ref[key]) < 2 * BF16_TOL, f"{name} {key}"
