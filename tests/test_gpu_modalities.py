@@ -72,17 +72,26 @@ def test_modalities_bf16_gpu_match_fp32_cpu_solo_and_batched(ckpt_and_reference,
     assert (gen.engine.step.captures > 0) == cuda_graphs
 
 
-@pytest.mark.parametrize("cuda_graphs", [False, True])
-def test_fp8_on_the_gpu_matches_fp8_on_the_cpu(ckpt_and_reference, cuda_graphs):
-    """`precision: fp8` (weights quantized at load; W8A16 first/last step, W8A8 between on `torch._scaled_mm`):
-    bf16 on the GPU against fp32 on the CPU with the same quantized weights and policy."""
+FP8_TOL = 0.25  # bf16 vs fp32 activations flip E4M3 roundings (steps of 1/16): 0.115 measured on the H200
+
+
+def test_fp8_on_the_gpu_eager_and_captured(ckpt_and_reference):
+    """`precision: fp8` (weights quantized at load; W8A16 first/last step, W8A8 between on `torch._scaled_mm`) on
+    the GPU: captured equals eager, and bf16 stays near fp32 activations with the same quantized weights (both on
+    the GPU: the CPU's `_scaled_mm` takes per-token scales only from torch 2.13). FP8 rounds activations to 1/16
+    steps, so bf16's own rounding flips some of them and the tiny model amplifies that: the bar is loose, but a
+    wrong scale or layout lands near 1."""
     ckpt, _ = ckpt_and_reference
     policy = {"first_steps": 1, "last_steps": 1}
-    cpu = Generator(Deployment(checkpoint=str(ckpt), device="cpu", dtype="float32", precision="fp8", fp8_policy=policy))
-    gpu = Generator(Deployment(checkpoint=str(ckpt), device="cuda", dtype="bfloat16", precision="fp8",
-                               fp8_policy=policy, attention="sdpa", cuda_graphs=cuda_graphs))  # fmt: skip
+
+    def gen(dtype: str, cuda_graphs: bool) -> Generator:
+        return Generator(Deployment(checkpoint=str(ckpt), device="cuda", dtype=dtype, precision="fp8",
+                                    fp8_policy=policy, attention="sdpa", cuda_graphs=cuda_graphs))  # fmt: skip
+
+    fp32, eager, captured = gen("float32", False), gen("bfloat16", False), gen("bfloat16", True)
     for name, prompt, params, image, clip, raw in REQUESTS[:3]:
-        ref = parts(cpu.generate(prompt, params, image, video=clip, raw_actions=raw))
-        ours = parts(gpu.generate(prompt, params, image, video=clip, raw_actions=raw))
-        for key in ref:
-            assert rel_l2(ours[key], ref[key]) < 2 * BF16_TOL, f"{name} {key}"
+        outs = [parts(g.generate(prompt, params, image, video=clip, raw_actions=raw)) for g in (fp32, eager, captured)]
+        for key in outs[0]:
+            assert rel_l2(outs[2][key], outs[1][key]) < 1e-2, f"{name} {key}: captured vs eager"
+            assert rel_l2(outs[1][key], outs[0][key]) < FP8_TOL, f"{name} {key}: bf16 vs fp32"
+    assert captured.engine.step.captures > 0
