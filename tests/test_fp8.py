@@ -45,7 +45,7 @@ from cosmos3_core.model.fp8 import (
 from cosmos3_core.requests import Defaults, Limits
 from cosmos3_core.stages import PrefillStage
 from cosmos3_core.tools.make_fp8 import make_fp8, policy_json
-from tests.conftest import rel_l2
+from tests.conftest import KeepSink, rel_l2, run_reference
 
 PROMPT = "a red cube slides across a wooden table"
 T2V = dict(num_frames=9, height=32, width=64, steps=4, guidance_scale=6.0, shift=10.0, seed=3, fps=16.0)
@@ -101,26 +101,12 @@ def diffusers_fp8(ckpt: Path, monkeypatch, classify_by_tower: bool = True):
 
 def reference(pipe, params: dict, policy: StepPolicy | None, image=None) -> torch.Tensor:
     """diffusers' latents; `policy` passed as its `mixed_precision_*` arguments (None: the checkpoint's own)."""
-    pipe.scheduler = pipe.scheduler.from_config(pipe.scheduler.config, flow_shift=params["shift"])
     mixed = {}
     if policy is not None:
         reasoner = "high_precision" if policy.reasoner_a16 else "base_precision"
         mixed = dict(mixed_precision_format="fp8", mixed_precision_first_steps=policy.first_steps,
                      mixed_precision_last_steps=policy.last_steps, mixed_precision_reasoner_policy=reasoner)  # fmt: skip
-    return pipe(
-        prompt=PROMPT,
-        image=image,
-        num_frames=params["num_frames"],
-        height=params["height"],
-        width=params["width"],
-        fps=params.get("fps", 24.0),
-        num_inference_steps=params["steps"],
-        guidance_scale=params["guidance_scale"],
-        generator=torch.Generator().manual_seed(params["seed"]),
-        output_type="latent",
-        enable_safety_check=False,
-        **mixed,
-    ).video
+    return run_reference(pipe, PROMPT, params, image, **mixed)
 
 
 def ours(ckpt: Path, params: dict, policy: StepPolicy | None, image=None, **deployment) -> torch.Tensor:
@@ -387,22 +373,6 @@ def test_native_w8a8_linear_is_modelopts_gemm(fp8_ckpts, monkeypatch, eager_mode
 # ---- the packed step ---------------------------------------------------------------------------------------------
 
 
-class _Sink:
-    def __init__(self):
-        self.latents = None
-
-    def progress(self, *a): ...
-    def chunk(self, *a): ...
-    def done(self, latents, info, **extra):
-        self.latents = latents
-
-    def error(self, message):
-        raise AssertionError(message)
-
-    def cancelled(self):
-        return False
-
-
 def test_packed_tick_mixing_w8a16_and_w8a8_rows_equals_each_alone(fp8_ckpts):
     """A (6 steps) is at its W8A8 step 2 when B (4 steps, other size) starts at its W8A16 step 0: that tick packs
     both precisions. Each request's latents equal it run alone, and every tick gave each row its own step's
@@ -422,12 +392,12 @@ def test_packed_tick_mixing_w8a16_and_w8a8_rows_equals_each_alone(fp8_ckpts):
     alone = []
     for request in (a, b):
         e, _ = engine()
-        sink = _Sink()
+        sink = KeepSink()
         e.submit(request, sink)
         e.run_until_idle()
         alone.append(sink.latents)
     e, ticks = engine()
-    sinks = [_Sink(), _Sink()]
+    sinks = [KeepSink(), KeepSink()]
     e.submit(a, sinks[0])
     e.tick()
     e.tick()
@@ -444,7 +414,7 @@ def test_packed_tick_mixing_w8a16_and_w8a8_rows_equals_each_alone(fp8_ckpts):
     # and the W8A8 steps ran W8A8: A with every step W8A16 ends elsewhere
     a16_ckpt = Checkpoint.open(fp8_ckpts["nano"], "checkpoint", {"first_steps": 6, "last_steps": 0})
     e = DenoiseEngine(a16_ckpt, "cpu", torch.float32, pool_pages=64, page_size=16, max_queue=4)
-    e.submit(a, sink := _Sink())
+    e.submit(a, sink := KeepSink())
     e.run_until_idle()
     assert rel_l2(sink.latents, alone[0]) > 1e-3
 
