@@ -6,6 +6,10 @@
 #   device run, carry [.whl/parity]: bash bench/device_parity.sh edge [--cases 't2v-*' ...]
 # v2v and sound cases (nano; `--cases` globs, e.g. '*+sound-9f-4s-flow' 'v2v-*-9f-4s-flow') add the sound tokenizer
 # (~1 GB) and the transformer's sound heads to the same checkpoint in place, on first use (~10-20 s).
+# Robot-action cases (nano; e.g. --cases 'policy-480-*' 'fd-480-*' 'id-256-*': 6 cases, chunks 8 and 16, 4 steps) add
+# the transformer's action heads (action_dim 64, 32 domains, ~34 MB) in place, on first use (~1 s); they are judged on
+# the vision latents and the actions. ~4-5 min on a fresh machine (checkpoint ~50 s, fp32 diffusers ~80 s with its
+# full-canvas clip encodes, bf16 ~20 s, SDPA ~15 s, FlashInfer ~90 s with fa3's first JIT); all 12 cases ~6-7 min.
 set -uo pipefail
 preset=$1; shift
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/parity/*.whl 2>&1 | grep -v -e WARNING -e "already exists" | tail -2

@@ -10,6 +10,16 @@
 #                 after a 2-step one of each kind), then diffusers for t2v+sound and v2v (1 each, after a 2-step one);
 #                 prints sound's cost over video-only. Budget: startup ~1-3 min (compile, fa3 JIT unless cached),
 #                 ~30 s a served request, ~45 s a diffusers one: ~5-7 min in all, under the 560 s timeout
+#   nano_action   Nano robot actions, one server (random:nano_action: random:nano plus the action heads, action_dim
+#                 64, 32 domains; configs only), 35 steps, guidance 6: policy at tier 480 (the 832x480 condition
+#                 image fills the 480x832 canvas: 1950 vision + 16 action tokens per branch), chunk 16, droid_lerobot,
+#                 c=1 ($C1, default 3, after a 2-step one) and c=8 ($C8, default 16 requests, after an untimed burst of
+#                 8 2-step ones; actions/s = 16 x requests / wall), forward dynamics c=1 ($C1), then diffusers policy
+#                 ($DIFFUSERS, default 2, after a 2-step one); each kind's H200 floor (~2.65 s) printed beside.
+#                 Budget (a 121-frame t2v step is ~0.70 s served at 24,180 rows; a policy step packs 3,932, ~0.1 s):
+#                 startup ~70 s (+~90 s if fa3 is not JIT-cached yet), policy c=1 ~5 s each (~20 s with the 2-step),
+#                 c=8 ~0.75 s per packed step x 35 x 2 waves ~60 s (+ burst ~10 s), fd ~20 s, diffusers ~10 s load +
+#                 ~7 s each ~30 s: ~3.5-5 min in all, under the 560 s timeout
 set -uo pipefail
 [ -x /tmp/v/bin/python ] || { echo "no /tmp/v: run bench/device_env.sh first on this machine"; exit 3; }
 /tmp/v/bin/python -m pip install -q --no-index --no-deps .whl/pytriton/*.whl 2>&1 | grep -v -e "already exists" -e WARNING | tail -3
@@ -22,9 +32,11 @@ for run in "${runs[@]}"; do
     nano_kv) args=(--config configs/bench_nano_ar.yaml --c1 0 --c4 0 --ar 1 --ar-params '{"window_mode": "kv", "num_frames": 45}') ;;
     nano_sound) args=(--config configs/bench_nano_sound.yaml --c1 ${C1:-1} --c4 0 --variants t2v t2v+sound v2v
                       --diffusers ${DIFFUSERS:-1} --diffusers-variants t2v+sound v2v) ;;
+    nano_action) args=(--config configs/bench_nano_action.yaml --c1 ${C1:-3} --c4 0 --variants policy fd
+                       --c8 ${C8:-16} --c8-variants policy --diffusers ${DIFFUSERS:-2} --diffusers-variants policy) ;;
     *) echo "unknown run $run"; exit 2 ;;
   esac
   echo "== $run: python -m bench.served ${args[*]}"
   timeout 560 /tmp/v/bin/python -m bench.served "${args[@]}" --json $OUT/served_$run.json > $OUT/served_$run.txt 2>&1
-  grep -v -e Warning -e float32 $OUT/served_$run.txt | tail -${TAIL:-16}
+  grep -v -e Warning -e float32 $OUT/served_$run.txt | tail -${TAIL:-24}
 done

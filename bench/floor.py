@@ -3,11 +3,23 @@
 Per branch-step: 2·(GEN params touched per token)·tokens for the linears + 4·tokens·keys·head_dim·heads per layer
 for attention (QK^T and PV), keys = text + tokens. ×branches ×steps. The UND tower runs once (prefill) and is
 not counted; neither is the VAE.
+
+A request's floor (`request_floor`): its tokens per branch are the vision tokens (latent frames × the token grid of
+the frames it generates: an action request's content crop) plus its action tokens (`chunk_size`, as the GEN stack
+runs them: each through every layer like a vision token; its own in/out projections, 2·action_dim·hidden, are
+counted as a patch's, a difference of < 0.01 %), each branch with its own text length (the prompt as the prefill
+tokenizes it: an action request's JSON caption, the negative prompt raw), every step.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from cosmos3_core.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    from cosmos3_core.model.checkpoint import Checkpoint
+    from cosmos3_core.requests import GenerationParams
 
 H200_BF16_FLOPS = 790e12  # dense bf16 on random data, measured by the field (performance.md)
 
@@ -35,3 +47,30 @@ def tokens_for(cfg: ModelConfig, height: int, width: int, frames: int) -> int:
     lat_t = 1 + (frames - 1) // cfg.vae_scale_temporal
     rows, cols = cfg.token_grid(height, width)
     return lat_t * rows * cols
+
+
+def request_tokens(cfg: ModelConfig, p: GenerationParams) -> tuple[int, int]:
+    """(vision, action) GEN tokens per branch of a validated single-shot request (sound not counted)."""
+    return tokens_for(cfg, *p.frame_size, p.num_frames), p.chunk_size if p.action_mode else 0
+
+
+def text_lengths(ckpt: Checkpoint, p: GenerationParams) -> list[int]:
+    """Each CFG branch's text tokens, as `PrefillStage.run` builds them (templates or the action JSON caption)."""
+    from cosmos3_core.model.prompts import PromptEncoder
+
+    prompts = PromptEncoder(ckpt.load_tokenizer(), ckpt.default_use_system_prompt)
+    if p.action_mode:
+        ids = prompts.encode_action(p.prompt, p.negative_prompt, p.num_frames, p.height, p.width, p.fps, p.view_point,
+                                    p.use_system_prompt)  # fmt: skip
+    else:
+        ids = prompts.encode(p.prompt, p.negative_prompt, p.num_frames, p.height, p.width, p.fps, p.use_system_prompt,
+                             p.add_templates)  # fmt: skip
+    return [len(i) for i in ids][: p.cfg_branches]
+
+
+def request_floor(cfg: ModelConfig, p: GenerationParams, text: list[int], flops_per_s: float = H200_BF16_FLOPS) -> dict:
+    """The denoise floor of one request: vision + action tokens, each branch (its own text), all steps."""
+    vision, action = request_tokens(cfg, p)
+    flops = sum(denoise_flops(cfg, vision + action, t, p.steps, 1) for t in text)
+    return {"vision_tokens": vision, "action_tokens": action, "text_tokens": list(text), "branches": len(text),
+            "steps": p.steps, "flops": flops, "floor_s": flops / flops_per_s}  # fmt: skip

@@ -66,8 +66,9 @@ def sync_time() -> float:
 
 def ours(args, params) -> dict:
     d = Deployment(
-        checkpoint=f"random:{args.preset}", device="cuda", dtype="bfloat16", pool_pages=4096, compile=args.compile
-    )
+        checkpoint=f"random:{args.preset}", device="cuda", dtype="bfloat16", pool_pages=4096, compile=args.compile,
+        precision=args.precision, fp8_policy=args.fp8_policy,
+    )  # fmt: skip
     gen = Generator(d)
     out = {}
     for variant in args.variants:
@@ -81,6 +82,8 @@ def ours(args, params) -> dict:
 def run_variant(gen: Generator, params: dict, repeat: int) -> dict:
     t0 = time.perf_counter()
     gen.frames(PROMPT, {**params, "steps": 3})  # warm-up: allocator, cuBLAS/flash heuristics, compile, capture
+    if gen.engine.fp8_policy is not None:  # FP8: 3 steps are all W8A16; a 1-step request runs (compiles) W8A8
+        gen.frames(PROMPT, {**params, "steps": 1})
     warmup_s = time.perf_counter() - t0
     phases = {"prefill": [], "denoise": [], "decode": [], "e2e": []}
     skipped = []
@@ -155,6 +158,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--no-diffusers", action="store_true")
     ap.add_argument("--compile", action="store_true", help="torch.compile the GEN layer stack")
+    ap.add_argument("--precision", choices=["checkpoint", "fp8"], default="checkpoint", help="a deployment's precision")
+    ap.add_argument("--fp8-policy", type=json.loads, default={}, help="JSON: a deployment's fp8_policy")
     ap.add_argument("--variants", nargs="+", default=["sdpa", "flashinfer+graphs"], help="attention[+graphs] ...")
     ap.add_argument("--json", default="")
     ap.add_argument("--md", default="", help="append a row (date, GPU, command, figures) to this BENCHMARKS.md")
@@ -182,7 +187,7 @@ def main() -> None:
     result["tokens_per_branch"] = tokens
     diff = statistics.median(result["diffusers"]["e2e"]) if "diffusers" in result else float("nan")
     print(f"{args.preset} {args.width}x{args.height}x{args.frames} steps {args.steps} guidance {args.guidance} "
-          f"tokens/branch {tokens} compile {args.compile} on {result['gpu']}; compute floor {result['floor_s']:.2f} s, "
+          f"tokens/branch {tokens} compile {args.compile} precision {args.precision} on {result['gpu']}; compute floor {result['floor_s']:.2f} s, "
           f"diffusers e2e {diff:.2f} s, peak mem ours {result['ours_peak_mem_gb']:.1f} GB / diffusers "
           f"{result['diffusers_peak_mem_gb']:.1f} GB")  # fmt: skip
     print(

@@ -4,6 +4,9 @@ diffusers in fp32 on the same weights. Rerun after every numeric change.
   python -m bench.parity --preset edge|nano [--cases GLOB ...] [--compile] [--json F] [--md BENCHMARKS.md]
   python -m bench.parity --preset tiny                # the whole harness on CPU (fp32 against fp32)
   python -m bench.parity --preset nano --cases '*+sound-9f-4s-flow' 'v2v-*-9f-4s-flow'   # sound and v2v
+  python -m bench.parity --preset nano --cases 'policy-480-*' 'fd-480-*' 'id-256-*'      # robot actions
+  python -m bench.parity --preset edge --precision fp8 [--fp8-policy '{"first_steps": 3}'] --bar 100
+                                                      # ours in FP8 (quantized at load), beside diffusers' bf16
   python -m bench.parity --report F.json --md BENCHMARKS.md   # render a saved run
 
 The checkpoint is a real diffusers one with LLM-like random weights at the preset's shapes
@@ -24,6 +27,17 @@ checkpoint then also carries a sound tokenizer and the transformer's sound heads
 checkpoint (`random_checkpoint.add_sound`; the other weights stay as they were, ~1 GB more for Nano). A sound case
 is also judged on the waveform (`out.sound`, clamped stereo [2, S], decoded by each side's own tokenizer run):
 its rel-L2 against fp32 diffusers' waveform, with the same ratio rule; the sound latents' rel-L2 is recorded too.
+
+Robot actions (`--cases` globs; presets with action heads: nano, tiny): `policy-<tier>-<chunk>c-4s-flow`,
+`fd-<tier>-...` (forward dynamics) and `id-<tier>-...` (inverse dynamics) at tiers 256 and 480, chunks 8 and 16,
+guidance 6, Nano's flow schedule; through `Cosmos3OmniPipeline(action=CosmosActionCondition(...))` and through our
+`Generator` with `parameters.action`. Policy and forward dynamics are conditioned on the condition image at the
+output size (Nano's 832×480: tier 480's canvas exactly; tier 256 downscales it to 320×185 in a 320×192 canvas),
+inverse dynamics on the clip of chunk + 1 frames; domains `droid_lerobot` (policy), `bridge_orig_lerobot`
+(forward dynamics, seeded raw actions [chunk, 10]) and `av` (inverse dynamics, width 9). The checkpoint gains the
+transformer's action heads in place (`random_checkpoint.add_action`: `action_dim` 64, 32 domains; tiny: 16, 32). A
+case is judged on the final vision latents and, for policy and inverse dynamics, on the actions (`out.action[0]`,
+[chunk, raw width]): their rel-L2 against fp32 diffusers', with the same ratio rule.
 """
 
 from __future__ import annotations
@@ -57,26 +71,48 @@ HEADING = "## Real-shape parity: ours and diffusers in bf16 against diffusers in
 SOUND_PRESETS = ("tiny", "nano")  # Edge has no sound
 V2V_INDEXES = [0, 1]  # the pipeline's default condition_frame_indexes
 CLIP_FRAMES = 12  # longer than the max(idx)·4 + 1 = 5 frames kept, so `first` and `last` keep different frames
+ACTION_PRESETS = ("tiny", "nano")  # Edge has no action heads
+ACTION_MODES = {"policy": "policy", "fd": "forward_dynamics", "id": "inverse_dynamics"}  # case task → mode
+ACTION_DOMAINS = {"policy": "droid_lerobot", "fd": "bridge_orig_lerobot", "id": "av"}  # widths 10, 10, 9
 
 
 @dataclass(frozen=True)
 class Case:
-    task: str  # t2v | i2v | v2v-first | v2v-last | t2v+sound | i2v+sound | v2v+sound
-    frames: int
+    task: str  # t2v | i2v | v2v-first | v2v-last | t2v+sound | i2v+sound | v2v+sound | policy | fd | id
+    frames: int  # pixel frames (an action case: chunk + 1)
     steps: int
     schedule: str  # native | flow
+    tier: int = 0  # an action case's resolution tier
 
     @property
     def name(self) -> str:
+        if self.action:
+            return f"{self.task}-{self.tier}-{self.chunk}c-{self.steps}s-{self.schedule}"
         return f"{self.task}-{self.frames}f-{self.steps}s-{self.schedule}"
+
+    @property
+    def action(self) -> bool:
+        return self.task in ACTION_MODES
+
+    @property
+    def chunk(self) -> int:
+        return self.frames - 1
+
+    @property
+    def mode(self) -> str:
+        return ACTION_MODES[self.task]
+
+    @property
+    def domain(self) -> str:
+        return ACTION_DOMAINS[self.task]
 
     @property
     def sound(self) -> bool:
         return self.task.endswith("+sound")
 
     @property
-    def kind(self) -> str:  # t2v | i2v | v2v
-        return self.task[:3]
+    def kind(self) -> str:  # t2v | i2v | v2v | action
+        return "action" if self.action else self.task[:3]
 
     @property
     def keep(self) -> str:  # v2v: which end of the clip
@@ -99,8 +135,15 @@ def omni_cases(preset: str) -> list[Case]:
     return [Case(t, f, s, sch) for sch in ("native", "flow") for t in tasks for f in _frames(preset) for s in (4, 8)]
 
 
+def action_cases(preset: str) -> list[Case]:
+    """Policy, forward and inverse dynamics (presets with action heads), picked by `--cases` globs."""
+    if preset not in ACTION_PRESETS:
+        return []
+    return [Case(t, chunk + 1, 4, "flow", tier) for t in ACTION_MODES for tier in (256, 480) for chunk in (8, 16)]
+
+
 def select(preset: str, patterns: list[str] | None) -> list[Case]:
-    cases = cases_for(preset) + (omni_cases(preset) if patterns else [])
+    cases = cases_for(preset) + (omni_cases(preset) + action_cases(preset) if patterns else [])
     chosen = [c for c in cases if not patterns or any(fnmatch.fnmatch(c.name, p) for p in patterns)]
     if not chosen:
         raise SystemExit(f"no case matches {patterns}; cases: {', '.join(c.name for c in cases)}")
@@ -137,17 +180,48 @@ def cond_clip(height: int, width: int, frames: int = CLIP_FRAMES) -> np.ndarray:
     return np.stack([np.clip(np.roll(base, 3 * i, axis=1) + 8 * i, 0, 255).astype(np.uint8) for i in range(frames)])
 
 
-def checkpoint(preset: str, seed: int, device: str, sound: bool = False) -> Path:
-    """The preset's checkpoint with LLM-like random weights, written once under $COSMOS3_CACHE. `sound`: with the
-    sound parts, added in place when missing (the rest of the checkpoint unchanged)."""
+def action_raw(chunk: int, domain: str, seed: int = 0) -> np.ndarray:
+    """Forward dynamics' raw actions: float32 [chunk, the domain's raw width], seeded N(0, 0.5²)."""
+    from cosmos3_core.model.embodiments import RAW_ACTION_DIMS
+
+    rng = np.random.default_rng(seed)
+    return (0.5 * rng.standard_normal((chunk, RAW_ACTION_DIMS[domain]))).astype(np.float32)
+
+
+def inputs_of(case: Case, height: int, width: int) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+    """(image, clip, raw actions) of a case at the output size."""
+    if case.kind == "i2v":
+        return cond_image(height, width), None, None
+    if case.kind == "v2v":
+        return None, cond_clip(height, width), None
+    if not case.action:
+        return None, None, None
+    if case.mode == "inverse_dynamics":
+        return None, cond_clip(height, width, case.chunk + 1), None
+    raw = action_raw(case.chunk, case.domain) if case.mode == "forward_dynamics" else None
+    return cond_image(height, width), None, raw
+
+
+def checkpoint(preset: str, seed: int, device: str, sound: bool = False, action: bool = False) -> Path:
+    """The preset's checkpoint with LLM-like random weights, written once under $COSMOS3_CACHE. `sound`, `action`:
+    with those parts, added in place when missing (the rest of the checkpoint unchanged)."""
     from cosmos3_core.tools.make_tiny import make_tiny
-    from cosmos3_core.tools.random_checkpoint import add_sound, has_sound, write_skeleton, write_weights
+    from cosmos3_core.tools.random_checkpoint import (
+        add_action,
+        add_sound,
+        has_action,
+        has_sound,
+        write_skeleton,
+        write_weights,
+    )
 
     cache = Path(os.environ.get("COSMOS3_CACHE", Path.home() / ".cache" / "cosmos3"))
     target = cache / f"parity-{preset}-s{seed}"
     if (target / "model_index.json").is_file():
         if sound and not has_sound(target):
             add_sound(target, preset, seed, device)
+        if action and not has_action(target):
+            add_action(target, preset, seed, device)
         return target
     cache.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=cache, prefix=".tmp-parity-"))
@@ -158,6 +232,8 @@ def checkpoint(preset: str, seed: int, device: str, sound: bool = False) -> Path
             write_skeleton(tmp / "ckpt", preset, weights=True, seed=seed, device=device)
         if sound:
             add_sound(tmp / "ckpt", preset, seed, device)
+        if action:
+            add_action(tmp / "ckpt", preset, seed, device)
         (tmp / "ckpt").rename(target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -165,6 +241,9 @@ def checkpoint(preset: str, seed: int, device: str, sound: bool = False) -> Path
 
 
 def params_of(case: Case, preset: str, seed: int) -> dict[str, Any]:
+    if case.action:  # the chunk sets the frames, the tier the size
+        action = {"mode": case.mode, "chunk_size": case.chunk, "domain": case.domain, "resolution_tier": case.tier}
+        return {"action": action, "fps": 24.0, "steps": case.steps, "guidance_scale": 6.0, "shift": 5.0, "seed": seed}
     h, w = SIZES[preset]
     p = {"height": h, "width": w, "num_frames": case.frames, "fps": 24.0, "steps": case.steps,
          "guidance_scale": 6.0, "shift": 5.0, "seed": seed}  # fmt: skip
@@ -177,13 +256,14 @@ def params_of(case: Case, preset: str, seed: int) -> dict[str, Any]:
 
 @dataclass
 class Output:
-    """One run of one case: final vision latents, decoded uint8 frames, and with sound the sound latents and the
-    waveform float32 [2, S]."""
+    """One run of one case: final vision latents, decoded uint8 frames, with sound the sound latents and the
+    waveform float32 [2, S], with actions (policy, inverse dynamics) the actions [chunk, raw width]."""
 
     latents: torch.Tensor
     frames: np.ndarray
     sound: torch.Tensor | None = None
     wave: torch.Tensor | None = None
+    actions: torch.Tensor | None = None
 
 
 # ---- diffusers ----
@@ -196,12 +276,16 @@ def load_diffusers(root: Path, device: str, dtype: torch.dtype):
     return pipe
 
 
-def run_diffusers(pipe, case: Case, p: dict, image: np.ndarray | None, clip: np.ndarray | None = None) -> Output:
+def run_diffusers(
+    pipe, case: Case, p: dict, image: np.ndarray | None, clip: np.ndarray | None = None, raw: np.ndarray | None = None
+) -> Output:
     from diffusers import UniPCMultistepScheduler
     from PIL import Image
 
     pipe.register_to_config(use_native_flow_schedule=case.schedule == "native")
     pipe.scheduler = UniPCMultistepScheduler.from_config(pipe.scheduler.config, flow_shift=p["shift"])
+    if case.action:
+        return _run_diffusers_action(pipe, case, p, image, clip, raw)
     extra: dict[str, Any] = {}
     if case.kind == "i2v":
         extra["image"] = image
@@ -219,16 +303,39 @@ def run_diffusers(pipe, case: Case, p: dict, image: np.ndarray | None, clip: np.
     finally:
         del pipe.decode_sound
     latents = out.video
-    with torch.inference_mode():  # the pipeline's own decode, as `output_type="np"` runs it
+    frames = _decode_diffusers(pipe, latents)
+    if not case.sound:
+        return Output(latents.float().cpu(), frames)
+    return Output(latents.float().cpu(), frames, captured["sound"].float().cpu(), out.sound.float().cpu())
+
+
+def _run_diffusers_action(pipe, case: Case, p: dict, image, clip, raw) -> Output:
+    """`pipe(action=CosmosActionCondition(...))`: the final vision latents, their decode, `out.action[0]`."""
+    from diffusers.pipelines.cosmos.pipeline_cosmos3_omni import CosmosActionCondition
+    from PIL import Image
+
+    condition = CosmosActionCondition(
+        mode=case.mode, chunk_size=case.chunk, domain_name=case.domain, resolution_tier=case.tier,
+        raw_actions=None if raw is None else torch.from_numpy(raw),
+        image=None if image is None else Image.fromarray(image),
+        video=None if clip is None else [Image.fromarray(f) for f in clip],
+    )  # fmt: skip
+    out = pipe(prompt=PROMPT, action=condition, fps=p["fps"], num_inference_steps=p["steps"],
+               guidance_scale=p["guidance_scale"], generator=torch.Generator().manual_seed(p["seed"]),
+               output_type="latent", enable_safety_check=False)  # fmt: skip
+    actions = None if out.action is None else out.action[0].float().cpu()
+    return Output(out.video.float().cpu(), _decode_diffusers(pipe, out.video), actions=actions)
+
+
+def _decode_diffusers(pipe, latents: torch.Tensor) -> np.ndarray:
+    """uint8 [T, H, W, 3]: the pipeline's own decode, as `output_type="np"` runs it."""
+    with torch.inference_mode():
         vae, shape = pipe.vae, (1, -1, 1, 1, 1)
         mean = pipe._vae_latents_mean.to(device=latents.device, dtype=vae.dtype).view(shape)
         inv_std = pipe._vae_latents_inv_std.to(device=latents.device, dtype=vae.dtype).view(shape)
         decoded = vae.decode(latents.to(vae.dtype) / inv_std + mean).sample.to(latents.dtype)
         video = pipe.video_processor.postprocess_video(decoded, output_type="np")[0]
-    frames = np.round(video * 255).astype(np.uint8)
-    if not case.sound:
-        return Output(latents.float().cpu(), frames)
-    return Output(latents.float().cpu(), frames, captured["sound"].float().cpu(), out.sound.float().cpu())
+    return np.round(video * 255).astype(np.uint8)
 
 
 # ---- ours ----
@@ -247,28 +354,37 @@ def with_schedule(root: Path, schedule: str) -> Path:
     return other
 
 
-def load_ours(root: Path, device: str, dtype: torch.dtype, compile: bool, attention: str):
-    """`Generator` (prefill → engine → decode, what the server's three stages run) with the served settings."""
+def load_ours(
+    root: Path, device: str, dtype: torch.dtype, compile: bool, attention: str, precision: str = "checkpoint",
+    fp8_policy: dict | None = None,
+):  # fmt: skip
+    """`Generator` (prefill → engine → decode, what the server's three stages run) with the served settings;
+    `precision`/`fp8_policy` as a deployment's (fp8: layer linears quantized at load, model/fp8.py)."""
     from cosmos3_core.deployment import Deployment
     from cosmos3_core.generate import Generator
 
     name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
     d = Deployment(checkpoint=str(root), device=device, dtype=name, pool_pages=512, compile=compile,
-                   attention=attention, cuda_graphs=True)  # fmt: skip
+                   attention=attention, cuda_graphs=True, precision=precision,
+                   fp8_policy=fp8_policy or {})  # fmt: skip
     return Generator(d)
 
 
-def run_ours(gen, p: dict, image: np.ndarray | None, clip: np.ndarray | None = None) -> tuple[Output, str]:
-    latents, sound = gen.generate(PROMPT, p, image, video=clip)
+def run_ours(
+    gen, p: dict, image: np.ndarray | None, clip: np.ndarray | None = None, raw: np.ndarray | None = None
+) -> tuple[Output, str]:
+    out = gen.generate(PROMPT, p, image, video=clip, raw_actions=raw)
+    latents, sound = out.latents, out.sound
     frames = gen.decode.run(latents)
     try:  # the backend this request's last step ran (an SDPA fallback shows)
         backend = next(reversed(gen.engine.step.layouts))[1]
     except (AttributeError, StopIteration, TypeError):
         backend = "?"
+    actions = None if out.actions is None else out.actions.float().cpu()
     if sound is None:
-        return Output(latents.float().cpu(), frames), backend
+        return Output(latents.float().cpu(), frames, actions=actions), backend
     wave = torch.from_numpy(gen.decode.audio(sound))  # what the server returns as `audio`
-    return Output(latents.float().cpu(), frames, sound.float().cpu(), wave.float()), backend
+    return Output(latents.float().cpu(), frames, sound.float().cpu(), wave.float(), actions), backend
 
 
 def free() -> None:
@@ -298,11 +414,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_float32_matmul_precision("highest")
     cases = select(args.preset, args.cases)
     h, w = SIZES[args.preset]
-    image, clip = cond_image(h, w), cond_clip(h, w)
-    inputs = {"t2v": (None, None), "i2v": (image, None), "v2v": (None, clip)}
+    inputs = {c.name: inputs_of(c, h, w) for c in cases}
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
-    root = checkpoint(args.preset, args.seed, args.device, sound=any(c.sound for c in cases))
+    sound, action = any(c.sound for c in cases), any(c.action for c in cases)
+    root = checkpoint(args.preset, args.seed, args.device, sound=sound, action=action)
     timings["checkpoint_s"] = time.perf_counter() - t0
     print(f"checkpoint {root} ({timings['checkpoint_s']:.0f} s)", flush=True)
 
@@ -316,6 +432,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if case.sound:
             d |= {"wave_rel_l2": rel_l2(out.wave, r.wave), "sound_rel_l2": rel_l2(out.sound, r.sound)}
             line += f"  waveform rel-L2 {d['wave_rel_l2']:.3e}  sound latents {d['sound_rel_l2']:.3e}"
+        if r.actions is not None:
+            if out.actions is None or out.actions.shape != r.actions.shape:
+                raise RuntimeError(f"{case.name} {run_name}: actions {getattr(out.actions, 'shape', None)}, "
+                                   f"expected {tuple(r.actions.shape)}")  # fmt: skip
+            d["action_rel_l2"] = rel_l2(out.actions, r.actions)
+            line += f"  actions rel-L2 {d['action_rel_l2']:.3e}"
         rows[case.name]["runs"][run_name] = d
         print(f"  {case.name:26s} {run_name:12s} {line}", flush=True)
 
@@ -324,11 +446,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         pipe = load_diffusers(root, args.device, dtype)
         for c in cases:
             p = params_of(c, args.preset, args.seed)
-            out = run_diffusers(pipe, c, p, *inputs[c.kind])
+            out = run_diffusers(pipe, c, p, *inputs[c.name])
             if phase == "diffusers_fp32":
                 ref[c.name] = out
                 extra = "" if out.wave is None else (f"  waveform {tuple(out.wave.shape)} std {out.wave.std():.3f}, "
                                                      f"{(out.wave.abs() >= 1).float().mean():.1%} clamped")  # fmt: skip
+                if out.actions is not None:
+                    extra += f"  actions {tuple(out.actions.shape)} std {out.actions.std():.3f}"
                 print(f"  {c.name:26s} fp32 reference |latents| {out.latents.norm():.1f}{extra}", flush=True)
             else:
                 record(c, phase, out)
@@ -340,10 +464,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for variant in variants:  # a fresh Generator per backend and schedule, each freed before the next
         t0 = time.perf_counter()
         for schedule in dict.fromkeys(c.schedule for c in cases):
-            gen = load_ours(with_schedule(root, schedule), args.device, lowp, args.compile, variant)
+            gen = load_ours(with_schedule(root, schedule), args.device, lowp, args.compile, variant, args.precision,
+                            json.loads(args.fp8_policy))  # fmt: skip
             for c in (c for c in cases if c.schedule == schedule):
                 p = params_of(c, args.preset, args.seed)
-                out, backend = run_ours(gen, p, *inputs[c.kind])
+                out, backend = run_ours(gen, p, *inputs[c.name])
                 record(c, variant, out, backend=backend)
             del gen
             free()
@@ -352,8 +477,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     for row in rows.values():
         runs = row["runs"]
-        keys = ["rel_l2"] + (["wave_rel_l2"] if "wave_rel_l2" in runs["diffusers"] else [])
-        for key in keys:  # vision latents, and with sound the waveform: each within the bar
+        keys = ["rel_l2"] + [k for k in ("wave_rel_l2", "action_rel_l2") if k in runs["diffusers"]]
+        for key in keys:  # vision latents, and with sound the waveform, with actions the actions: each within the bar
             d = runs["diffusers"][key]
             for v in variants:
                 runs[v][key.replace("rel_l2", "ratio")] = runs[v][key] / d if d > 0 else math.nan
@@ -362,6 +487,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {"preset": args.preset, "gpu": gpu, "date": datetime.date.today().isoformat(),
             "command": "python -m bench.parity " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
             "dtype": str(lowp).removeprefix("torch."), "compile": args.compile, "bar": args.bar, "seed": args.seed,
+            "precision": args.precision, "fp8_policy": json.loads(args.fp8_policy),
             "size": [h, w], "variants": variants, "skipped": skipped, "timings": timings, "cases": rows}  # fmt: skip
 
 
@@ -372,12 +498,15 @@ LABELS = {"sdpa": "SDPA + graphs", "flashinfer": "FlashInfer + graphs"}
 def table(result: dict[str, Any]) -> str:
     variants = result["variants"]
     sound = any("wave_rel_l2" in r["runs"]["diffusers"] for r in result["cases"].values())
+    action = any("action_rel_l2" in r["runs"]["diffusers"] for r in result["cases"].values())
     head = ["case", f"diffusers {result['dtype']}"]
     for v in variants:
         head += [f"ours {LABELS.get(v, v)}", "ratio"]
     head += ["PSNR dB: " + " / ".join(["diffusers", *variants])]
     if sound:
         head += ["waveform rel-L2: " + " / ".join(["diffusers", *variants]) + " (ratios)"]
+    if action:
+        head += ["actions rel-L2: " + " / ".join(["diffusers", *variants]) + " (ratios)"]
     head += [f"≤ {result['bar']}×"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, row in result["cases"].items():
@@ -392,6 +521,12 @@ def table(result: dict[str, Any]) -> str:
             cells.append(f"{waves} ({ratios})")
         elif sound:
             cells.append("—")
+        if action and "action_rel_l2" in runs["diffusers"]:
+            acts = " / ".join(f"{100 * runs[k]['action_rel_l2']:.3f} %" for k in ["diffusers", *variants])
+            ratios = " / ".join(f"{runs[v]['action_ratio']:.3f}" for v in variants)
+            cells.append(f"{acts} ({ratios})")
+        elif action:
+            cells.append("—")
         cells.append("pass" if row["pass"] else "**FAIL**")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -399,12 +534,13 @@ def table(result: dict[str, Any]) -> str:
 
 def summary(result: dict[str, Any]) -> str:
     rows = result["cases"].values()
-    ratios = [r["runs"][v][k] for r in rows for v in result["variants"] for k in ("ratio", "wave_ratio")
+    ratios = [r["runs"][v][k] for r in rows for v in result["variants"] for k in ("ratio", "wave_ratio", "action_ratio")
               if k in r["runs"][v]]  # fmt: skip
     ok = sum(r["pass"] for r in rows)
     worst = max((x for x in ratios if not math.isnan(x)), default=math.nan)
     t = ", ".join(f"{k.removesuffix('_s')} {v:.0f} s" for k, v in result["timings"].items())
-    return (f"{result['preset']} at {result['size'][1]}×{result['size'][0]}, {result['dtype']}, compile "
+    fp8 = f", ours FP8 {result.get('fp8_policy') or 'policy 3+3'}" if result.get("precision") == "fp8" else ""
+    return (f"{result['preset']} at {result['size'][1]}×{result['size'][0]}, {result['dtype']}{fp8}, compile "
             f"{'on' if result['compile'] else 'off'}, on {result['gpu']}, {result['date']}: {ok}/{len(rows)} cases "
             f"pass, worst ratio {worst:.3f}" + (f"; not run: {', '.join(result['skipped'])}" if result["skipped"] else "")
             + f". Wall: {t}.")  # fmt: skip
@@ -436,6 +572,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto", help="auto: bf16 on CUDA")
     ap.add_argument("--compile", action="store_true", help="as the served configs do (GEN stack, decoder kernels)")
+    ap.add_argument(
+        "--precision",
+        choices=["checkpoint", "fp8"],
+        default="checkpoint",
+        help="fp8: ours with the layer linears quantized at load (a deployment's precision: fp8)",
+    )
+    ap.add_argument("--fp8-policy", default="{}", help="JSON: a deployment's fp8_policy (first_steps, last_steps, ...)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--bar", type=float, default=BAR)
     ap.add_argument("--json", default="")

@@ -4,6 +4,8 @@
   python -m bench.served --config configs/bench_nano_ar.yaml --c1 0 --c4 0 --ar 1 --ar-params '{...}'
   python -m bench.served --config configs/bench_nano_sound.yaml --c1 1 --c4 0 --variants t2v t2v+sound v2v \
       --diffusers 1 --diffusers-variants t2v+sound v2v
+  python -m bench.served --config configs/bench_nano_action.yaml --c1 3 --c4 0 --variants policy fd --c8 16 \
+      --c8-variants policy --diffusers 2 --diffusers-variants policy
 
 Reports c=1 end-to-end p50, c=4 videos/min and e2e p50 (single-shot t2v), and for `--ar N` Nano-style AR
 streams (chained windows): TTFC, chunk gap and aggregate frames/s at c=1 and c=4. `--inprocess N --diffusers N`
@@ -20,6 +22,16 @@ diffusers' pipeline, each with the parameters our server resolved for it (same s
 its SeaCache with `cache`), after one 2-step run. On a `random:` skeleton diffusers gets its own random init at the
 same shapes (the sound tokenizer's stored weights); on any other checkpoint (e.g. `random:tiny_sound`, CPU) the
 checkpoint's weights.
+
+Robot actions: variants `policy`, `fd` (forward dynamics) and `id` (inverse dynamics) send `parameters.action` =
+`--action` (default chunk 16, `droid_lerobot`, tier 480) with that mode, conditioned on bench.parity's condition
+image at the deployment's default size (inverse dynamics: its clip, chunk + 1 frames; forward dynamics: seeded raw
+actions [chunk, the domain's width]); a policy or inverse-dynamics response must carry actions [chunk, width].
+`--c8 N` then runs N requests at concurrency 8 of each `--c8-variants` kind, after one untimed burst of 8 2-step
+ones; its throughput is reported in actions/s = chunk × requests / wall (and videos/min). Diffusers runs them as
+`pipe(action=CosmosActionCondition(...))`. Every kind's compute floor (`bench/floor.py`: vision + action tokens,
+each CFG branch with its own text, all steps, at the H200's 790 TF/s) is printed beside its figures: c=1 e2e and
+server denoise over it, and at c=8 the floor-bound actions/s (one request's chunk per floor, serial).
 """
 
 from __future__ import annotations
@@ -37,11 +49,14 @@ from cosmos3_core.deployment import Deployment
 from cosmos3_core.triton.launcher import stop_server, wait_until_ready
 from cosmos3_core.triton.serve import start
 
+from .floor import request_floor, text_lengths
 from .pool import run_pool
 from .report import skipped_fraction
 
 PROMPT = "A robot arm stacks red and blue cubes on a wooden table, soft daylight, static camera."
 V2V = {"condition_frame_indexes": [0, 1]}
+ACTION = {"chunk_size": 16, "domain": "droid_lerobot", "resolution_tier": 480}  # `--action`'s default
+ACTION_MODES = {"policy": "policy", "fd": "forward_dynamics", "id": "inverse_dynamics"}
 VARIANTS: dict[str, tuple[dict, str | None]] = {  # request kind → (parameters, conditioning input)
     "t2v": ({}, None),
     "t2v+sound": ({"enable_sound": True}, None),
@@ -49,34 +64,64 @@ VARIANTS: dict[str, tuple[dict, str | None]] = {  # request kind → (parameters
     "i2v+sound": ({"enable_sound": True}, "image"),
     "v2v": (V2V, "video"),
     "v2v+sound": ({**V2V, "enable_sound": True}, "video"),
+    "policy": ({}, "image"),
+    "fd": ({}, "image"),  # and raw actions
+    "id": ({}, "video"),
 }
+SIZE_KEYS = ("height", "width", "num_frames")  # set by an action request's chunk and tier, not sent with it
 
 
-def variant_request(name: str, params: dict, height: int, width: int) -> tuple[dict, object, object]:
-    """(parameters, image, clip) of a request kind at the output size (bench.parity's condition image and clip)."""
-    from .parity import cond_clip, cond_image
+def variant_request(
+    name: str, params: dict, height: int, width: int, action: dict | None = None
+) -> tuple[dict, object, object, object]:
+    """(parameters, image, clip, raw actions) of a request kind at the output size (bench.parity's condition image
+    and clip). An action kind: `parameters.action` = `action` (default ACTION) with the kind's mode, without the
+    size keys; inverse dynamics' clip has chunk + 1 frames, forward dynamics' raw actions are bench.parity's."""
+    from .parity import action_raw, cond_clip, cond_image
 
     extra, cond = VARIANTS[name]
+    if name not in ACTION_MODES:
+        image = cond_image(height, width) if cond == "image" else None
+        clip = cond_clip(height, width) if cond == "video" else None
+        return {**params, **extra}, image, clip, None
+    spec = {**ACTION, **(action or {}), "mode": ACTION_MODES[name]}
+    chunk = spec["chunk_size"]
     image = cond_image(height, width) if cond == "image" else None
-    clip = cond_clip(height, width) if cond == "video" else None
-    return {**params, **extra}, image, clip
+    clip = cond_clip(height, width, chunk + 1) if cond == "video" else None
+    raw = action_raw(chunk, spec["domain"]) if name == "fd" else None
+    return {**{k: v for k, v in params.items() if k not in SIZE_KEYS}, "action": spec}, image, clip, raw
 
 
-def drive(url: str, params: dict, count: int, concurrency: int, image=None, video=None) -> dict:
+def expected_actions(params: dict) -> tuple[int, int] | None:
+    """The actions [chunk, raw width] a request must return (policy, inverse dynamics), else None."""
+    from cosmos3_core.model.embodiments import FORWARD, RAW_ACTION_DIMS
+
+    spec = params.get("action")
+    if not spec or spec["mode"] == FORWARD:
+        return None
+    return spec["chunk_size"], RAW_ACTION_DIMS[spec["domain"]]
+
+
+def drive(url: str, params: dict, count: int, concurrency: int, image=None, video=None, raw=None) -> dict:
     """`count` requests, `concurrency` at a time. → e2e list, wall time, frames, TTFCs and chunk gaps (and the
-    waveform's [channels, samples] when the request has sound)."""
+    waveform's [channels, samples] when the request has sound; actions/s when it returns actions)."""
+    want = expected_actions(params)
 
     def one(i: int) -> dict:
-        r = generate(url, PROMPT, {**params, "seed": i}, image, video=video)
+        r = generate(url, PROMPT, {**params, "seed": i}, image, video=video, raw_actions=raw)
         gaps = [b - a for a, b in zip(r.chunk_times, r.chunk_times[1:])]
         done = next(e for e in r.events if e["type"] == "done")
         p = done["params"]
         skipped = skipped_fraction(done.get("cache_skipped"), p["steps"], 1 if p["guidance_scale"] == 1.0 else 2)
         if params.get("enable_sound") and (r.audio is None or r.audio.ndim != 2 or r.audio.shape[0] != 2):
             raise RuntimeError(f"a sound request came back without stereo audio: {getattr(r.audio, 'shape', None)}")
+        got = None if r.actions is None else tuple(r.actions.shape)
+        if got != want:
+            raise RuntimeError(f"an action request came back with actions {got}, expected {want}")
         audio = None if r.audio is None else list(r.audio.shape)
         return {"e2e": r.e2e_s, "ttfc": r.ttfc_s, "gaps": gaps, "frames": int(r.video.shape[0]),
-                "server": done["timings"], "skipped": skipped, "audio": audio}  # fmt: skip
+                "server": done["timings"], "skipped": skipped, "audio": audio,
+                "actions": 0 if got is None else got[0]}  # fmt: skip
 
     t0 = time.perf_counter()
     results = run_pool(range(count), concurrency, one)
@@ -92,6 +137,9 @@ def drive(url: str, params: dict, count: int, concurrency: int, image=None, vide
         out["chunk_gap_p50"] = statistics.median(gaps)
     if results[0]["audio"] is not None:
         out["audio_shape"] = results[0]["audio"]
+    if want is not None:
+        out["actions_per_s"] = sum(r["actions"] for r in results) / wall
+        out["actions_shape"] = list(want)
     return out
 
 
@@ -113,7 +161,8 @@ def side_by_side(deployment: Deployment, overrides: dict, inprocess: int, diffus
     out = {}
     if inprocess:
         args = SimpleNamespace(preset=preset, repeat=inprocess, compile=deployment.compile,
-                               variants=[deployment.attention + ("+graphs" if deployment.cuda_graphs else "")])  # fmt: skip
+                               variants=[deployment.attention + ("+graphs" if deployment.cuda_graphs else "")],
+                               precision=deployment.precision, fp8_policy=deployment.fp8_policy)  # fmt: skip
         r = next(iter(ours(args, params).values()))
         out["inprocess"] = {"e2e": r["phases"]["e2e"], "phases": r["phases"], "skipped_fraction": r["skipped_fraction"]}
     if diffusers:
@@ -128,8 +177,9 @@ def side_by_side(deployment: Deployment, overrides: dict, inprocess: int, diffus
 
 
 def diffusers_variants(deployment: Deployment, requests: dict[str, tuple], repeat: int) -> dict:
-    """Each request kind (name → (parameters, image, clip)) through diffusers' `Cosmos3OmniPipeline` with the
-    parameters our prefill resolves for it (one 2-step run first, then `repeat` timed) → {name: {"e2e": [...]}}."""
+    """Each request kind (name → (parameters, image, clip, raw actions)) through diffusers' `Cosmos3OmniPipeline`
+    with the parameters our prefill resolves for it (one 2-step run first, then `repeat` timed) → {name: {"e2e":
+    [...]}}. An action request runs as `pipe(action=CosmosActionCondition(...))`."""
     import gc
 
     import torch
@@ -139,6 +189,7 @@ def diffusers_variants(deployment: Deployment, requests: dict[str, tuple], repea
         Cosmos3OmniTransformer,
         UniPCMultistepScheduler,
     )
+    from diffusers.pipelines.cosmos.pipeline_cosmos3_omni import CosmosActionCondition
     from PIL import Image
 
     from cosmos3_core.model.checkpoint import Checkpoint
@@ -186,19 +237,27 @@ def diffusers_variants(deployment: Deployment, requests: dict[str, tuple], repea
     from .inprocess import sea_cache_config
 
     out, cached = {}, False
-    for name, (params, image, clip) in requests.items():
+    for name, (params, image, clip, raw) in requests.items():
         config = sea_cache_config(params)  # every kind shares --params: the same cache, enabled once
         if config is not None and not cached:
             pipe.transformer.enable_cache(config)  # diffusers' own SeaCache on the same fields
             cached = True
         p = validate(PROMPT, {**params, "seed": 0}, image, deployment.defaults, deployment.limits,
-                     cfg.pixel_alignment, cfg.vae_scale_temporal, shift, clip)  # fmt: skip
+                     cfg.pixel_alignment, cfg.vae_scale_temporal, shift, clip, raw)  # fmt: skip
         kw = {"prompt": PROMPT, "num_frames": p.num_frames, "height": p.height, "width": p.width, "fps": p.fps,
               "guidance_scale": p.guidance_scale, "enable_sound": p.enable_sound, "output_type": "np",
               "enable_safety_check": False}  # fmt: skip
-        if image is not None:
+        if p.action_mode:  # the chunk sets the frames, the tier the size: not passed
+            del kw["num_frames"], kw["height"], kw["width"]
+            kw["action"] = CosmosActionCondition(
+                mode=p.action_mode, chunk_size=p.chunk_size, domain_name=p.domain, resolution_tier=p.resolution_tier,
+                raw_actions=None if raw is None else torch.from_numpy(raw),
+                image=None if image is None else Image.fromarray(image),
+                video=None if clip is None else [Image.fromarray(f) for f in clip], view_point=p.view_point,
+            )  # fmt: skip
+        elif image is not None:
             kw["image"] = Image.fromarray(image)
-        if clip is not None:
+        if clip is not None and not p.action_mode:
             kw |= {"video": [Image.fromarray(f) for f in clip], "condition_video_keep": p.condition_video_keep,
                    "condition_frame_indexes_vision": list(p.condition_frame_indexes)}  # fmt: skip
         t0 = sync()
@@ -209,7 +268,8 @@ def diffusers_variants(deployment: Deployment, requests: dict[str, tuple], repea
             r = run(kw, p.shift, p.steps)
             e2e.append(sync() - t0)
         out[name] = {"e2e": e2e, "warmup_s": warm, "steps": p.steps, "shift": p.shift,
-                     "audio_shape": None if r.sound is None else list(r.sound.shape)}  # fmt: skip
+                     "audio_shape": None if r.sound is None else list(r.sound.shape),
+                     "actions_shape": None if r.action is None else list(r.action[0].shape)}  # fmt: skip
         print(f"diffusers {name}: e2e {' / '.join(f'{x:.2f}' for x in e2e)} s", flush=True)
     return out
 
@@ -226,6 +286,40 @@ def sound_cost(result: dict) -> str:
             cost[label] = {"video_s": a, "sound_s": b, "ratio": b / a}
     result["sound_cost"] = cost
     return "sound's cost over video-only (t2v+sound vs t2v): " + ", ".join(parts)
+
+
+def floors(deployment: Deployment, requests: dict[str, tuple]) -> dict[str, dict]:
+    """Each request kind's compute floor on the H200 (`floor.request_floor`), its text as our prefill tokenizes it.
+    `deployment`: the resolved one (its checkpoint a path)."""
+    from cosmos3_core.model.checkpoint import Checkpoint
+    from cosmos3_core.requests import validate
+    from cosmos3_core.sampling import checkpoint_shift
+
+    ckpt = Checkpoint.open(deployment.checkpoint)
+    cfg, shift = ckpt.config, checkpoint_shift(ckpt.scheduler_config)
+    out = {}
+    for name, (params, image, clip, raw) in requests.items():
+        p = validate(PROMPT, {**params, "seed": 0}, image, deployment.defaults, deployment.limits,
+                     cfg.pixel_alignment, cfg.vae_scale_temporal, shift, clip, raw)  # fmt: skip
+        out[name] = request_floor(cfg, p, text_lengths(ckpt, p))
+    return out
+
+
+def floor_line(key: str, r: dict, floor: dict) -> str:
+    """The floor beside a run's figures: c=1 e2e and server denoise over it; at c>1 the floor-bound throughput
+    (one request per floor, serial) and the achieved share of it."""
+    f = floor["floor_s"]
+    what = (f"H200 floor {f:.3g}s ({floor['vision_tokens']} vision + {floor['action_tokens']} action tokens × "
+            f"{floor['branches']} branches (text {'/'.join(map(str, floor['text_tokens']))}) × {floor['steps']} steps)")  # fmt: skip
+    if r["concurrency"] == 1:
+        denoise = r["server_p50"].get("denoise_s")
+        return (f"        {what}: e2e/floor {r['e2e_p50'] / f:.2f}x"
+                + (f", server denoise/floor {denoise / f:.2f}x" if denoise else ""))  # fmt: skip
+    if "actions_per_s" in r:
+        bound = floor["action_tokens"] / f
+        return f"        {what}: floor-bound {bound:.2f} actions/s, achieved {r['actions_per_s'] / bound:.2f} of it"
+    bound = 60 / f
+    return f"        {what}: floor-bound {bound:.2f} videos/min, achieved {r['videos_per_min'] / bound:.2f} of it"
 
 
 def main() -> int:
@@ -246,6 +340,9 @@ def main() -> int:
         "--variants", nargs="+", choices=list(VARIANTS), help="single-shot request kinds, each --c1 requests at c=1"
     )
     ap.add_argument("--diffusers-variants", nargs="+", choices=list(VARIANTS), help="default: all --variants")
+    ap.add_argument("--action", default="{}", help=f"JSON over the action variants' `action` (default {ACTION})")
+    ap.add_argument("--c8", type=int, default=0, help="then N requests at concurrency 8 of each --c8-variants kind")
+    ap.add_argument("--c8-variants", nargs="+", choices=list(VARIANTS), help="default: all --variants")
     ap.add_argument("--json", default="")
     ap.add_argument("--md", default="", help="append a row (date, GPU, command, figures) to this BENCHMARKS.md")
     args = ap.parse_args()
@@ -253,6 +350,10 @@ def main() -> int:
         ap.error("--diffusers-variants must be among --variants")
     if args.variants and args.c1 < 1:
         ap.error("--variants runs --c1 requests of each kind: --c1 must be at least 1")
+    if (args.c8 or args.c8_variants) and not args.variants:
+        ap.error("--c8 runs --variants kinds: give --variants")
+    if args.c8_variants and not set(args.c8_variants) <= set(args.variants or ()):
+        ap.error("--c8-variants must be among --variants")
     configured = Deployment.load(args.config)  # `start` resolves `random:` into a path; side_by_side needs the name
     workdir = Path(tempfile.mkdtemp(prefix="cosmos3-bench-"))
     proc, ports, deployment = start(configured, workdir)
@@ -260,16 +361,25 @@ def main() -> int:
     result: dict = {"config": args.config}
     params = json.loads(args.params)
     size = (params.get("height", configured.defaults.height), params.get("width", configured.defaults.width))
-    requests = {v: variant_request(v, params, *size) for v in args.variants or ()}
+    action = json.loads(args.action)
+    requests = {v: variant_request(v, params, *size, action) for v in args.variants or ()}
+    c8 = set(args.c8_variants or requests) if args.c8 else set()
     try:
+        result["floors"] = floors(deployment, requests)
         result["startup_s"] = wait_until_ready(ports[1], proc=proc, timeout_s=900)
         ar = json.loads(args.ar_params)
-        for name, (p, image, clip) in requests.items():  # each kind's first-request effects, then its requests
+        for name, (p, image, clip, raw) in requests.items():  # each kind's first-request effects, then its requests
             t0 = time.perf_counter()
-            generate(url, PROMPT, {**p, "steps": 2}, image, video=clip)
+            generate(url, PROMPT, {**p, "steps": 2}, image, video=clip, raw_actions=raw)
             print(f"{name}: 2-step first request {time.perf_counter() - t0:.1f}s", flush=True)
-            result[f"c1:{name}"] = drive(url, p, args.c1, 1, image, clip)
+            result[f"c1:{name}"] = drive(url, p, args.c1, 1, image, clip, raw)
             print(f"{name}: c=1 e2e {' / '.join(f'{x:.2f}' for x in result[f'c1:{name}']['e2e'])} s", flush=True)
+            if name in c8:  # the packed shapes' first-use effects (eager first runs, captures), then the timed run
+                burst = drive(url, {**p, "steps": 2}, 8, 8, image, clip, raw)
+                print(f"{name}: c=8 burst of 8 2-step requests {burst['wall_s']:.1f}s", flush=True)
+                r = result[f"c8:{name}"] = drive(url, p, args.c8, 8, image, clip, raw)
+                rate = f", {r['actions_per_s']:.2f} actions/s" if "actions_per_s" in r else ""
+                print(f"{name}: c=8 {args.c8} requests in {r['wall_s']:.1f}s{rate}", flush=True)
         if not requests:
             generate(url, PROMPT, {**(params if args.c1 or args.c4 else ar), "steps": 2})  # first-request effects
         if args.c1 and not requests:
@@ -296,7 +406,7 @@ def main() -> int:
         result["diffusers_variants"] = diffusers_variants(configured, chosen, args.diffusers)
     if args.inprocess or (args.diffusers and not requests):  # same run, same request, once the server is gone
         result |= side_by_side(configured, params, args.inprocess, 0 if requests else args.diffusers)
-    keys = [*(f"c1:{v}" for v in requests), "c1", "c4", "ar_c1", "ar_c4"]
+    keys = [*(f"c{c}:{v}" for v in requests for c in (1, 8)), "c1", "c4", "ar_c1", "ar_c4"]
     for key in keys:
         if key in result:
             r = result[key]
@@ -305,9 +415,14 @@ def main() -> int:
             )
             if "audio_shape" in r:
                 extra += f"  audio {r['audio_shape']}"
+            if "actions_per_s" in r:
+                extra += f"  actions/s {r['actions_per_s']:.2f}  actions {r['actions_shape']}"
             print(f"{key:6s} n={r['count']:2d}  e2e p50 {r['e2e_p50']:7.2f}s  videos/min {r['videos_per_min']:6.2f}  "
                   f"frames/s {r['frames_per_s']:6.1f}{extra}  skipped {100 * r['skipped_fraction']:.0f}%")  # fmt: skip
             print("        server-side p50: " + "  ".join(f"{k} {v:.2f}" for k, v in r["server_p50"].items()))
+            name = key.split(":", 1)[-1]
+            if ":" in key and name in result["floors"]:
+                print(floor_line(key, r, result["floors"][name]))
     print(f"server startup (load + compile + warmup) {result['startup_s']:.0f}s")
     for key in ("inprocess", "diffusers"):
         if key in result:
@@ -319,6 +434,8 @@ def main() -> int:
         theirs = statistics.median(r["e2e"])
         served = result.get(f"c1:{name}", {}).get("e2e_p50")
         vs = f"  diffusers / served c=1: {theirs / served:.2f}x" if served else ""
+        if name in result["floors"]:
+            vs += f"  e2e/floor {theirs / result['floors'][name]['floor_s']:.2f}x"
         print(f"diffusers {name:10s} e2e p50 {theirs:7.2f}s  (n={len(r['e2e'])}, {r['steps']} steps){vs}")
     if "c1" in result and "diffusers" in result:
         served, theirs = result["c1"]["e2e_p50"], statistics.median(result["diffusers"]["e2e"])
@@ -344,8 +461,12 @@ def main() -> int:
                             f"{key} TTFC p50 s": r["ttfc_p50"], f"{key} frames/s": r["frames_per_s"]}  # fmt: skip
                 if "chunk_gap_p50" in r:
                     figures[f"{key} chunk gap p50 s"] = r["chunk_gap_p50"]
+                if "actions_per_s" in r:
+                    figures[f"{key} actions/s"] = r["actions_per_s"]
                 figures[f"{key} server denoise p50 s"] = r["server_p50"]["denoise_s"]
                 figures[f"{key} skipped"] = r["skipped_fraction"]
+                if ":" in key and key.split(":", 1)[1] in result["floors"]:
+                    figures[f"{key} H200 floor s"] = result["floors"][key.split(":", 1)[1]]["floor_s"]
         figures["startup s"] = result["startup_s"]
         gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
         print(append_row(args.md, gpu, figures))

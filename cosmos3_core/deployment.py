@@ -11,9 +11,12 @@ from typing import Any
 import torch
 import yaml
 
+from .model.checkpoint import Checkpoint
+from .model.fp8 import validate_precision
 from .parallel.config import ParallelConfig
 from .parallel.group import WorkerSpec
 from .requests import Defaults, Limits, TaskDefaults
+from .tools.checkpoints import resolve_checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 INSTANCES = {"prefill": 1, "denoise": 1, "vae_decode": 1}  # the default instance count of each model
@@ -26,6 +29,12 @@ class Deployment:
     checkpoint: str = ""  # empty: the tiny checkpoint (tools/checkpoints.py); rendered deployments hold the path
     device: str = "auto"  # auto: cuda if available else cpu
     dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
+    # checkpoint: serve the weights as stored (an FP8 checkpoint in FP8, with its step policy); fp8: also quantize a
+    # 16-bit checkpoint's layer linears at load (E4M3, per output channel; activations per token), see model/fp8.py
+    precision: str = "checkpoint"
+    # FP8 step policy overrides, the checkpoint schema's fields: first_steps, last_steps (W8A16 windows, in steps),
+    # overlap, reasoner (a16 | native); unset fields keep the checkpoint's policy, else the official 3 + 3
+    fp8_policy: dict[str, Any] = field(default_factory=dict)
     pool_pages: int = 256
     page_size: int = 16
     max_queue: int = 16
@@ -57,6 +66,11 @@ class Deployment:
             return torch.bfloat16 if self.torch_device.startswith("cuda") else torch.float32
         return DTYPES[self.dtype]
 
+    def open_checkpoint(self) -> Checkpoint:
+        """The deployment's checkpoint (generated on first use when it is the tiny or a `random:` one), with its
+        precision."""
+        return Checkpoint.open(resolve_checkpoint(self.checkpoint), self.precision, self.fp8_policy)
+
     @classmethod
     def load(cls, path: str | Path | None, **overrides: Any) -> Deployment:
         raw: dict[str, Any] = yaml.safe_load(Path(path).read_text()) if path else {}
@@ -68,6 +82,8 @@ class Deployment:
         tasks = {t: TaskDefaults(**d.pop(t)) for t in ("t2i", "t2v", "i2v") if t in d}
         if raw.get("dtype", "auto") not in (*DTYPES, "auto"):
             raise ValueError(f"{path}: dtype must be one of {', '.join(DTYPES)}, auto")
+        raw["fp8_policy"] = raw.get("fp8_policy") or {}
+        validate_precision(raw.get("precision", "checkpoint"), raw["fp8_policy"], str(path))
         limits = Limits(**(raw.pop("limits", None) or {}))
         given = raw.pop("instances", None) or {}
         if set(given) - set(INSTANCES) or any(not isinstance(n, int) or n < 1 for n in given.values()):
@@ -92,4 +108,5 @@ class Deployment:
         if "denoise" not in roles:
             p = replace(p, cfg=1, ulysses=1)
         return WorkerSpec(str(checkpoint), self.torch_device, dtype, p, roles, self.pool_pages,
-                          self.page_size, self.attention, self.compile, self.cuda_graphs)  # fmt: skip
+                          self.page_size, self.attention, self.compile, self.cuda_graphs,
+                          precision=self.precision, fp8_policy=dict(self.fp8_policy))  # fmt: skip

@@ -4,7 +4,8 @@ Each `tick` is schedule → rows → run → update: the `Scheduler` (scheduler.
 live jobs, having decided which CFG branches of cached requests reuse a residual this step (cache.py); the row
 builder (`step.denoise_step_row`) turns each into its row (both CFG branches, any size, any step index, AR commit
 passes too); `DenoiseStep` runs them all — but the reusing branches — as ONE packed GEN forward; the scheduler
-applies each job's output. Requests join and leave between ticks.
+applies each job's output. Requests join and leave between ticks. Served in FP8 (`ckpt.fp8`), each row carries
+the step policy's precision for its own step (W8A16 or W8A8; an AR commit pass as its window's last step).
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ class DenoiseEngine:
         cfg = self.cfg = ckpt.config
         self.device, self.dtype = device, dtype
         self.model = ckpt.load_transformer({GEN}, device, dtype)
+        self.fp8_policy = ckpt.fp8.policy if ckpt.fp8 is not None else None
         kernels = GenKernels.compiled() if compile else EAGER
         if parallel is None:
             self.pool = KVPool(
@@ -125,14 +127,22 @@ class DenoiseEngine:
         return len(jobs)
 
     def _row(self, job: Job) -> Row:
-        patch = self.cfg.latent_patch_size
+        patch, steps = self.cfg.latent_patch_size, len(job.timesteps)
         if job.committing:
-            return denoise_step_row(job.latents, 0.0, job.noisy_frames[:0], job.branches, patch, self.dtype, True)
+            a16 = self._a16(steps - 1, steps)
+            return denoise_step_row(
+                job.latents, 0.0, job.noisy_frames[:0], job.branches, patch, self.dtype, True, a16=a16
+            )
         t = job.timesteps[job.step]
         return denoise_step_row(
             job.latents, t, job.noisy_frames, job.branches, patch, self.dtype, sound_latents=job.sound,
-            action=job.action, reuse=job.reuse, record=job.cache is not None and job.cache.gated,
+            action=job.action, a16=self._a16(job.step, steps), reuse=job.reuse,
+            record=job.cache is not None and job.cache.gated,
         )  # fmt: skip
+
+    def _a16(self, step: int, steps: int) -> bool:
+        """FP8 layer linears: W8A16 for this step (the policy's choice); 16-bit models: True, and ignored."""
+        return self.fp8_policy is None or self.fp8_policy.use_high_precision(step, steps)
 
     # ---- the scheduler's, for the Triton glue and the CLI ----
     def submit(self, prefill: PrefillResult, sink: Sink) -> int:
@@ -170,16 +180,30 @@ class DenoiseEngine:
 
     def warmup(self, requests: list[GenerationParams], text_tokens: int = 96) -> float:
         """Run each request shape for two steps through the real step (rows from the row builder), so compiles,
-        allocator growth and kernel autotuning happen before serving. Returns seconds spent."""
+        allocator growth and kernel autotuning happen before serving; an action request with zero clean latents
+        (forward dynamics: zero actions). Served in FP8, a 1-step request (W8A8 by the policy's 1-step rule) runs
+        beside the first one's W8A16 step, then alone: the W8A16, W8A8 and mixed paths of the linears are all
+        compiled before serving. Returns seconds spent."""
         t0 = time.perf_counter()
         cfg = self.cfg
         g = torch.Generator().manual_seed(0)
         for p in requests:
             shape = (cfg.num_hidden_layers, text_tokens, cfg.num_key_value_heads, cfg.head_dim)
             kv = [torch.randn(shape, generator=g).to(self.dtype) * 0.1 for _ in range(2 * p.cfg_branches)]
-            pre = PrefillResult(dataclasses.replace(p, steps=2), kv[: p.cfg_branches], kv[p.cfg_branches :], None)
-            self.submit(pre, _NullSink())
-            self.run_until_idle()
+            cond = actions = None
+            if p.action_mode:  # zero clean latents (and given actions): the served request's clean/noisy split
+                frames = (p.num_frames - 1) // cfg.vae_scale_temporal + 1
+                cond = torch.zeros(1, cfg.latent_channel, frames, *cfg.latent_hw(*p.frame_size))
+                if not p.returns_actions:  # forward dynamics
+                    actions = torch.zeros(p.chunk_size, cfg.action_dim)
+            runs = [[2, 1], [1]] if self.fp8_policy is not None else [[2]]
+            for steps in runs:  # the requests of a run share ticks
+                for n in steps:
+                    pre = PrefillResult(
+                        dataclasses.replace(p, steps=n), kv[: p.cfg_branches], kv[p.cfg_branches :], cond, actions
+                    )
+                    self.submit(pre, _NullSink())
+                self.run_until_idle()
         if self.device.startswith("cuda"):
             torch.cuda.synchronize()
         self.scheduler.stats = EngineStats()  # serving counts start after warmup

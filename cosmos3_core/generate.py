@@ -39,9 +39,8 @@ from .media import (
 from .model.checkpoint import Checkpoint
 from .model.config import CheckpointError
 from .parallel.group import Group
-from .requests import RequestError, add_request_arguments, params_from_arguments
+from .requests import RequestError, add_request_arguments, params_from_arguments, warmup_inputs
 from .stages import DecodeStage, PrefillStage
-from .tools.checkpoints import resolve_checkpoint
 from .wire import ChunkInfo, PrefillResult
 
 OUT_SUFFIXES = (*FRAME_SUFFIXES, ".pt")
@@ -63,13 +62,15 @@ class Generator:
 
     def __init__(self, deployment: Deployment, checkpoint: Checkpoint | None = None):
         self.deployment = d = deployment
-        self.ckpt = checkpoint or Checkpoint.open(resolve_checkpoint(d.checkpoint))
+        self.ckpt = checkpoint or d.open_checkpoint()
         device, dtype = d.torch_device, d.torch_dtype
         self.prefill = PrefillStage(self.ckpt, device, dtype, d.defaults, d.limits)
         # one group for the denoise and the decode ranks (parallel/group.py), when the deployment splits either
         self.group = Group(d.worker_spec(self.ckpt.root, ("denoise", "decode"))) if d.parallel.ranks > 1 else None
         self.engine = DenoiseEngine.from_deployment(self.ckpt, d, group=self.group)
-        self.engine.warmup([self.prefill.validate("warmup", r, None) for r in d.warmup_requests])
+        self.engine.warmup(
+            [self.prefill.validate("warmup", r, *warmup_inputs(r, d.defaults)) for r in d.warmup_requests]
+        )
         self.decode = DecodeStage.from_deployment(self.ckpt, d, device, self.group)
 
     def close(self) -> None:
@@ -215,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         deployment = Deployment.load(
             args.config, checkpoint=args.checkpoint or None, device=args.device, dtype=args.dtype
         )
-        ckpt = Checkpoint.open(resolve_checkpoint(deployment.checkpoint))
+        ckpt = deployment.open_checkpoint()
         image = load_image(args.image) if args.image else None
         video = load_video(args.video) if args.video else None
         raw_actions = load_raw_actions(args.raw_actions) if args.raw_actions else None

@@ -1,9 +1,9 @@
 """Step layouts: what a packed step of one shape owns, and its CUDA graph.
 
-A layout is fixed by the packed rows' sizes, branches that run (not reused: cache.py) and commit flags, whether
-the forward returns the block stack's residual (a cached request is in the pack), plus whatever the attention
-backend's shapes depend on (SDPA's prefix lengths; nothing for FlashInfer, whose page tables are plan data). It
-owns:
+A layout is fixed by the packed rows' sizes, branches that run (not reused: cache.py), commit flags and FP8
+precisions (W8A16 rows are packed first: `PackedStep.a16_rows` is where W8A8 starts), whether the forward returns
+the block stack's residual (a cached request is in the pack), plus whatever the attention backend's shapes depend
+on (SDPA's prefix lengths; nothing for FlashInfer, whose page tables are plan data). It owns:
 - the packed input buffers `[S, ...]` (tokens, noisy mask, rotary cos/sin; sound tokens and their row index
   `sound_rows`, fixed by the layout, so a sound layout captures like any other; action tokens likewise, with
   `action_rows` and each action row's domain), zero padding included, and the per-segment timesteps, refilled each
@@ -45,11 +45,13 @@ class PackedStep:
     action: torch.Tensor  # [A, action_dim]: every segment's action tokens, in segment order (A = 0: none)
     action_rows: torch.Tensor  # [A] int64: where they sit in the pack (fixed by the layout)
     action_domain: torch.Tensor  # [A] int64: each action token's embodiment (refilled: requests of one shape differ)
+    a16_rows: int  # FP8 linears: rows [0, a16_rows) run W8A16, the rest W8A8 (fixed by the layout)
     residual: bool  # the forward also returns the block stack's residual [S, hidden] (fixed by the layout)
 
 
 class StepLayout:
-    """`graph_pool`: the CUDA graph memory pool its capture shares (None: never capture, e.g. on the CPU)."""
+    """`graph_pool`: the CUDA graph memory pool its capture shares (None: never capture, e.g. on the CPU).
+    `a16_rows`: the pack's leading rows whose FP8 linears run W8A16 (the rest W8A8)."""
 
     def __init__(
         self,
@@ -60,6 +62,7 @@ class StepLayout:
         token_dim: int,
         segments: list[Segment],
         graph_pool: tuple | None,
+        a16_rows: int,
         residual: bool = False,
     ):
         cfg = model.cfg
@@ -86,6 +89,7 @@ class StepLayout:
             action=torch.zeros(actions, cfg.action_dim, dtype=dt, device=dev),
             action_rows=torch.cat(action_rows).to(dev),
             action_domain=torch.zeros(actions, dtype=torch.long, device=dev),
+            a16_rows=a16_rows,
             residual=residual,
         )
         for i, s in enumerate(segments):

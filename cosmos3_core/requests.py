@@ -305,6 +305,25 @@ def parse_parameters_json(raw: bytes | str | None) -> dict[str, Any]:
     return params
 
 
+def warmup_inputs(params: dict[str, Any], defaults: Defaults) -> tuple[np.ndarray | None, ...]:
+    """(image, condition_video, raw_actions) a deployment's warmup request runs with: none, or for an `action`
+    request a blank image at the deployment's default height × width (inverse dynamics: a blank clip of chunk + 1
+    frames), and for forward dynamics zero actions of the domain's width: the shapes of a served action request
+    conditioned at that size. A malformed `action` gets nothing, and `validate` names the field."""
+    spec = params.get("action")
+    if not isinstance(spec, dict):
+        return None, None, None
+    mode, chunk, domain = spec.get("mode"), spec.get("chunk_size"), spec.get("domain")
+    frame = np.zeros((defaults.height, defaults.width, 3), np.uint8)
+    if mode == INVERSE:
+        frames = chunk + 1 if isinstance(chunk, int) and chunk > 0 else 1
+        return None, np.broadcast_to(frame, (frames, *frame.shape)).copy(), None
+    raw = None
+    if mode == FORWARD and isinstance(chunk, int) and chunk > 0 and domain in RAW_ACTION_DIMS:
+        raw = np.zeros((chunk, RAW_ACTION_DIMS[domain]), np.float32)
+    return frame, None, raw
+
+
 def validate(
     prompt: bytes | str,
     params: dict[str, Any],

@@ -20,6 +20,9 @@ Layouts:
   action velocity [T_a, action_dim] fp32, zero on clean tokens
   residual    [N + T_s + T_a, hidden] model dtype: a branch's GEN block-stack residual (output after the final
               norm minus input after the embedding), over its segment's tokens — what step caching (cache.py) reuses
+
+Precision: `Row.a16` says how the row's FP8 layer linears run this step — W8A16 (True) or W8A8 — as the FP8 step
+policy decides for its step (model/fp8.py); a model without FP8 linears ignores it. Rows of one tick may differ.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ class Row:
     reuse: tuple[torch.Tensor | None, ...]
     record: bool  # return the block-stack residual of each branch that runs (a cached request's)
     action_domain: int = 0
+    a16: bool = True  # FP8 linears: W8A16 this step (False: W8A8); ignored by 16-bit models
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,7 @@ def denoise_step_row(
     commit: bool = False,
     sound_latents: torch.Tensor | None = None,
     action: ActionBand | None = None,
+    a16: bool = True,
     reuse: tuple[torch.Tensor | None, ...] = (),
     record: bool = False,
 ) -> Row:
@@ -123,9 +128,10 @@ def denoise_step_row(
     (applied to the frames in `noisy_frames`), `branches` per CFG branch. `commit`: an AR commit pass over
     clean latents — no noisy frames, no timestep; the step returns the tokens' K/V. `sound_latents`
     [sound_dim, T_s] (fp32, as sampled): the request's sound band, every token noisy at `timestep`. `action`: its
-    action band. The branches' rotary tables cover N + T_s + T_a positions. `reuse`: per branch, the block-stack
-    residual to reuse instead of running it ([N + T_s + T_a, hidden]) or None; () runs every branch. `record`: the
-    step returns the residual of each branch it runs."""
+    action band. The branches' rotary tables cover N + T_s + T_a positions. `a16`: the FP8 step policy's precision
+    for this step (W8A16; False: W8A8). `reuse`: per branch, the block-stack residual to reuse instead of running it
+    ([N + T_s + T_a, hidden]) or None; () runs every branch. `record`: the step returns the residual of each branch
+    it runs."""
     if commit and (len(noisy_frames) or sound_latents is not None or action is not None):
         raise ValueError("a commit row has no noisy frames, no sound and no actions")
     reuse = reuse or (None,) * len(branches)
@@ -156,6 +162,7 @@ def denoise_step_row(
         action_domain=0 if action is None else action.domain,
         reuse=reuse,
         record=record,
+        a16=a16,
     )
 
 

@@ -42,6 +42,8 @@ class PrefillStage:
         self.defaults, self.limits = defaults, limits
         self.shift = checkpoint_shift(ckpt.scheduler_config)
         self.model = ckpt.load_transformer({UND}, device, dtype)
+        # FP8: the UND tower (the policy's reasoner) runs W8A16 or W8A8 for every request alike
+        self.und_a16 = ckpt.fp8 is None or ckpt.fp8.policy.reasoner_a16
         self.prompts = PromptEncoder(ckpt.load_tokenizer(), ckpt.default_use_system_prompt)
         self.codec = VaeCodec(ckpt.load_vae(device, dtype))
         try:
@@ -109,7 +111,7 @@ class PrefillStage:
         text_k, text_v = [], []
         for ids in branches:
             cos, sin = rotary_tables(self.cfg, text_position_ids(len(ids)), self.dtype, self.device)
-            k, v = prefill_text_kv(self.model, torch.tensor(ids, device=self.device), cos, sin)
+            k, v = prefill_text_kv(self.model, torch.tensor(ids, device=self.device), cos, sin, self.und_a16)
             text_k.append(k)
             text_v.append(v)
         if p.action_mode:

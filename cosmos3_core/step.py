@@ -9,6 +9,9 @@ Step caching (cache.py): a branch a row reuses (`Row.reuse`) has no segment in t
 its own embedding plus the reused residual through the output heads (`towers.embed_row`, `output_heads`), so the
 packed forward — and every other request's result — is the one it would be without it. For a row that records
 (`Row.record`), each branch that runs also returns its block-stack residual, sliced off the pack's.
+
+FP8 precision is per row (`Row.a16`): the step packs W8A16 rows before W8A8 ones (a stable partition) and gives the
+layout the row where W8A8 starts; outputs come back in the callers' order.
 """
 
 from __future__ import annotations
@@ -55,20 +58,24 @@ class DenoiseStep:
         self.captures = 0
 
     def layout(self, rows: list[Row]) -> tuple[StepLayout, list[Segment]]:
+        """`rows`: W8A16 rows first (see `__call__`)."""
         segments, total = segments_of(rows)
         attention = self.attention if self.attention.supports(segments) else self.sdpa
         running = [(r, sum(x is None for x in r.reuse)) for r in rows]
         running = [(r, n) for r, n in running if n]  # a row whose branches all reuse is not in the pack
         residual = any(r.record for r, _ in running)
         key = (  # key[1] names the backend (bench.parity and tests read it)
-            tuple((r.tokens.shape[0], r.sound.shape[0], r.action.shape[0], n, r.commit) for r, n in running),
+            tuple((r.tokens.shape[0], r.sound.shape[0], r.action.shape[0], n, r.commit, r.a16) for r, n in running),
             attention.name,
             attention.shape_key(segments),
             residual,
         )
+        a16_segments = sum(n for r, n in running if r.a16)  # the running branches' segments only
+        a16_rows = segments[a16_segments].start if a16_segments < len(segments) else total
         layout = self.layouts.pop(key, None) or self.layout_class(
-            self.model, self.kernels, attention, total, rows[0].tokens.shape[1], segments, self.graph_pool, residual
-        )
+            self.model, self.kernels, attention, total, rows[0].tokens.shape[1], segments, self.graph_pool, a16_rows,
+            residual,
+        )  # fmt: skip
         self.layouts[key] = layout
         while len(self.layouts) > self.MAX_LAYOUTS:
             self.layouts.popitem(last=False)
@@ -76,9 +83,16 @@ class DenoiseStep:
 
     @torch.inference_mode()
     def __call__(self, rows: list[Row]) -> list[RowOutput]:
-        """One GEN pass over all rows' running branches (none when every branch reuses) → per row its per-branch
-        velocity (fp32, zero on clean frames), sound and action velocities, and for a recording row the residuals;
-        or K/V."""
+        """One GEN pass over all rows' running branches (none when every branch reuses) → per row (in the given
+        order) its per-branch velocity (fp32, zero on clean frames), sound and action velocities, and for a recording
+        row the residuals; or K/V."""
+        order = sorted(range(len(rows)), key=lambda i: not rows[i].a16)  # stable: W8A16 rows first
+        if order != sorted(order):
+            packed_outputs = self([rows[i] for i in order])
+            outputs: list[RowOutput] = [packed_outputs[0]] * len(rows)
+            for position, i in enumerate(order):
+                outputs[i] = packed_outputs[position]
+            return outputs
         fwd = None
         segments: list[Segment] = []
         if any(x is None for r in rows for x in r.reuse):

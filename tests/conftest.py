@@ -47,8 +47,9 @@ def reference_pipeline(ckpt: Path):
     return pipe
 
 
-def run_reference(pipe, prompt: str, params: dict, image=None, output_type: str = "latent"):
-    """The diffusers pipeline with the same request (shift goes into its scheduler config)."""
+def run_reference(pipe, prompt: str, params: dict, image=None, output_type: str = "latent", **extra):
+    """The diffusers pipeline with the same request (shift goes into its scheduler config); `extra`: more of its
+    arguments (a v2v clip, mixed precision, ...)."""
     pipe.scheduler = pipe.scheduler.from_config(pipe.scheduler.config, flow_shift=params["shift"])
     templates = params.get("add_templates", True)
     return pipe(
@@ -67,6 +68,7 @@ def run_reference(pipe, prompt: str, params: dict, image=None, output_type: str 
         add_resolution_template=templates,
         add_duration_template=templates,
         enable_safety_check=False,
+        **extra,
     ).video
 
 
@@ -163,3 +165,20 @@ def offline(served_deployment):
     from cosmos3_core.generate import Generator
 
     return Generator(served_deployment[1])
+
+
+class KeepSink:
+    """An engine sink for tests: keeps the final latents, sound and actions; an error fails the test."""
+
+    latents = sound = actions = None
+
+    def progress(self, *a): ...
+    def chunk(self, *a): ...
+    def done(self, latents, info, sound=None, actions=None):
+        self.latents, self.sound, self.actions = latents, sound, actions
+
+    def error(self, message):
+        raise AssertionError(message)
+
+    def cancelled(self):
+        return False

@@ -21,7 +21,7 @@ from cosmos3_core.model.conditioning import VaeCodec
 from cosmos3_core.model.embodiments import ActionGeometry
 from cosmos3_core.requests import Defaults, GenerationParams, Limits, RequestError
 from cosmos3_core.stages import PrefillStage
-from tests.conftest import reference_pipeline, rel_l2
+from tests.conftest import KeepSink, reference_pipeline, rel_l2
 from tests.test_video_input import make_clip
 
 PROMPT = "pick up the red cube and place it in the bowl"
@@ -214,21 +214,6 @@ def stage(action_ckpt):
     return ckpt, PrefillStage(ckpt, "cpu", torch.float32, Defaults(height=32, width=48, num_frames=9), limits)
 
 
-class Keep:
-    latents = actions = None
-
-    def progress(self, *a): ...
-    def chunk(self, *a): ...
-    def done(self, latents, info, sound=None, actions=None):
-        self.latents, self.actions = latents, actions
-
-    def error(self, message):
-        raise AssertionError(message)
-
-    def cancelled(self):
-        return False
-
-
 def test_packed_domains_modes_and_video_equal_each_alone(stage):
     """Requests of three domains, all modes, four chunk sizes and a plain video request in ONE forward per tick;
     each request's latents and actions equal its run alone, bit for bit."""
@@ -252,7 +237,7 @@ def test_packed_domains_modes_and_video_equal_each_alone(stage):
 
     def run(items):  # JSON captions are long in a byte-level tokenizer: pages for all five at once
         engine = DenoiseEngine(ckpt, "cpu", torch.float32, 512, 16, 8)
-        sinks = [Keep() for _ in items]
+        sinks = [KeepSink() for _ in items]
         for r, s in zip(items, sinks):
             engine.submit(r, s)
         engine.run_until_idle()

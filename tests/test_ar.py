@@ -59,7 +59,7 @@ def reference_gen(model, tokens, timestep, noisy_mask, rot, prefix_k, prefix_v):
     x = embed_latent_tokens(model, tokens, noisy_mask, torch.tensor([float(timestep)]))
     ks, vs = [], []
     for i, layer in enumerate(model.layers):
-        q, k, v = _gen_qkv(layer, x, *rot)
+        q, k, v = _gen_qkv(layer, x, *rot, len(x))  # 16-bit model: every row W8A16 (ignored)
         ks.append(k)
         vs.append(v)
         keys, values = torch.cat([prefix_k[i], k]), torch.cat([prefix_v[i], v])
@@ -70,7 +70,7 @@ def reference_gen(model, tokens, timestep, noisy_mask, rot, prefix_k, prefix_v):
             .transpose(0, 1)
             .flatten(-2)
         )
-        x = _gen_residual(layer, x, attn)
+        x = _gen_residual(layer, x, attn, len(x))
     return model.proj_out(model.norm_moe_gen(x)), torch.stack(ks), torch.stack(vs)
 
 

@@ -106,11 +106,11 @@ def test_sound_tokenizer_passes_a_change_through(tmp_path):
 def test_served_request_kinds():
     from bench.served import VARIANTS, variant_request
 
-    p, image, clip = variant_request("v2v", {"steps": 3}, 32, 64)
+    p, image, clip, raw = variant_request("v2v", {"steps": 3}, 32, 64)
     assert p == {"steps": 3, "condition_frame_indexes": [0, 1]} and image is None and clip.shape == (12, 32, 64, 3)
-    p, image, clip = variant_request("i2v+sound", {}, 32, 64)
-    assert p == {"enable_sound": True} and image.shape == (32, 64, 3) and clip is None
-    assert set(VARIANTS) == {"t2v", "t2v+sound", "i2v", "i2v+sound", "v2v", "v2v+sound"}
+    p, image, clip, raw = variant_request("i2v+sound", {}, 32, 64)
+    assert p == {"enable_sound": True} and image.shape == (32, 64, 3) and clip is None and raw is None
+    assert {"t2v", "t2v+sound", "i2v", "i2v+sound", "v2v", "v2v+sound"} <= set(VARIANTS)
 
 
 @pytest.mark.parametrize("preset", ["nano_sound", "tiny_sound"])

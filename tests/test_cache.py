@@ -369,3 +369,48 @@ def test_cached_action_request_equals_pipeline(action_stack, case):
     if ref_s is not None:
         wave = torch.as_tensor(gen.decode.audio(out.sound))
         assert rel_l2(wave, ref_s.float().reshape(wave.shape)) <= 1e-4
+
+
+def test_fp8_packed_tick_with_reused_branches_equals_each_alone(tiny_ckpts, tmp_path_factory):
+    """FP8 (W8A16 rows packed first; `a16_rows` counts the running branches only): two cached requests (W8A16 at
+    their first step and last 2, W8A8 between) packed with an uncached one of another size started 3 ticks later;
+    each equals its run alone, and some tick packs a reusing W8A16 row before a W8A8 row that runs (were the reused
+    branches counted, that row would run W8A16)."""
+    from cosmos3_core.tools.make_fp8 import make_fp8, policy_json
+
+    fp8 = make_fp8(tiny_ckpts["nano"], tmp_path_factory.mktemp("fp8") / "nano", policy_json(1, 2))
+    ckpt = Checkpoint.open(fp8)
+    prefill = PrefillStage(ckpt, "cpu", torch.float32, Defaults(height=32, width=32, num_frames=5), Limits())
+    sea = {"policy": "sea", **CONFIGS["extrapolate"]}
+    requests = [
+        prefill.run(prefill.validate(PROMPT, {"seed": 1, "steps": 8, "cache": sea}, None), None),
+        prefill.run(prefill.validate("blue", {"seed": 2, "steps": 8, "height": 48, "num_frames": 9}, None), None),
+        prefill.run(prefill.validate("red", {"seed": 3, "steps": 8, "guidance_scale": 1.0, "cache": sea}, None), None),
+    ]
+
+    def run(items, start_later=()):
+        engine = DenoiseEngine(ckpt, "cpu", torch.float32, pool_pages=128, page_size=16, max_queue=4)
+        ticks: list[list[tuple[bool, int]]] = []  # per tick, per row: (a16, branches that run)
+        step = engine.step
+        # a fresh layout each tick: a16_rows is computed, not found in a layout of the same running rows
+        engine.step = lambda rows: (ticks.append([(r.a16, sum(x is None for x in r.reuse)) for r in rows]),
+                                    step.layouts.clear(), step(rows))[2]  # fmt: skip
+        sinks = [Done() for _ in items]
+        for i, (r, s) in enumerate(zip(items, sinks)):
+            if i not in start_later:
+                engine.submit(r, s)
+        for _ in range(3):
+            engine.tick()
+        for i in start_later:
+            engine.submit(items[i], sinks[i])
+        engine.run_until_idle()
+        assert not any(s.errors for s in sinks)
+        return sinks, ticks
+
+    packed, ticks = run(requests, start_later=(1,))
+    assert packed[0].info["cache_skipped"]["cond"] and packed[2].info["cache_skipped"]["cond"]
+    assert any(any(a and not n for a, n in t) and any(n and not a for a, n in t) for t in ticks), ticks
+    for request, got in zip(requests, packed):
+        (alone,), _ = run([request])
+        torch.testing.assert_close(got.latents, alone.latents, rtol=0, atol=1e-6)
+        assert got.info.get("cache_skipped") == alone.info.get("cache_skipped")

@@ -9,7 +9,7 @@ import pytest
 
 from cosmos3_core.deployment import Deployment
 from cosmos3_core.model.checkpoint import Checkpoint
-from cosmos3_core.requests import validate
+from cosmos3_core.requests import validate, warmup_inputs
 from cosmos3_core.tools.checkpoints import resolve_checkpoint
 
 CONFIGS = sorted(Path(__file__).parent.parent.glob("configs/*.yaml"))
@@ -19,8 +19,10 @@ CONFIGS = sorted(Path(__file__).parent.parent.glob("configs/*.yaml"))
 def test_config_defaults_and_warmup_requests_validate(path):
     cfg = Checkpoint.open(resolve_checkpoint("random:nano")).config
     d = Deployment.load(path)
-    for request in [{}, *d.warmup_requests]:
-        p = validate("a prompt", request, None, d.defaults, d.limits, cfg.pixel_alignment, cfg.vae_scale_temporal, 5.0)
+    for request in [{}, *d.warmup_requests]:  # an action request with the blank inputs warmup gives it
+        image, video, raw = warmup_inputs(request, d.defaults)
+        p = validate("a prompt", request, image, d.defaults, d.limits, cfg.pixel_alignment, cfg.vae_scale_temporal, 5.0,
+                     video, raw)  # fmt: skip
         assert p.height * p.width * p.num_frames > 0
 
 

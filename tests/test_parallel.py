@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -190,6 +191,33 @@ def test_four_processes_equal_one(parts, single, split):
             check_decode(ckpt, gen.decode)
     finally:
         gen.close()
+
+
+def test_fp8_cfg2_ulysses2_equals_one_process(parts, single):
+    """`precision: fp8` under `parallel`: the workers quantize at load like rank 0, each row carries its step's
+    precision to them (encode/decode rows), and Ulysses' per-rank slices of a pack that mixes W8A16 and W8A8 rows
+    (3-step requests at their W8A8 middle step beside others at a W8A16 step) give one process's result. The action
+    bands' domain-aware linears stay in the model dtype."""
+    ckpt, prefilled = parts
+    policy = {"first_steps": 1, "last_steps": 1}
+    fp8 = Checkpoint.open(ckpt.root, "fp8", policy)
+
+    def fp8_deployment(**split) -> Deployment:
+        return replace(deployment(ckpt, **split), precision="fp8", fp8_policy=policy)
+
+    one = DenoiseEngine.from_deployment(fp8, fp8_deployment())
+    ticks: list[list[bool]] = []
+    step = one.step
+    one.step = lambda rows: (ticks.append([r.a16 for r in rows]), step(rows))[1]
+    want = run_batch(one, prefilled)
+    assert any(len(set(t)) == 2 for t in ticks)  # some tick packs both precisions
+    assert type(one.model.action_proj_in).__name__ == "DomainAwareLinear"
+    gen = Generator(fp8_deployment(cfg=2, ulysses=2), fp8)
+    try:
+        check_equal(run_batch(gen.engine, prefilled), want)
+    finally:
+        gen.close()
+    assert rel_l2(want[0].latents, single[0].latents) > 1e-4  # FP8 really ran
 
 
 @pytest.fixture(scope="module")

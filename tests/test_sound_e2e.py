@@ -16,8 +16,7 @@ from cosmos3_core.model.checkpoint import Checkpoint
 from cosmos3_core.requests import Defaults, Limits, RequestError
 from cosmos3_core.stages import PrefillStage
 from cosmos3_core.tools.make_tiny import make_tiny
-from tests.conftest import reference_pipeline, rel_l2
-from tests.test_v2v import Keep
+from tests.conftest import KeepSink, reference_pipeline, rel_l2
 from tests.test_video_input import make_clip
 
 PROMPT = "thunder over a wheat field"
@@ -128,15 +127,9 @@ def test_packed_sound_and_video_only_equal_each_alone(ckpt):
     ]
     pre = [prefill.run(prefill.validate(PROMPT, q, None, v), None, v) for q, v in requests]
 
-    class Sound(Keep):
-        sound = None
-
-        def done(self, latents, info, sound=None):
-            self.latents, self.sound = latents, sound
-
     def run(items):
         engine = DenoiseEngine(c, "cpu", torch.float32, 128, 16, 8)
-        sinks = [Sound() for _ in items]
+        sinks = [KeepSink() for _ in items]
         for r, s in zip(items, sinks):
             engine.submit(r, s)
         engine.run_until_idle()

@@ -13,7 +13,7 @@ from cosmos3_core.generate import main
 from cosmos3_core.model.checkpoint import Checkpoint
 from cosmos3_core.requests import Defaults, Limits, RequestError
 from cosmos3_core.stages import PrefillStage
-from tests.conftest import reference_pipeline, rel_l2
+from tests.conftest import KeepSink, reference_pipeline, rel_l2, run_reference
 from tests.test_video_input import make_clip
 
 PROMPT = "a paper boat drifts down a gutter"
@@ -21,21 +21,9 @@ BASE = dict(num_frames=17, height=32, width=48, steps=3, guidance_scale=5.0, shi
 
 
 def reference_v2v(pipe, clip: np.ndarray, params: dict, indexes, keep: str) -> torch.Tensor:
-    pipe.scheduler = pipe.scheduler.from_config(pipe.scheduler.config, flow_shift=params["shift"])
-    return pipe(
-        prompt=PROMPT,
-        video=[Image.fromarray(f) for f in clip],
-        condition_frame_indexes_vision=list(indexes),
-        condition_video_keep=keep,
-        num_frames=params["num_frames"],
-        height=params["height"],
-        width=params["width"],
-        num_inference_steps=params["steps"],
-        guidance_scale=params["guidance_scale"],
-        generator=torch.Generator().manual_seed(params["seed"]),
-        output_type="latent",
-        enable_safety_check=False,
-    ).video
+    video = [Image.fromarray(f) for f in clip]
+    return run_reference(pipe, PROMPT, params, None, video=video, condition_frame_indexes_vision=list(indexes),
+                         condition_video_keep=keep)  # fmt: skip
 
 
 def cli(ckpt, params: dict, clip_path, out, indexes, keep) -> list[str]:
@@ -91,21 +79,6 @@ def parts(nano_ckpt):
     return ckpt, PrefillStage(ckpt, "cpu", torch.float32, defaults, Limits(max_video_frames=64, max_image_pixels=65536))
 
 
-class Keep:
-    latents = None
-
-    def progress(self, *a): ...
-    def chunk(self, *a): ...
-    def done(self, latents, info):
-        self.latents = latents
-
-    def error(self, message):
-        raise AssertionError(message)
-
-    def cancelled(self):
-        return False
-
-
 def test_packed_v2v_and_t2v_equal_each_alone(parts):
     ckpt, prefill = parts
     clip = make_clip(12)
@@ -118,7 +91,7 @@ def test_packed_v2v_and_t2v_equal_each_alone(parts):
 
     def run(items):
         engine = DenoiseEngine(ckpt, "cpu", torch.float32, 128, 16, 8)
-        sinks = [Keep() for _ in items]
+        sinks = [KeepSink() for _ in items]
         for r, s in zip(items, sinks):
             engine.submit(r, s)
         engine.run_until_idle()

@@ -7,11 +7,18 @@ sharded `diffusion_pytorch_model.safetensors.index.json`), `vae/` (AutoencoderKL
 
 Weights are placed with `assign=True` onto a model built on the meta device, so nothing is allocated twice;
 a stage loads only the towers it runs (`parts`). The timestep embedder stays fp32, as in the reference.
+
+FP8 (model/fp8.py): a transformer whose `config.json` has a ModelOpt FP8 `quantization_config` stores its layer
+linears as E4M3 `weight` + tensorwise `weight_scale` + static `input_scale` (or ModelOpt's own
+`weight_quantizer._scale` / `input_quantizer._amax`, read when the plain keys are absent); those load as
+`Fp8Linear`, the rest as usual, and its `runtime.diffusion_step_policy` is parsed (fail closed). `precision: fp8`
+quantizes a 16-bit checkpoint's layer linears at load. `Checkpoint.fp8` is the plan both stages serve.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,11 +27,55 @@ import torch
 from safetensors import safe_open
 
 from .config import CheckpointError, ModelConfig, read_json
+from .fp8 import (
+    E4M3,
+    FP8_MAX,
+    Fp8Linear,
+    Fp8Plan,
+    PolicyError,
+    StepPolicy,
+    layer_linear_names,
+    quantize_layer_linears_,
+    resolve_policy,
+)
 from .layers import Cosmos3Transformer
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 INDEX = WEIGHTS + ".index.json"
 FP32_PREFIXES = ("time_embedder.",)
+# an FP8 linear's scale keys → (the key ModelOpt's own quantizer stores the same value under, factor to it)
+FP8_SCALE_ALIASES = {
+    "weight_scale": ("weight_quantizer._scale", 1.0),
+    "input_scale": ("input_quantizer._amax", FP8_MAX),
+}
+
+
+def read_quantization(transformer_config: Path) -> tuple[bool, StepPolicy | None]:
+    """`quantization_config` of `transformer/config.json` → (FP8 checkpoint?, its step policy or None). Only
+    ModelOpt FP8 is served; anything else, and a malformed policy, is a `CheckpointError` naming the field."""
+    qc = read_json(transformer_config).get("quantization_config")
+    if qc is None:
+        return False, None
+    where = f"{transformer_config}: quantization_config"
+    if not isinstance(qc, dict):
+        raise CheckpointError(f"{where}: must be a mapping")
+    method = str(qc.get("quant_method", "")).strip().lower()
+    algo = str(qc.get("quant_algo") or qc.get("quant_type") or "").upper()
+    if method != "modelopt" or "FP8" not in algo:
+        raise CheckpointError(
+            f"{where}: served is quant_method 'modelopt' with quant_algo FP8; got {method!r} / {algo!r}"
+        )
+    runtime = qc.get("runtime")
+    if runtime is None or (isinstance(runtime, dict) and runtime.get("diffusion_step_policy") is None):
+        return True, None  # no policy: W8A8 throughout, as distilled FP8 checkpoints run
+    if not isinstance(runtime, dict):
+        raise CheckpointError(f"{where}.runtime: must be a mapping or null")
+    try:
+        return True, StepPolicy.parse(
+            runtime["diffusion_step_policy"], "quantization_config.runtime.diffusion_step_policy"
+        )
+    except PolicyError as e:
+        raise CheckpointError(f"{transformer_config}: {e}") from e
 
 
 @dataclass(frozen=True)
@@ -35,9 +86,15 @@ class Checkpoint:
     use_native_flow_schedule: bool
     default_use_system_prompt: bool
     random_weights: bool = False  # a real-shape skeleton for speed runs (tools/random_checkpoint.py)
+    fp8_weights: bool = False  # the layer linears are stored in E4M3 (a ModelOpt FP8 quantization_config)
+    fp8: Fp8Plan | None = None  # how the transformer is served in FP8; None: as stored, 16-bit
 
     @classmethod
-    def open(cls, root: str | Path) -> Checkpoint:
+    def open(
+        cls, root: str | Path, precision: str = "checkpoint", fp8_policy: dict[str, Any] | None = None
+    ) -> Checkpoint:
+        """`precision` (`checkpoint` | `fp8`) and `fp8_policy` (overrides of the step policy's fields) are a
+        deployment's (deployment.py); an FP8 checkpoint is served in FP8 whatever `precision` says."""
         root = Path(root)
         if not root.is_dir():
             raise CheckpointError(f"{root}: checkpoint directory not found")
@@ -49,6 +106,14 @@ class Checkpoint:
                 raise CheckpointError(f"{root / component}: component directory not found")
         cfg = ModelConfig.from_files(root / "transformer" / "config.json", root / "vae" / "config.json")
         sched = read_json(root / "scheduler" / "scheduler_config.json")
+        fp8_weights, policy = read_quantization(root / "transformer" / "config.json")
+        plan = None
+        if fp8_weights or precision == "fp8":
+            plan = Fp8Plan(resolve_policy(policy, fp8_weights, fp8_policy or {}), quantize_at_load=precision == "fp8")
+        elif fp8_policy:
+            raise PolicyError(
+                f"fp8_policy: set, but {root} has 16-bit weights and precision is {precision!r} (not fp8)"
+            )
         return cls(
             root=root,
             config=cfg,
@@ -56,6 +121,8 @@ class Checkpoint:
             use_native_flow_schedule=bool(index.get("use_native_flow_schedule", False)),
             default_use_system_prompt=bool(index.get("default_use_system_prompt", True)),
             random_weights=bool(index.get("random_weights", False)),
+            fp8_weights=fp8_weights,
+            fp8=plan,
         )
 
     def weight_files(self) -> dict[str, Path]:
@@ -74,12 +141,48 @@ class Checkpoint:
     def load_transformer(
         self, parts: set[str] | frozenset[str], device: str | torch.device, dtype: torch.dtype
     ) -> Cosmos3Transformer:
+        """The towers in `parts`, activations in `dtype`; layer linears `Fp8Linear` when served in FP8."""
         if self.random_weights:
-            return self._random_transformer(parts, device, dtype)
+            model = self._random_transformer(parts, device, dtype)
+        else:
+            model = self._load_weights(parts, device, dtype)
+        if self.fp8 is not None and self.fp8.quantize_at_load:
+            quantize_layer_linears_(model)  # the 16-bit ones (an FP8 checkpoint's are E4M3 already)
+        return model
+
+    def _fp8_linears(self, model: Cosmos3Transformer, files: dict[str, Path], dtype: torch.dtype) -> set[str]:
+        """Swap, in the meta model, each layer linear stored in E4M3 for an `Fp8Linear` → their names."""
+        names = [n for n in layer_linear_names(model) if n + ".weight" in files]
+        stored: dict[str, str] = {}
+        for path in {files[n + ".weight"] for n in names}:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                stored |= {n: f.get_slice(n + ".weight").get_dtype() for n in names if files[n + ".weight"] == path}
+        fp8 = {n for n in names if stored[n] == "F8_E4M3"}
+        for name in fp8:
+            parent, _, child = name.rpartition(".")
+            owner = model.get_submodule(parent)
+            lin = getattr(owner, child)
+            with torch.device("meta"):
+                setattr(owner, child, Fp8Linear(lin.in_features, lin.out_features, lin.bias is not None, False, dtype))
+        return fp8
+
+    def _load_weights(
+        self, parts: set[str] | frozenset[str], device: str | torch.device, dtype: torch.dtype
+    ) -> Cosmos3Transformer:
         with torch.device("meta"):
             model = Cosmos3Transformer(self.config, frozenset(parts))
-        expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
         files = self.weight_files()
+        fp8 = self._fp8_linears(model, files, dtype) if self.fp8_weights else set()
+        expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        # the stored key holding each expected one, and the factor it is divided by (FP8 scales may come from
+        # ModelOpt's quantizer buffers instead)
+        source: dict[str, tuple[str, float]] = {k: (k, 1.0) for k in expected}
+        for name in fp8:
+            for attr, (alias, factor) in FP8_SCALE_ALIASES.items():
+                key = f"{name}.{attr}"
+                if key not in files and f"{name}.{alias}" in files:
+                    source[key] = (f"{name}.{alias}", factor)
+                    files[key] = files[f"{name}.{alias}"]
         by_file: dict[Path, list[str]] = {}
         for key in expected:
             if key not in files:
@@ -93,15 +196,31 @@ class Checkpoint:
             with safe_open(path, framework="pt", device="cpu") as f:
                 stored = set(f.keys())
                 for key in keys:
-                    if key not in stored:
-                        raise CheckpointError(f"{path}: missing key {key!r}")
-                    shape = tuple(f.get_slice(key).get_shape())
+                    src, factor = source[key]
+                    if src not in stored:
+                        raise CheckpointError(f"{path}: missing key {src!r}")
+                    shape = tuple(f.get_slice(src).get_shape())
+                    module, _, attr = key.rpartition(".")
+                    if module in fp8 and attr in FP8_SCALE_ALIASES:  # one tensorwise scale, stored [] or [1]
+                        if math.prod(shape) != 1:
+                            raise CheckpointError(
+                                f"{path}: key {src!r} has shape {list(shape)}; one tensorwise scale expected"
+                            )
+                        state[key] = (f.get_tensor(src).to(device=device, dtype=torch.float32) / factor).reshape(())
+                        continue
                     if shape != expected[key]:
                         raise CheckpointError(
-                            f"{path}: key {key!r} has shape {list(shape)}, expected {list(expected[key])}"
+                            f"{path}: key {src!r} has shape {list(shape)}, expected {list(expected[key])}"
                         )
                     want = torch.float32 if key.startswith(FP32_PREFIXES) else dtype
-                    state[key] = f.get_tensor(key).to(device=device, dtype=want)
+                    if module in fp8 and attr == "weight":
+                        want = E4M3
+                    elif f.get_slice(src).get_dtype().startswith("F8"):  # would be cast without its scale
+                        raise CheckpointError(
+                            f"{path}: key {src!r} is stored in FP8, but only the layer linears of a checkpoint "
+                            "with a ModelOpt FP8 quantization_config may be"
+                        )
+                    state[key] = f.get_tensor(src).to(device=device, dtype=want)
         model.load_state_dict(state, strict=True, assign=True)
         return model.eval().requires_grad_(False)
 

@@ -5,6 +5,11 @@ reads latent tokens. `Cosmos3Transformer(cfg, parts)` builds only the towers a s
 `{"und"}`, the denoise engine `{"gen"}`, the fused reference (tests) both. No forward here: the towers'
 computations live in `towers.py`, so the module tree stays a plain weight container.
 
+Layer linears are `nn.Linear` as built; an FP8 checkpoint or `precision: fp8` swaps them for `fp8.Fp8Linear` at
+load (`checkpoint.py`), so callers run them through `fp8.linear` with the rows' precision. The action bands'
+`DomainAwareLinear`s are never FP8: they sit outside the layers, which diffusers' mixed precision leaves in high
+precision too (`_classify_cosmos3_linear` classifies only layer attention/MLP linears).
+
 Layouts: token-major, `[tokens, hidden]`; per-head tensors `[tokens, heads, head_dim]`.
 """
 
@@ -16,6 +21,7 @@ import torch
 from torch import nn
 
 from .config import ModelConfig
+from .fp8 import linear
 
 UND, GEN = "und", "gen"
 
@@ -42,7 +48,8 @@ class RMSNorm(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU (`silu`: gate/up/down) or squared ReLU (`relu2`: up/down, no gate)."""
+    """SwiGLU (`silu`: gate/up/down) or squared ReLU (`relu2`: up/down, no gate). Its projections may be FP8
+    (`fp8.Fp8Linear`): `a16_rows` leading rows then run W8A16, the rest W8A8 (ignored by 16-bit ones)."""
 
     def __init__(self, hidden: int, intermediate: int, act: str):
         super().__init__()
@@ -52,10 +59,12 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, a16_rows: int) -> torch.Tensor:
+        """x [N, hidden] → [N, hidden]."""
         if self.act == "relu2":
-            return self.down_proj(torch.relu(self.up_proj(x)).square())
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+            return linear(self.down_proj, torch.relu(linear(self.up_proj, x, a16_rows)).square(), a16_rows)
+        gate = nn.functional.silu(linear(self.gate_proj, x, a16_rows))
+        return linear(self.down_proj, gate * linear(self.up_proj, x, a16_rows), a16_rows)
 
 
 class Attention(nn.Module):
@@ -163,7 +172,8 @@ class Cosmos3Transformer(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.layers[0].self_attn.to_add_out.weight.dtype if GEN in self.parts else self.embed_tokens.weight.dtype
+        """The activation dtype (the layer linears may hold E4M3 weights; these two never do)."""
+        return self.proj_in.weight.dtype if GEN in self.parts else self.embed_tokens.weight.dtype
 
     @property
     def device(self) -> torch.device:

@@ -10,6 +10,10 @@
 - `embed_row` / `output_heads`: one row's GEN input and output heads alone — a branch that reuses a cached
   block-stack residual (cosmos3_core/cache.py) runs only these.
 - `fused_reference`: the whole stack every step, as the reference model runs it. Tests only.
+
+Precision (FP8 layer linears, `fp8.py`): every linear call takes `a16_rows` — rows [0, a16_rows) of its input run
+W8A16, the rest W8A8; 16-bit linears ignore it. Prefill passes all rows or none (the reasoner policy); a packed GEN
+step passes the pack's split (`PackedStep.a16_rows`: its W8A16 rows come first).
 """
 
 from __future__ import annotations
@@ -20,20 +24,21 @@ from dataclasses import dataclass
 import torch
 
 from ..attention import Plan, sdpa
+from .fp8 import linear
 from .layers import Cosmos3Transformer, DomainAwareLinear, Layer
 from .rotary import apply_rotary
 
 
 def _und_qkv(
-    layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, a16_rows: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """UND projections → q, k (for the causal text path), k_for_gen, v; each [T, heads, d]."""
     a = layer.self_attn
     h = layer.input_layernorm(x)
     d = cos.shape[-1]
-    q = a.to_q(h).unflatten(-1, (-1, d))  # [T, heads, d]
-    k = a.to_k(h).unflatten(-1, (-1, d))  # [T, kv_heads, d]
-    v = a.to_v(h).unflatten(-1, (-1, d))
+    q = linear(a.to_q, h, a16_rows).unflatten(-1, (-1, d))  # [T, heads, d]
+    k = linear(a.to_k, h, a16_rows).unflatten(-1, (-1, d))  # [T, kv_heads, d]
+    v = linear(a.to_v, h, a16_rows).unflatten(-1, (-1, d))
     if hasattr(a, "norm_q"):
         q, k = a.norm_q(q), a.norm_k(k)
     k_for_gen = a.k_norm_und_for_gen(k) if hasattr(a, "k_norm_und_for_gen") else k
@@ -41,25 +46,25 @@ def _und_qkv(
 
 
 def _gen_qkv(
-    layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, a16_rows: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     a = layer.self_attn
     d = cos.shape[-1]
     h = layer.input_layernorm_moe_gen(x)
-    q = a.norm_added_q(a.add_q_proj(h).unflatten(-1, (-1, d)))  # [N, heads, d]
-    k = a.norm_added_k(a.add_k_proj(h).unflatten(-1, (-1, d)))  # [N, kv_heads, d]
-    v = a.add_v_proj(h).unflatten(-1, (-1, d))
+    q = a.norm_added_q(linear(a.add_q_proj, h, a16_rows).unflatten(-1, (-1, d)))  # [N, heads, d]
+    k = a.norm_added_k(linear(a.add_k_proj, h, a16_rows).unflatten(-1, (-1, d)))  # [N, kv_heads, d]
+    v = linear(a.add_v_proj, h, a16_rows).unflatten(-1, (-1, d))
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
 
-def _und_residual(layer: Layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-    x = x + layer.self_attn.to_out(attn)
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+def _und_residual(layer: Layer, x: torch.Tensor, attn: torch.Tensor, a16_rows: int) -> torch.Tensor:
+    x = x + linear(layer.self_attn.to_out, attn, a16_rows)  # attn [T, heads*d]
+    return x + layer.mlp(layer.post_attention_layernorm(x), a16_rows)
 
 
-def _gen_residual(layer: Layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-    x = x + layer.self_attn.to_add_out(attn)
-    return x + layer.mlp_moe_gen(layer.post_attention_layernorm_moe_gen(x))
+def _gen_residual(layer: Layer, x: torch.Tensor, attn: torch.Tensor, a16_rows: int) -> torch.Tensor:
+    x = x + linear(layer.self_attn.to_add_out, attn, a16_rows)  # attn [N, heads*d]
+    return x + layer.mlp_moe_gen(layer.post_attention_layernorm_moe_gen(x), a16_rows)
 
 
 def embed_latent_tokens(
@@ -90,18 +95,20 @@ def domain_linear(layer: DomainAwareLinear, x: torch.Tensor, domain: torch.Tenso
 
 @torch.inference_mode()
 def prefill_text_kv(
-    model: Cosmos3Transformer, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    model: Cosmos3Transformer, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, a16: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """input_ids [T], cos/sin [T, d] → (k, v) [layers, T, kv_heads, d] in the model dtype."""
+    """input_ids [T], cos/sin [T, d] → (k, v) [layers, T, kv_heads, d] in the model dtype. `a16`: FP8 linears run
+    W8A16 (False: W8A8), the reasoner policy's choice."""
     x = model.embed_tokens(input_ids)
+    rows = x.shape[0] if a16 else 0
     ks, vs = [], []
     last = len(model.layers) - 1
     for i, layer in enumerate(model.layers):
-        q, k, k_for_gen, v = _und_qkv(layer, x, cos, sin)
+        q, k, k_for_gen, v = _und_qkv(layer, x, cos, sin, rows)
         ks.append(k_for_gen)
         vs.append(v)
         if i < last:  # the last layer's UND output feeds only the LM head, which generation never reads
-            x = _und_residual(layer, x, sdpa(q, k, v, causal=True))
+            x = _und_residual(layer, x, sdpa(q, k, v, causal=True), rows)
     return torch.stack(ks), torch.stack(vs)
 
 
@@ -157,12 +164,12 @@ def gen_forward(
         x = x.index_put((action_rows,), action + t_emb)
     stack_input = x
     for i, layer in enumerate(model.layers):
-        q, k, v = kernels.qkv(layer, x, packed.cos, packed.sin)
+        q, k, v = kernels.qkv(layer, x, packed.cos, packed.sin, packed.a16_rows)
         for j in collect:
             rows = slice(packed.segments[j].start, packed.segments[j].start + packed.segments[j].length)
             ks[j].append(k[rows])
             vs[j].append(v[rows])
-        x = kernels.residual(layer, x, attend(q, k, v, i))
+        x = kernels.residual(layer, x, attend(q, k, v, i), packed.a16_rows)
     h = model.norm_moe_gen(x)
     sound_out = model.audio_proj_out(h[sound_rows]) if sound_rows.numel() else None
     action_out = (
@@ -224,13 +231,15 @@ def fused_reference(
     noisy_mask: torch.Tensor,
     gen_rotary: tuple[torch.Tensor, torch.Tensor],
 ) -> torch.Tensor:
-    """Both towers every layer for one branch, as the reference forward does → [N, patch_latent_dim]."""
+    """Both towers every layer for one branch, as the reference forward does → [N, patch_latent_dim] (FP8
+    linears: W8A16)."""
     und = model.embed_tokens(input_ids)
     gen = embed_latent_tokens(model, tokens, noisy_mask, torch.tensor([float(timestep)], device=tokens.device))
+    t, n = und.shape[0], gen.shape[0]
     for layer in model.layers:
-        q_u, k_u, k_for_gen, v_u = _und_qkv(layer, und, *text_rotary)
-        q_g, k_g, v_g = _gen_qkv(layer, gen, *gen_rotary)
+        q_u, k_u, k_for_gen, v_u = _und_qkv(layer, und, *text_rotary, t)
+        q_g, k_g, v_g = _gen_qkv(layer, gen, *gen_rotary, n)
         und_attn = sdpa(q_u, k_u, v_u, causal=True)
         gen_attn = sdpa(q_g, torch.cat([k_for_gen, k_g]), torch.cat([v_u, v_g]), causal=False)
-        und, gen = _und_residual(layer, und, und_attn), _gen_residual(layer, gen, gen_attn)
+        und, gen = _und_residual(layer, und, und_attn, t), _gen_residual(layer, gen, gen_attn, n)
     return model.proj_out(model.norm_moe_gen(gen))

@@ -64,8 +64,8 @@ def encode_rows(
 ) -> tuple[list[dict[str, Any]], list[torch.Tensor]]:
     """Rows → (metadata, tensors) for a "step" command: each row as the row builder's inputs (latents recovered
     from its tokens, its noisy frames, sound latents, the action band: its latents [T_a, action_dim], domain and
-    noisy flag; whether it records its residuals), so workers rebuild it with `denoise_step_row` itself. Rows whose
-    branches all run (`strip_reused`)."""
+    noisy flag; its FP8 precision `a16`; whether it records its residuals), so workers rebuild it with
+    `denoise_step_row` itself. Rows whose branches all run (`strip_reused`)."""
     meta, tensors = [], []
     for row, gs in zip(rows, groups):
         t, h, w = row.token_shape
@@ -77,8 +77,9 @@ def encode_rows(
         noisy = flags[:t].nonzero().flatten()
         action = {"domain": row.action_domain, "noisy": bool(flags[t])} if a else None
         meta.append({
-            "t": row.timestep, "commit": row.commit, "groups": gs, "sound": row.sound.shape[0] > 0, "action": action,
-            "record": row.record, "prefix": [[(list(p.pages), p.num_tokens) for p in br.prefix] for br in row.branches],
+            "t": row.timestep, "commit": row.commit, "a16": row.a16, "groups": gs, "sound": row.sound.shape[0] > 0,
+            "action": action, "record": row.record,
+            "prefix": [[(list(p.pages), p.num_tokens) for p in br.prefix] for br in row.branches],
         })  # fmt: skip
         tensors += [unpatchify(row.tokens, row.token_shape, patch, row.latent_hw), noisy]
         tensors += [row.sound.t()] if row.sound.shape[0] else []
@@ -115,7 +116,7 @@ def decode_rows(
         action = ActionBand(next(it), a["domain"], a["noisy"]) if a else None
         branches = tuple(Branch(tuple(lists(p, n) for p, n in prefix), next(it), next(it)) for prefix in m["prefix"])
         rows.append(denoise_step_row(latents, m["t"], noisy, branches, patch, dtype, m["commit"], sound, action,
-                                     record=m["record"]))  # fmt: skip
+                                     m.get("a16", True), record=m["record"]))  # fmt: skip
     return rows
 
 

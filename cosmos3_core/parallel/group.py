@@ -57,6 +57,10 @@ class WorkerSpec:
     compile: bool = False
     cuda_graphs: bool = True
     env: dict[str, str] = field(default_factory=dict)  # extra environment for the workers (tests: faults)
+    # the deployment's precision and FP8 step-policy overrides (deployment.py): workers serve the GEN tower in the
+    # same precision as rank 0, and each row says its step's W8A16/W8A8 choice (`Row.a16`)
+    precision: str = "checkpoint"
+    fp8_policy: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps({**asdict(self), "parallel": asdict(self.parallel)})

@@ -11,7 +11,10 @@ the pool's pages, which hold exactly those K/V heads (the pool is sharded by hea
 back to rows. A rank embeds and projects out the sound and action tokens among its rows (`sound`, `action`,
 their rows and action domains sliced per rank). Predictions, sound and action predictions (and, for step caching,
 the block stack's residual rows) are all-gathered to `[S, ...]`, `[R, ...]`, `[A, ...]` (`[S, hidden]`), so
-`DenoiseStep` reads them as in one process. A commit pass's K/V is
+`DenoiseStep` reads them as in one process. FP8: the pack's W8A16 rows come first (`PackedStep.a16_rows`;
+`DenoiseStep` orders the rows by precision), so a rank's slice starts with its share of them — its `a16_rows` is
+the pack's clamped to the slice — and every FP8 linear is per row (per-token or static activation scales), so
+slicing changes no row's result. A commit pass's K/V is
 collected inside the plan (rank j: its K/V heads, all rows) and all-gathered over heads.
 
 Layouts: local q `[S/u, H, d]`, k/v `[S/u, KV, d]` → exchanged q `[S, H/u, d]`, k/v `[S, KV_j, d]` → backend
@@ -118,9 +121,9 @@ class UlyssesLayout(StepLayout):
     """A step layout whose forward runs over this rank's rows (views of the full buffers)."""
 
     def __init__(self, model: Cosmos3Transformer, kernels: GenKernels, attention: UlyssesBackend, total_rows: int,
-                 token_dim: int, segments: list[Segment], graph_pool: tuple | None,
+                 token_dim: int, segments: list[Segment], graph_pool: tuple | None, a16_rows: int,
                  residual: bool = False):  # fmt: skip
-        super().__init__(model, kernels, attention, total_rows, token_dim, segments, graph_pool, residual)
+        super().__init__(model, kernels, attention, total_rows, token_dim, segments, graph_pool, a16_rows, residual)
         comm = attention.comm
         u, j = comm.parallel.ulysses, comm.ulysses_index
         per = total_rows // u
@@ -140,6 +143,7 @@ class UlyssesLayout(StepLayout):
             sound=p.sound[cs[j] : cs[j + 1]], sound_rows=p.sound_rows[cs[j] : cs[j + 1]] - a,
             action=p.action[ca[j] : ca[j + 1]], action_rows=p.action_rows[ca[j] : ca[j + 1]] - a,
             action_domain=p.action_domain[ca[j] : ca[j + 1]],  # a view: `fill` refills it in place
+            a16_rows=min(max(p.a16_rows - a, 0), per),  # the pack's W8A16 rows lead it, so they lead my slice too
             residual=residual,
         )  # fmt: skip
         self.comm, self.per = comm, per

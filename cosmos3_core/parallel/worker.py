@@ -45,7 +45,7 @@ def main(argv: list[str]) -> int:
     dist.init_process_group(spec.backend, store=store, rank=rank, world_size=ranks, timeout=timeout)
     comm = Comm(rank, spec.parallel)
     comm.build()
-    ckpt, dtype = Checkpoint.open(spec.checkpoint), getattr(torch, spec.dtype)
+    ckpt, dtype = Checkpoint.open(spec.checkpoint, spec.precision, spec.fp8_policy), getattr(torch, spec.dtype)
     denoise = decode = None
     if "denoise" in spec.roles and comm.denoises:
         model = ckpt.load_transformer({GEN}, device, dtype)

@@ -25,6 +25,16 @@ the latents then changes the waveform by about as much, neither swallowed by the
 → 3e-5) nor amplified by stacked Snakes. `write_skeleton(out, "nano_sound")` is Nano with these parts (the
 tokenizer with its weights, the transformer drawn at load as for `random:nano`); `"tiny_sound"` is
 `make_tiny(variant="nano", sound=True)` (CPU tests of the benchmarks).
+
+Actions (Nano has them): `add_action(root, preset)` adds, in place, the transformer's action heads (config
+`action_gen`, `action_dim`, `num_embodiment_domains`; `action_proj_in/out` — `DomainAwareLinear`s whose `fc` and `bias`
+are embeddings of one row per domain, `fc` an (in, out) matrix flattened — and `action_modality_embed`) in their own
+shard, `diffusion_pytorch_model-action.safetensors`, from their own generator. Drawn as an LLM draws embeddings: every
+`fc` and `bias` row N(0, 0.02²); `action_modality_embed` (zero upstream) N(0, 0.02²) too, so a missing term shows.
+Nano's sizes: 32 domains (cosmos3.md, and diffusers' default); `action_dim` is not published (diffusers has no
+default), so 64: the smallest power of two holding the widest raw action of the pipeline's domain table (hand_pose,
+57). The action heads hold ≈ 17 M parameters; their tokens are `chunk` per branch beside the video's. `write_skeleton(out, "nano_action")` is Nano with them (drawn at load, as for `random:nano`);
+`"tiny_action"` is `make_tiny(variant="nano", action=True)` (action_dim 16).
 """
 
 from __future__ import annotations
@@ -70,37 +80,62 @@ SOUND_TOKENIZER: dict[str, Any] = {"vocoder_input_dim": 64}  # the rest: Cosmos3
 SOUND_SHARD = "diffusion_pytorch_model-sound.safetensors"
 SOUND_SEED = 0x50D  # added to the seed: the sound parts' own draws
 SOUND_PROBE_LATENTS = 8  # latent frames of the probe that sets the tokenizer's gains
+ACTION_TRANSFORMER = {"action_gen": True, "action_dim": 64, "num_embodiment_domains": 32}
+ACTION_SHARD = "diffusion_pytorch_model-action.safetensors"
+ACTION_SEED = 0xAC7  # added to the seed: the action parts' own draws
 SCHEDULER = {
     "_class_name": "UniPCMultistepScheduler", "num_train_timesteps": 1000, "prediction_type": "flow_prediction",
     "use_flow_sigmas": True, "flow_shift": 5.0, "solver_order": 2, "solver_type": "bh2", "final_sigmas_type": "zero",
 }  # fmt: skip
 
 
+def split_preset(preset: str) -> tuple[str, bool, bool]:
+    """`<base>[_sound][_action]` → (base, sound, action)."""
+    base, action = (preset.removesuffix("_action"), True) if preset.endswith("_action") else (preset, False)
+    base, sound = (base.removesuffix("_sound"), True) if base.endswith("_sound") else (base, False)
+    return base, sound, action
+
+
 def sound_parts(preset: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """(transformer config keys, tokenizer config) of a preset's sound: Nano's, or the tiny checkpoints' (make_tiny)."""
-    if preset in ("tiny", "tiny_sound"):
+    base = split_preset(preset)[0]
+    if base == "tiny":
         from . import make_tiny
 
         return dict(make_tiny.SOUND_TRANSFORMER), dict(make_tiny.SOUND_TOKENIZER_CONFIG)
-    if preset.removesuffix("_sound") == "nano":
+    if base == "nano":
         return dict(SOUND_TRANSFORMER), dict(SOUND_TOKENIZER)
     raise ValueError(f"preset {preset!r} has no sound (Nano and the tiny checkpoints do)")
 
 
+def action_parts(preset: str) -> dict[str, Any]:
+    """The transformer config keys of a preset's action heads: Nano's, or the tiny checkpoints' (make_tiny)."""
+    base = split_preset(preset)[0]
+    if base == "tiny":
+        from . import make_tiny
+
+        return dict(make_tiny.ACTION_TRANSFORMER)
+    if base == "nano":
+        return dict(ACTION_TRANSFORMER)
+    raise ValueError(f"preset {preset!r} has no action heads (Nano and the tiny checkpoints do)")
+
+
 def write_skeleton(out: Path, preset: str, weights: bool = False, seed: int = 0, device: str = "cpu") -> Path:
-    """`weights`: also write LLM-like random weights (`write_weights`), drawn on `device`. `<preset>_sound`: with
-    the sound parts (`add_sound`); `tiny_sound`: the tiny checkpoint with sound (`make_tiny`)."""
-    if preset == "tiny_sound":
+    """`weights`: also write LLM-like random weights (`write_weights`), drawn on `device`. `<preset>_sound`,
+    `<preset>_action`, `<preset>_sound_action`: with those parts (`add_sound`, `add_action`); `tiny_sound` /
+    `tiny_action` / `tiny_sound_action`: the tiny checkpoint with them (`make_tiny`)."""
+    base, sound, action = split_preset(preset)
+    if base == "tiny" and (sound or action):
         from .make_tiny import make_tiny
 
-        return make_tiny(out, variant="nano", seed=seed, sound=True)
-    base = preset.removesuffix("_sound")
+        return make_tiny(out, variant="nano", seed=seed, sound=sound, action=action)
     if base not in PRESETS:
-        known = ", ".join([*PRESETS, "nano_sound", "tiny_sound"])
+        known = ", ".join([*PRESETS, "nano_sound", "nano_action", "nano_sound_action", "tiny_sound", "tiny_action"])
         raise ValueError(f"unknown random preset {preset!r}; known: {known}")
-    sound = preset != base
     if sound:
         sound_parts(preset)  # a preset without sound fails here, before anything is written
+    if action:
+        action_parts(preset)
     out = Path(out)
     for sub in ("transformer", "vae", "scheduler"):
         (out / sub).mkdir(parents=True, exist_ok=True)
@@ -122,6 +157,8 @@ def write_skeleton(out: Path, preset: str, weights: bool = False, seed: int = 0,
         write_weights(out, seed, device)
     if sound:
         add_sound(out, preset, seed, device, weights=weights)
+    if action:
+        add_action(out, preset, seed, device, weights=weights)
     return out
 
 
@@ -137,7 +174,7 @@ def llm_init(name: str, shape: tuple[int, ...], gen: torch.Generator, device: st
 def write_weights(root: Path, seed: int = 0, device: str = "cpu", shard_bytes: int = SHARD_BYTES) -> None:
     """Write LLM-like random transformer weights and a seeded random VAE into the checkpoint at `root` (its configs
     as they are), as diffusers' `save_pretrained` lays them out; existing weight files are replaced. The sound and
-    action heads are left out (`add_sound` draws the sound ones), so the rest is the same with or without them."""
+    action heads are left out (`add_sound`, `add_action` draw them), so the rest is the same with or without them."""
     from diffusers import AutoencoderKLWan, Cosmos3OmniTransformer
     from safetensors.torch import save_file
 
@@ -213,8 +250,6 @@ def write_sound_weights(tdir: Path, cfg: dict[str, Any], seed: int, device: str)
     """`audio_proj_in/out` (matrices N(0, 0.02²), biases 0) and `audio_modality_embed` (zero upstream; N(0, 0.02²)
     here, so a missing term shows) in `SOUND_SHARD`, added to the transformer's index."""
     from diffusers import Cosmos3OmniTransformer
-    from safetensors import safe_open
-    from safetensors.torch import save_file
 
     with torch.device("meta"):
         model = Cosmos3OmniTransformer(**{k: v for k, v in cfg.items() if not k.startswith("_")})
@@ -227,22 +262,64 @@ def write_sound_weights(tdir: Path, cfg: dict[str, Any], seed: int, device: str)
         else:
             t = llm_init(k, shape, gen, device)
         tensors[k] = t.to(torch.bfloat16).cpu()
-    save_file(tensors, str(tdir / SOUND_SHARD), metadata={"format": "pt"})
+    add_shard(tdir, SOUND_SHARD, tensors)
+
+
+def add_shard(tdir: Path, shard: str, tensors: dict[str, torch.Tensor]) -> None:
+    """Save `tensors` as the transformer's file `shard` and name them in its index (made when the transformer had a
+    single file); written again, the shard replaces its earlier self and is counted once."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(tdir / shard), metadata={"format": "pt"})
     index_path = tdir / "diffusion_pytorch_model.safetensors.index.json"
     if index_path.is_file():
         index = json.loads(index_path.read_text())
-    else:  # one file: an index that names it, and the sound shard beside it
+    else:  # one file: an index that names it, and the new shard beside it
         single = tdir / "diffusion_pytorch_model.safetensors"
         with safe_open(single, framework="pt") as f:
             keys = list(f.keys())
         index = {"metadata": {"total_size": single.stat().st_size}, "weight_map": dict.fromkeys(keys, single.name)}
     metadata = index.get("metadata", {})
-    if SOUND_SHARD not in index["weight_map"].values():  # not counted yet (a redone run counts them once)
+    if shard not in index["weight_map"].values():  # not counted yet (a redone run counts them once)
         size = sum(t.numel() * t.element_size() for t in tensors.values())
         metadata["total_size"] = metadata.get("total_size", 0) + size
-    weight_map = {k: v for k, v in index["weight_map"].items() if v != SOUND_SHARD}
-    index |= {"metadata": metadata, "weight_map": weight_map | dict.fromkeys(tensors, SOUND_SHARD)}
+    weight_map = {k: v for k, v in index["weight_map"].items() if v != shard}
+    index |= {"metadata": metadata, "weight_map": weight_map | dict.fromkeys(tensors, shard)}
     index_path.write_text(json.dumps(index, indent=1))
+
+
+def has_action(root: Path) -> bool:
+    """The transformer's config has the action heads (`add_action` writes it last, once the weights are written)."""
+    return bool(json.loads((Path(root) / "transformer" / "config.json").read_text()).get("action_gen"))
+
+
+def add_action(root: Path, preset: str, seed: int = 0, device: str = "cpu", weights: bool = True) -> Path:
+    """Add `preset`'s action heads (`action_parts`) to the checkpoint at `root`, in place: their weights (`weights`;
+    `write_action_weights`, their own shard and generator, so every other tensor is unchanged), then the
+    transformer's config keys (last, so an interrupted run is redone whole)."""
+    root = Path(root)
+    cfg_path = root / "transformer" / "config.json"
+    cfg = {**json.loads(cfg_path.read_text()), **action_parts(preset)}
+    if weights:
+        write_action_weights(root / "transformer", cfg, seed, device)
+    cfg_path.write_text(json.dumps(cfg, indent=1))
+    return root
+
+
+def write_action_weights(tdir: Path, cfg: dict[str, Any], seed: int, device: str) -> None:
+    """`action_proj_in/out` (`fc` and `bias` are embeddings, one row per domain: N(0, 0.02²), as an LLM draws its
+    embeddings) and `action_modality_embed` (zero upstream; N(0, 0.02²) here, so a missing term shows) in
+    `ACTION_SHARD`, added to the transformer's index."""
+    from diffusers import Cosmos3OmniTransformer
+
+    with torch.device("meta"):
+        model = Cosmos3OmniTransformer(**{k: v for k, v in cfg.items() if not k.startswith("_")})
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items() if k.startswith("action_")}
+    gen = torch.Generator(device).manual_seed(seed + ACTION_SEED)
+    tensors = {k: (torch.randn(shape, generator=gen, device=device) * LLM_INIT_STD).to(torch.bfloat16).cpu()
+               for k, shape in sorted(shapes.items())}  # fmt: skip
+    add_shard(tdir, ACTION_SHARD, tensors)
 
 
 @torch.no_grad()

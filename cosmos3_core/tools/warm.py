@@ -23,12 +23,10 @@ def main(argv: list[str] | None = None) -> int:
     folders = use_kernel_caches()  # before anything imports flashinfer
     from ..deployment import DEFAULT_CONFIG, Deployment
     from ..generate import Generator
-    from ..model.checkpoint import Checkpoint
-    from .checkpoints import resolve_checkpoint
 
     d = Deployment.load(args.config or DEFAULT_CONFIG, checkpoint=args.checkpoint)
     t0 = time.perf_counter()
-    ckpt = Checkpoint.open(resolve_checkpoint(d.checkpoint))
+    ckpt = d.open_checkpoint()  # with its precision (fp8: quantized at load)
     t1 = time.perf_counter()
     Generator(d, ckpt)
     t2 = time.perf_counter()

@@ -9,8 +9,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from cosmos3_core.engine import DenoiseEngine, QueueFull
-from cosmos3_core.model.checkpoint import Checkpoint
-from cosmos3_core.requests import RequestError, validate
+from cosmos3_core.requests import RequestError, validate, warmup_inputs
 from cosmos3_core.sampling import checkpoint_shift
 from cosmos3_core.triton.cancel import CancelMarks
 from cosmos3_core.triton.glue import (
@@ -29,13 +28,14 @@ from cosmos3_core.wire import PrefillResult, RequestMeta
 class TritonPythonModel:
     def initialize(self, args):
         d, device = deployment_from_args(args)
-        ckpt = Checkpoint.open(d.checkpoint)
+        ckpt = d.open_checkpoint()
         self.engine = DenoiseEngine.from_deployment(ckpt, d, device)
         cfg, shift = ckpt.config, checkpoint_shift(ckpt.scheduler_config)
-        warmup = [
-            validate("warmup", r, None, d.defaults, d.limits, cfg.pixel_alignment, cfg.vae_scale_temporal, shift)
-            for r in d.warmup_requests
-        ]
+        sizes = (d.defaults, d.limits, cfg.pixel_alignment, cfg.vae_scale_temporal, shift)
+        warmup = []
+        for r in d.warmup_requests:  # an action request: a blank image (clip) at the default size (warmup_inputs)
+            image, video, raw = warmup_inputs(r, d.defaults)
+            warmup.append(validate("warmup", r, image, *sizes, video, raw))
         pb_utils.Logger.log_info(
             f"cosmos3_denoise: warmup of {len(warmup)} shapes took {self.engine.warmup(warmup):.1f}s"
         )

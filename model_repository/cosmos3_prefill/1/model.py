@@ -9,7 +9,6 @@ import uuid
 
 import triton_python_backend_utils as pb_utils
 
-from cosmos3_core.model.checkpoint import Checkpoint
 from cosmos3_core.requests import RequestError, parse_parameters_json
 from cosmos3_core.stages import PrefillStage
 from cosmos3_core.triton.glue import (
@@ -26,7 +25,7 @@ from cosmos3_core.wire import RequestMeta
 class TritonPythonModel:
     def initialize(self, args):
         d, device = deployment_from_args(args)
-        self.stage = PrefillStage(Checkpoint.open(d.checkpoint), device, d.torch_dtype, d.defaults, d.limits)
+        self.stage = PrefillStage(d.open_checkpoint(), device, d.torch_dtype, d.defaults, d.limits)
 
     def execute(self, requests):
         return [self._one(r) for r in requests]
