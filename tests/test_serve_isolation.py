@@ -155,7 +155,10 @@ def test_make_stop_with_grpc_port_stops_only_that_server(tmp_path):
     line: a real `make stop` would also stop servers that other tests run)."""
     ports = [free_port(), free_port()]
     sleeper = [sys.executable, "-c", "import time; time.sleep(60)", "-m", "cosmos3_core.triton.serve", "--grpc-port"]
-    stand_ins = [subprocess.Popen([*sleeper, str(p), "--http-port", "0"]) for p in ports]
+    # SIGINT back to its default in the stand-ins: a run started in the background (`cmd &`) ignores SIGINT, and a
+    # Python started with SIGINT ignored keeps ignoring it (the real server installs its own handler)
+    sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
+    stand_ins = [subprocess.Popen([*sleeper, str(p), "--http-port", "0"], preexec_fn=sigint) for p in ports]
     try:
         time.sleep(0.5)
         env = {k: v for k, v in os.environ.items() if k != "MAKEFLAGS"}
