@@ -12,7 +12,14 @@ streams (chained windows): TTFC, chunk gap and aggregate frames/s at c=1 and c=4
 then run the same single-shot request, in the same run, through our in-process engine and through diffusers'
 `Cosmos3OmniPipeline` on the same random weights (CUDA, `random:` checkpoints). Step caching:
 `--params '{"cache": {"policy": "sea"}}'` (diffusers then runs its own SeaCache with the same fields); each time
-is reported with the share of branch-steps that skipped the block stack (`skipped`).
+is reported with the share of branch-steps that skipped the block stack (`skipped`). The variant `t2v+sea` is t2v
+with SeaCache at diffusers' defaults, so one server (and diffusers, toggling its cache per variant) runs both:
+
+  python -m bench.served --config configs/bench_edge.yaml --variants t2v t2v+sea --c1 3 --c4 8 \
+      --c4-variants t2v+sea --diffusers 2
+
+`--c4-variants` runs `--c4` requests of those kinds at concurrency 4 after their c=1 requests. A cached kind's
+first request runs all its steps (its skips build new layouts), other kinds' a 2-step one.
 
 `--variants` (instead of the single t2v request): each request kind named (t2v, t2v+sound, i2v, i2v+sound, v2v,
 v2v+sound; v2v: a 12-frame synthetic clip at the output size, `condition_frame_indexes` [0, 1]) at c=1, `--c1`
@@ -59,6 +66,7 @@ ACTION = {"chunk_size": 16, "domain": "droid_lerobot", "resolution_tier": 480}  
 ACTION_MODES = {"policy": "policy", "fd": "forward_dynamics", "id": "inverse_dynamics"}
 VARIANTS: dict[str, tuple[dict, str | None]] = {  # request kind → (parameters, conditioning input)
     "t2v": ({}, None),
+    "t2v+sea": ({"cache": {"policy": "sea"}}, None),  # diffusers' SeaCacheConfig defaults (step caching)
     "t2v+sound": ({"enable_sound": True}, None),
     "i2v": ({}, "image"),
     "i2v+sound": ({"enable_sound": True}, "image"),
@@ -234,14 +242,15 @@ def diffusers_variants(deployment: Deployment, requests: dict[str, tuple], repea
         pipe.scheduler = UniPCMultistepScheduler.from_config(base, flow_shift=shift)
         return pipe(**kw, num_inference_steps=steps, generator=torch.Generator().manual_seed(0))
 
-    from .inprocess import sea_cache_config
+    from .inprocess import StackCalls, sea_cache_config
 
-    out, cached = {}, False
+    out = {}
     for name, (params, image, clip, raw) in requests.items():
-        config = sea_cache_config(params)  # every kind shares --params: the same cache, enabled once
-        if config is not None and not cached:
+        if pipe.transformer.is_cache_enabled:
+            pipe.transformer.disable_cache()
+        config = sea_cache_config(params)
+        if config is not None:
             pipe.transformer.enable_cache(config)  # diffusers' own SeaCache on the same fields
-            cached = True
         p = validate(PROMPT, {**params, "seed": 0}, image, deployment.defaults, deployment.limits,
                      cfg.pixel_alignment, cfg.vae_scale_temporal, shift, clip, raw)  # fmt: skip
         kw = {"prompt": PROMPT, "num_frames": p.num_frames, "height": p.height, "width": p.width, "fps": p.fps,
@@ -262,12 +271,17 @@ def diffusers_variants(deployment: Deployment, requests: dict[str, tuple], repea
                    "condition_frame_indexes_vision": list(p.condition_frame_indexes)}  # fmt: skip
         t0 = sync()
         run(kw, p.shift, 2)
-        warm, e2e = sync() - t0, []
+        warm, e2e, skipped = sync() - t0, [], []
         for _ in range(repeat):
+            calls = StackCalls(pipe.transformer)
             t0 = sync()
             r = run(kw, p.shift, p.steps)
             e2e.append(sync() - t0)
+            calls.remove()
+            branches = 1 if p.guidance_scale == 1.0 else 2
+            skipped.append(skipped_fraction(calls.skipped(branches), p.steps, branches))
         out[name] = {"e2e": e2e, "warmup_s": warm, "steps": p.steps, "shift": p.shift,
+                     "skipped_fraction": statistics.mean(skipped),
                      "audio_shape": None if r.sound is None else list(r.sound.shape),
                      "actions_shape": None if r.action is None else list(r.action[0].shape)}  # fmt: skip
         print(f"diffusers {name}: e2e {' / '.join(f'{x:.2f}' for x in e2e)} s", flush=True)
@@ -341,6 +355,7 @@ def main() -> int:
     )
     ap.add_argument("--diffusers-variants", nargs="+", choices=list(VARIANTS), help="default: all --variants")
     ap.add_argument("--action", default="{}", help=f"JSON over the action variants' `action` (default {ACTION})")
+    ap.add_argument("--c4-variants", nargs="+", choices=list(VARIANTS), help="then --c4 requests of each at c=4")
     ap.add_argument("--c8", type=int, default=0, help="then N requests at concurrency 8 of each --c8-variants kind")
     ap.add_argument("--c8-variants", nargs="+", choices=list(VARIANTS), help="default: all --variants")
     ap.add_argument("--json", default="")
@@ -354,6 +369,8 @@ def main() -> int:
         ap.error("--c8 runs --variants kinds: give --variants")
     if args.c8_variants and not set(args.c8_variants) <= set(args.variants or ()):
         ap.error("--c8-variants must be among --variants")
+    if args.c4_variants and not (args.c4 and set(args.c4_variants) <= set(args.variants or ())):
+        ap.error("--c4-variants runs --c4 requests of --variants kinds: give both")
     configured = Deployment.load(args.config)  # `start` resolves `random:` into a path; side_by_side needs the name
     workdir = Path(tempfile.mkdtemp(prefix="cosmos3-bench-"))
     proc, ports, deployment = start(configured, workdir)
@@ -370,10 +387,14 @@ def main() -> int:
         ar = json.loads(args.ar_params)
         for name, (p, image, clip, raw) in requests.items():  # each kind's first-request effects, then its requests
             t0 = time.perf_counter()
-            generate(url, PROMPT, {**p, "steps": 2}, image, video=clip, raw_actions=raw)
-            print(f"{name}: 2-step first request {time.perf_counter() - t0:.1f}s", flush=True)
+            first = p if "cache" in p else {**p, "steps": 2}  # a cached request's skips (new layouts) come later
+            generate(url, PROMPT, first, image, video=clip, raw_actions=raw)
+            print(f"{name}: {first.get('steps', 'all')}-step first request {time.perf_counter() - t0:.1f}s", flush=True)
             result[f"c1:{name}"] = drive(url, p, args.c1, 1, image, clip, raw)
             print(f"{name}: c=1 e2e {' / '.join(f'{x:.2f}' for x in result[f'c1:{name}']['e2e'])} s", flush=True)
+            if name in (args.c4_variants or ()):
+                r = result[f"c4:{name}"] = drive(url, p, args.c4, 4, image, clip, raw)
+                print(f"{name}: c=4 {args.c4} requests in {r['wall_s']:.1f}s", flush=True)
             if name in c8:  # the packed shapes' first-use effects (eager first runs, captures), then the timed run
                 burst = drive(url, {**p, "steps": 2}, 8, 8, image, clip, raw)
                 print(f"{name}: c=8 burst of 8 2-step requests {burst['wall_s']:.1f}s", flush=True)
@@ -384,7 +405,7 @@ def main() -> int:
             generate(url, PROMPT, {**(params if args.c1 or args.c4 else ar), "steps": 2})  # first-request effects
         if args.c1 and not requests:
             result["c1"] = drive(url, params, args.c1, 1)
-        if args.c4:
+        if args.c4 and not requests:
             result["c4"] = drive(url, params, args.c4, 4)
         if args.ar:
             result["ar_c1"] = drive(url, ar, args.ar, 1)
@@ -406,7 +427,7 @@ def main() -> int:
         result["diffusers_variants"] = diffusers_variants(configured, chosen, args.diffusers)
     if args.inprocess or (args.diffusers and not requests):  # same run, same request, once the server is gone
         result |= side_by_side(configured, params, args.inprocess, 0 if requests else args.diffusers)
-    keys = [*(f"c{c}:{v}" for v in requests for c in (1, 8)), "c1", "c4", "ar_c1", "ar_c4"]
+    keys = [*(f"c{c}:{v}" for v in requests for c in (1, 4, 8)), "c1", "c4", "ar_c1", "ar_c4"]
     for key in keys:
         if key in result:
             r = result[key]
@@ -436,7 +457,12 @@ def main() -> int:
         vs = f"  diffusers / served c=1: {theirs / served:.2f}x" if served else ""
         if name in result["floors"]:
             vs += f"  e2e/floor {theirs / result['floors'][name]['floor_s']:.2f}x"
-        print(f"diffusers {name:10s} e2e p50 {theirs:7.2f}s  (n={len(r['e2e'])}, {r['steps']} steps){vs}")
+        print(f"diffusers {name:10s} e2e p50 {theirs:7.2f}s  (n={len(r['e2e'])}, {r['steps']} steps)"
+              f"  skipped {100 * r['skipped_fraction']:.0f}%{vs}")  # fmt: skip
+    if "t2v" in result.get("diffusers_variants", {}):  # every served t2v kind against diffusers uncached
+        theirs = statistics.median(result["diffusers_variants"]["t2v"]["e2e"])
+        for key in (k for k in keys if k.startswith("c1:t2v") and k in result):
+            print(f"diffusers t2v (uncached) / served {key}: {theirs / result[key]['e2e_p50']:.2f}x")
     if "c1" in result and "diffusers" in result:
         served, theirs = result["c1"]["e2e_p50"], statistics.median(result["diffusers"]["e2e"])
         print(f"diffusers / served c=1 e2e: {theirs / served:.2f}x")
