@@ -75,6 +75,7 @@ device-wheels:
 		apache-tvm-ffi==0.1.15.post2 nvidia-cudnn-frontend==1.32.0
 	pip download -q $(WHEEL_PLATFORMS) -d .whl/env numpy==1.26.4 tritonclient==2.73.0 python-rapidjson==1.25
 	pip download -q $(WHEEL_PLATFORMS) -d .whl/pytriton nvidia-pytriton==0.7.0
+	bash bench/perf_analyzer/fetch.sh .whl/perf_analyzer
 
 docker:
 	docker build -f docker/Dockerfile -t cosmos3-triton .

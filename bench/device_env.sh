@@ -3,8 +3,10 @@
 # via a .pth — the recipe in shared/docs/triton.md), with the carried wheels installed into it: .whl/env
 # (numpy 1.26, tritonclient 2.73, python-rapidjson) in the venv; .whl/parity (diffusers 0.42.1, flashinfer-python
 # 0.6.1 + deps) in /tmp/site unless an earlier call on this warm machine (bench/device_parity.sh) put it there.
-# FlashInfer's JIT cache stays in /tmp/fiws while the machine is warm. Then the GPU tests in that venv.
-#   device run, carry [.whl/env] (+ .whl/parity on a fresh machine): bash bench/device_env.sh [--tests]
+# FlashInfer's JIT cache stays in /tmp/fiws while the machine is warm. .whl/perf_analyzer (bench/perf_analyzer/
+# fetch.sh, 18 MB), when carried, goes to /tmp/perf_analyzer for bench/device_served.sh. Then the GPU tests
+# (tests/test_gpu*.py, tests/test_decoder.py) in that venv.
+#   device run, carry [.whl/env] (+ .whl/parity on a fresh machine, + .whl/perf_analyzer): bash bench/device_env.sh [--tests]
 #   (then bench/device_served.sh; the wheels: `make device-wheels`)
 set -euo pipefail
 BASE_SITE=$(python3 -c "import site; print(site.getsitepackages()[0])")
@@ -17,11 +19,12 @@ echo "import sys; sys.path.append('$BASE_SITE'); sys.modules.update(dict.fromkey
 [ -d /tmp/site/flashinfer ] || python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/parity/*.whl 2>&1 | tail -2
 echo /tmp/site > /tmp/v/lib/python3.12/site-packages/flashinfer_site.pth
 echo "$PWD" > /tmp/v/lib/python3.12/site-packages/cosmos3_repo.pth
+[ -x .whl/perf_analyzer/bin/perf_analyzer ] && rm -rf /tmp/perf_analyzer && cp -r .whl/perf_analyzer /tmp/perf_analyzer
 export FLASHINFER_WORKSPACE_BASE=/tmp/fiws COSMOS3_CACHE=/tmp/c3cache
 /tmp/v/bin/python -c "
 import numpy, torch, tritonclient.grpc, cosmos3_core, flashinfer
 from diffusers import AutoencoderKLWan, Cosmos3OmniPipeline, UniPCMultistepScheduler
 print('numpy', numpy.__version__, 'torch', torch.__version__, 'flashinfer', flashinfer.__version__, torch.cuda.get_device_name())"
 if [ "${1:-}" = "--tests" ]; then
-  timeout 300 /tmp/v/bin/python -m pytest -q -p no:cacheprovider tests/test_gpu.py 2>&1 | grep -v Warning | tail -6 | tee $OUT/test_gpu.txt
+  timeout 400 /tmp/v/bin/python -m pytest -q -p no:cacheprovider tests/test_gpu*.py tests/test_decoder.py 2>&1 | grep -v Warning | tail -6 | tee $OUT/test_gpu.txt
 fi

@@ -7,7 +7,8 @@
 #                 bf16 server: c=1 ($C1, default 3) each, c=4 ($C4, default 8) with SeaCache, then diffusers (2 each,
 #                 uncached and with its own SeaCache). ~4-5 min (startup ~70 s, diffusers ~1.5 min)
 #   edge_fp8      the same two kinds on configs/bench_edge_fp8.yaml (precision fp8, compile on), no diffusers: run
-#                 right after edge_sea, on the same machine, for the side-by-side table. ~3-4 min
+#                 right after edge_sea, on the same machine, for the side-by-side table; then perf_analyzer on the
+#                 same server (t2v+sea at c=1 and c=4) when device_env.sh put it in /tmp/perf_analyzer. ~5-6 min
 #   nano_chained  Nano AR chained streams, 832x480, 45 frames (2 windows), config steps (35), c=1 and c=4
 #   nano_kv       the same with kv windows (context K/V kept in the pool)
 #   nano_sound    Nano 832x480x121, 35 steps, guidance 6, one server (random:nano_sound: ~1 GB sound tokenizer written
@@ -35,7 +36,8 @@ for run in "${runs[@]}"; do
     edge) args=(--config configs/bench_edge.yaml --c1 3 --c4 ${C4:-8} --inprocess ${INPROCESS:-2} --diffusers ${DIFFUSERS:-2}) ;;
     edge_sea) args=(--config configs/bench_edge.yaml --variants t2v t2v+sea --c1 ${C1:-3} --c4 ${C4:-8} --c4-variants t2v+sea
                     --diffusers ${DIFFUSERS:-2}) ;;
-    edge_fp8) args=(--config configs/bench_edge_fp8.yaml --variants t2v t2v+sea --c1 ${C1:-3} --c4 ${C4:-8} --c4-variants t2v+sea) ;;
+    edge_fp8) args=(--config configs/bench_edge_fp8.yaml --variants t2v t2v+sea --c1 ${C1:-3} --c4 ${C4:-8} --c4-variants t2v+sea
+                    $([ -x /tmp/perf_analyzer/bin/perf_analyzer ] && echo --perf-analyzer /tmp/perf_analyzer/bin/perf_analyzer)) ;;
     nano_chained) args=(--config configs/bench_nano_ar.yaml --c1 0 --c4 0 --ar 1 --ar-params '{"window_mode": "chained", "num_frames": 45}') ;;
     nano_kv) args=(--config configs/bench_nano_ar.yaml --c1 0 --c4 0 --ar 1 --ar-params '{"window_mode": "kv", "num_frames": 45}') ;;
     nano_sound) args=(--config configs/bench_nano_sound.yaml --c1 ${C1:-1} --c4 0 --variants t2v t2v+sound v2v

@@ -336,6 +336,42 @@ def floor_line(key: str, r: dict, floor: dict) -> str:
     return f"        {what}: floor-bound {bound:.2f} videos/min, achieved {r['videos_per_min'] / bound:.2f} of it"
 
 
+def perf_analyzer(binary: str, url: str, params: dict, counts: dict[int, int]) -> dict[int, dict]:
+    """Triton's perf_analyzer (bench/perf_analyzer/fetch.sh) on the same server and request: `--streaming` (the
+    ensemble is decoupled), the prompt and `parameters` JSON from an input-data file, at each concurrency c of
+    `counts` with count windows of counts[c] requests (up to 3 trials, stable within 50 %) → per c its
+    Inferences/Second and latencies (s) from its CSV."""
+    import csv
+    import os
+    import subprocess
+
+    binary = os.path.abspath(binary)
+    lib = os.path.join(os.path.dirname(os.path.dirname(binary)), "lib")  # fetch.sh's DIR/lib
+    env = {**os.environ, "LD_LIBRARY_PATH": ":".join(filter(None, [lib, os.environ.get("LD_LIBRARY_PATH")]))}
+    out: dict[int, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "input.json"
+        data.write_text(json.dumps({"data": [{"prompt": [PROMPT], "parameters": [json.dumps({**params, "seed": 0})]}]}))
+        for c, n in counts.items():
+            table = Path(tmp) / f"c{c}.csv"
+            cmd = [binary, "-m", "cosmos3", "-i", "grpc", "-u", url, "--streaming", "--input-data", str(data),
+                   "--concurrency-range", f"{c}:{c}", "--measurement-mode", "count_windows",
+                   "--measurement-request-count", str(n), "--max-trials", "3", "--stability-percentage", "50",
+                   "-f", str(table)]  # fmt: skip
+            run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+            if run.returncode or not table.exists():
+                print(
+                    f"perf_analyzer c={c} failed ({run.returncode}):\n{(run.stdout + run.stderr)[-2000:]}", flush=True
+                )
+                continue
+            row = next(csv.DictReader(table.read_text().splitlines()))
+            out[c] = {"infer_per_s": float(row["Inferences/Second"]), "command": " ".join(cmd),
+                      **{k.replace(" ", "_"): float(row[k]) / 1e6 for k in row if k.endswith("latency")}}  # fmt: skip
+            print(f"perf_analyzer c={c}: {60 * out[c]['infer_per_s']:.2f} videos/min, "
+                  f"p50 latency {out[c].get('p50_latency', float('nan')):.2f}s", flush=True)  # fmt: skip
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="configs/bench_edge.yaml")
@@ -358,6 +394,9 @@ def main() -> int:
     ap.add_argument("--c4-variants", nargs="+", choices=list(VARIANTS), help="then --c4 requests of each at c=4")
     ap.add_argument("--c8", type=int, default=0, help="then N requests at concurrency 8 of each --c8-variants kind")
     ap.add_argument("--c8-variants", nargs="+", choices=list(VARIANTS), help="default: all --variants")
+    ap.add_argument(
+        "--perf-analyzer", default="", help="then perf_analyzer (this binary) at c=1 and c=4 on the same request"
+    )
     ap.add_argument("--json", default="")
     ap.add_argument("--md", default="", help="append a row (date, GPU, command, figures) to this BENCHMARKS.md")
     args = ap.parse_args()
@@ -410,6 +449,11 @@ def main() -> int:
         if args.ar:
             result["ar_c1"] = drive(url, ar, args.ar, 1)
             result["ar_c4"] = drive(url, ar, 4 * args.ar, 4)
+        if args.perf_analyzer:  # the last c=4 kind (or the single request), on this server
+            name = (args.c4_variants or [None])[-1]
+            p = requests[name][0] if name else params
+            result["perf_analyzer"] = {"variant": name or "t2v",
+                                       **perf_analyzer(args.perf_analyzer, url, p, {1: max(args.c1, 2), 4: max(args.c4, 4)})}  # fmt: skip
     except Exception as e:  # noqa: BLE001
         print(
             f"benchmark failed: {e}\n--- server log tail ---\n{(workdir / 'tritonserver.log').read_text()[-3000:]}",
@@ -444,6 +488,12 @@ def main() -> int:
             name = key.split(":", 1)[-1]
             if ":" in key and name in result["floors"]:
                 print(floor_line(key, r, result["floors"][name]))
+    for c, r in ((c, r) for c, r in result.get("perf_analyzer", {}).items() if c != "variant"):
+        name = result["perf_analyzer"]["variant"]
+        ours = result.get(f"c{c}:{name}") or result.get(f"c{c}", {})
+        print(f"perf_analyzer c={c} {name}: {60 * r['infer_per_s']:.2f} videos/min, p50 latency {r['p50_latency']:.2f}s"
+              f"  (bench.served: {ours.get('videos_per_min', float('nan')):.2f} videos/min, "
+              f"e2e p50 {ours.get('e2e_p50', float('nan')):.2f}s)")  # fmt: skip
     print(f"server startup (load + compile + warmup) {result['startup_s']:.0f}s")
     for key in ("inprocess", "diffusers"):
         if key in result:
