@@ -7,6 +7,10 @@ diffusers in fp32 on the same weights. Rerun after every numeric change.
   python -m bench.parity --preset nano --cases 'policy-480-*' 'fd-480-*' 'id-256-*'      # robot actions
   python -m bench.parity --preset edge --precision fp8 [--fp8-policy '{"first_steps": 3}'] --bar 100
                                                       # ours in FP8 (quantized at load), beside diffusers' bf16
+  python -m bench.parity --preset edge --precision fp8 --fp8-reference diffusers --cases 't2v-*'
+                                                      # ours and diffusers' own FP8 on the same FP8 checkpoint
+  python -m bench.parity --preset edge --cases 't2v-*' --cache '{"policy": "sea"}'   # SeaCache on both sides
+  python -m bench.parity --preset nano --cases 'policy-*' 'id-*' --seeds 4            # actions over 4 noise seeds
   python -m bench.parity --report F.json --md BENCHMARKS.md   # render a saved run
 
 The checkpoint is a real diffusers one with LLM-like random weights at the preset's shapes
@@ -38,6 +42,34 @@ inverse dynamics on the clip of chunk + 1 frames; domains `droid_lerobot` (polic
 transformer's action heads in place (`random_checkpoint.add_action`: `action_dim` 64, 32 domains; tiny: 16, 32). A
 case is judged on the final vision latents and, for policy and inverse dynamics, on the actions (`out.action[0]`,
 [chunk, raw width]): their rel-L2 against fp32 diffusers', with the same ratio rule.
+
+SeaCache (`--cache JSON`, a request's `parameters.cache`, e.g. '{"policy": "sea", "threshold": 0.4}'): our runs
+carry it in their requests, diffusers' low-precision run the same config as
+`pipe.transformer.enable_cache(SeaCacheConfig(**fields))` (bench/inprocess.py's mapping, as tests/test_cache.py),
+enabled for one call and disabled after it, so no cache state carries over between cases or seeds. The fp32
+reference stays uncached: the table is SeaCache's distance to exact fp32 — diffusers cached and ours cached — and
+their ratio, judged as above. Per run it also gives the fraction of branch-steps (steps × CFG branches) that
+reused: ours from the `done` info's `cache_skipped`, diffusers' from `StackCalls` (its block stack did not run).
+
+FP8 (`--precision fp8`): `--fp8-reference bf16` (the default) runs ours with the 16-bit checkpoint's layer linears
+quantized at load (a deployment's `precision: fp8`) beside diffusers' bf16 as the low-precision column.
+`--fp8-reference diffusers` runs diffusers' own FP8 as that column: `tools/make_fp8` writes the official ModelOpt
+layout from the bf16 checkpoint (`<checkpoint>-fp8`, once; policy 3 + 3 stamped; input scales calibrated by
+diffusers fp32 on the CPU; needs nvidia-modelopt), diffusers loads it as tests/test_fp8.py does (ModelOpt restores
+`modelopt_state.pth`; the FP8 linears' W8A8 is ModelOpt's `fp8_per_tensor_gemm` — `torch._scaled_mm` — with dynamo
+off, its W8A16 diffusers' `_w8a16_linear`; the linears classified by tower, as the step policy defines them:
+diffusers 0.42.1 swaps the two towers' attention projections) and runs its step policy; ours serves the same
+checkpoint (`precision: checkpoint`: an FP8 checkpoint loads as `Fp8Linear`s, the checkpoint's policy). A
+`--fp8-policy` goes to ours as the deployment's `fp8_policy` and to diffusers as `mixed_precision_*` (first_steps,
+last_steps, reasoner; the pipeline takes no overlap). The reference is diffusers fp32 on the bf16 weights.
+
+Noise seeds (`--seeds N`): every case runs with noise seeds seed, seed + 1, …, seed + N - 1 over the same weights
+(drawn with `--seed`; the checkpoint is keyed on it alone), in every run (fp32, low precision, ours), each seed
+against the fp32 run of that seed. Per case and run the rel-L2s aggregate as the root-mean-square over the seeds
+(shown with the per-seed [min–max]); the ratio and the judgement use those aggregates, ours' RMS against
+diffusers': ours passes when RMS(ours) ≤ max(`--bar` × RMS(diffusers), FLOOR). PSNR is the lowest over the seeds,
+the fraction skipped the mean. The per-seed numbers stay in the JSON (`runs.<run>.seeds`). Robot actions are
+80–160 numbers per case, whose bf16 distance moves by tens of per cent from seed to seed: judge them over seeds.
 """
 
 from __future__ import annotations
