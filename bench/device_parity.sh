@@ -15,8 +15,10 @@
 #   bash bench/device_parity.sh nano --cases 'policy-*' 'id-*' --seeds 4
 # diffusers' own FP8: --precision fp8 --fp8-reference diffusers (edge; carry .whl/fp8 too, unless the image has
 # nvidia-modelopt 0.47 and its imports): tools/make_fp8 writes /tmp/c3parity/parity-edge-s0-fp8 from the bf16
-# checkpoint once (its calibration runs diffusers fp32 on the CPU, ~12 GB; ~3-5 min for Edge, ~4 GB on disk), then
-# diffusers (ModelOpt) and ours run it. Nano's FP8 write needs ~60 GB of CPU memory twice and ~16 GB more disk.
+# checkpoint once (calibration: diffusers fp32 on the GPU; ModelOpt's state built in fp32 on the CPU; ~2-3 min for
+# Edge, ~4 GB on disk), then diffusers (ModelOpt) and ours run it. With the official policy (3 + 3 steps W8A16) a
+# 4-step case never runs W8A8: pick 8-step cases, or --fp8-policy '{"first_steps": 1, "last_steps": 1}'.
+# Nano's FP8 write needs ~60 GB of CPU memory and ~16 GB more disk.
 set -uo pipefail
 preset=$1; shift
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/parity/*.whl 2>&1 | grep -v -e WARNING -e "already exists" | tail -2

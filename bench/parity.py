@@ -55,7 +55,7 @@ FP8 (`--precision fp8`): `--fp8-reference bf16` (the default) runs ours with the
 quantized at load (a deployment's `precision: fp8`) beside diffusers' bf16 as the low-precision column.
 `--fp8-reference diffusers` runs diffusers' own FP8 as that column: `tools/make_fp8` writes the official ModelOpt
 layout from the bf16 checkpoint (`<checkpoint>-fp8`, once; policy 3 + 3 stamped; input scales calibrated by
-diffusers fp32 on the CPU; needs nvidia-modelopt), diffusers loads it as tests/test_fp8.py does (ModelOpt restores
+diffusers fp32 on `--device`; needs nvidia-modelopt), diffusers loads it as tests/test_fp8.py does (ModelOpt restores
 `modelopt_state.pth`; the FP8 linears' W8A8 is ModelOpt's `fp8_per_tensor_gemm` — `torch._scaled_mm` — with dynamo
 off, its W8A16 diffusers' `_w8a16_linear`; the linears classified by tower, as the step policy defines them:
 diffusers 0.42.1 swaps the two towers' attention projections) and runs its step policy; ours serves the same
@@ -522,9 +522,9 @@ def flashinfer_available() -> bool:
     return True
 
 
-def fp8_checkpoint(root: Path) -> Path:
+def fp8_checkpoint(root: Path, device: str) -> Path:
     """The FP8 checkpoint of `root` (`tools/make_fp8`: the official ModelOpt layout, policy 3 + 3, calibrated by
-    diffusers fp32 on the CPU), written once beside it; rewritten when `root` has gained sound or action parts."""
+    diffusers fp32 on `device`), written once beside it; rewritten when `root` has gained sound or action parts."""
     from cosmos3_core.tools.make_fp8 import make_fp8, policy_json
     from cosmos3_core.tools.random_checkpoint import has_action, has_sound
 
@@ -539,7 +539,7 @@ def fp8_checkpoint(root: Path) -> Path:
     ):
         return target
     tmp = root.with_name(f".tmp-{target.name}")
-    make_fp8(root, tmp, policy_json())
+    make_fp8(root, tmp, policy_json(), device=device)
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)
     return target
@@ -604,7 +604,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     lowp_root = root
     if fp8_diffusers:
         t0 = time.perf_counter()
-        lowp_root = fp8_checkpoint(root)
+        lowp_root = fp8_checkpoint(root, args.device)
         timings["fp8_checkpoint_s"] = time.perf_counter() - t0
         print(f"FP8 checkpoint {lowp_root} ({timings['fp8_checkpoint_s']:.0f} s)", flush=True)
 
