@@ -17,10 +17,10 @@ The checkpoint is a real diffusers one with LLM-like random weights at the prese
 (`random_checkpoint.write_skeleton(..., weights=True)`, stored in bf16, so every run holds the same weights). A
 case is task (t2v, i2v) × frames (9, 33; tiny: 5, 9) × steps (4, 8) × schedule (`native`: Edge's linspaced
 sigmas, `flow`: Nano's shifted flow sigmas; `use_native_flow_schedule` is overridden per case), at 832×480,
-guidance 6, shift 5, seed 0; noise is drawn on the CPU, so every run starts from the same latents. The runs go one
-after another, each freed before the next: diffusers fp32 (TF32 off) → diffusers in `--dtype` → ours
-(`Generator`: prefill → engine → decode, the path the server's stages run; a fresh one per attention backend and
-schedule, CUDA graphs on). Per case and run: rel-L2 of the final latents against fp32 diffusers', its ratio to
+guidance 6, shift 5, noise seed 0 (`--seed`; `--seeds N`: N of them, below); noise is drawn on the CPU, so every
+run starts from the same latents. The runs go one after another, each freed before the next: diffusers fp32 (TF32
+off) → diffusers in `--dtype` → ours (`Generator`: prefill → engine → decode, the path the server's stages run; a
+fresh one per attention backend and schedule, CUDA graphs on). Per case and run: rel-L2 of the final latents against fp32 diffusers', its ratio to
 diffusers' own low-precision distance, and the PSNR of the decoded uint8 frames against fp32 diffusers' frames. A
 case passes when each of ours is within `--bar` (1.05) × diffusers' distance, or below FLOOR (both fp32).
 
