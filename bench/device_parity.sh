@@ -28,6 +28,7 @@ fi
 export PYTHONPATH=/tmp/site:$PWD COSMOS3_CACHE=/tmp/c3parity FLASHINFER_WORKSPACE_BASE=/tmp/fiws PYTHONUNBUFFERED=1
 python3 -c "import torch, diffusers, transformers; print(torch.__version__, diffusers.__version__, transformers.__version__, torch.cuda.get_device_name())"
 python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" 2>&1 | tail -1
+[[ " $* " == *" --fp8-reference diffusers "* ]] && python3 -c "import modelopt; print('modelopt', modelopt.__version__)" 2>&1 | tail -1
 for old in /tmp/c3parity/parity-*; do [[ -e $old && $old != */parity-$preset-* ]] && rm -rf "$old"; done
 df -h /tmp | tail -1
 python3 -m bench.parity --preset "$preset" --json "$OUT/parity_$preset.json" "$@" 2>&1 \

@@ -20,9 +20,10 @@ sigmas, `flow`: Nano's shifted flow sigmas; `use_native_flow_schedule` is overri
 guidance 6, shift 5, noise seed 0 (`--seed`; `--seeds N`: N of them, below); noise is drawn on the CPU, so every
 run starts from the same latents. The runs go one after another, each freed before the next: diffusers fp32 (TF32
 off) → diffusers in `--dtype` → ours (`Generator`: prefill → engine → decode, the path the server's stages run; a
-fresh one per attention backend and schedule, CUDA graphs on). Per case and run: rel-L2 of the final latents against fp32 diffusers', its ratio to
-diffusers' own low-precision distance, and the PSNR of the decoded uint8 frames against fp32 diffusers' frames. A
-case passes when each of ours is within `--bar` (1.05) × diffusers' distance, or below FLOOR (both fp32).
+fresh one per attention backend and schedule, CUDA graphs on). Per case and run: rel-L2 of the final latents
+against fp32 diffusers', its ratio to diffusers' own low-precision distance, and the PSNR of the decoded uint8
+frames against fp32 diffusers' frames. A case passes when each of ours is within `--bar` (1.05) × diffusers'
+distance, or below FLOOR (both fp32).
 
 v2v and sound (`--cases` globs pick them; without `--cases` the run is the 16 t2v/i2v cases above): tasks
 `v2v-first` / `v2v-last` (a 12-frame synthetic clip at the output size, `condition_frame_indexes` [0, 1], that end
@@ -533,10 +534,11 @@ def fp8_checkpoint(root: Path, device: str) -> Path:
     except ImportError as e:
         raise SystemExit(f"--fp8-reference diffusers needs nvidia-modelopt (0.47.0): {e}") from e
     target = root.with_name(f"{root.name}-fp8")
-    if (target / "model_index.json").is_file() and (has_sound(target), has_action(target)) == (
-        has_sound(root),
-        has_action(root),
-    ):
+
+    def parts(ckpt: Path) -> tuple[bool, bool]:
+        return has_sound(ckpt), has_action(ckpt)
+
+    if (target / "model_index.json").is_file() and parts(target) == parts(root):
         return target
     tmp = root.with_name(f".tmp-{target.name}")
     make_fp8(root, tmp, policy_json(), device=device)
