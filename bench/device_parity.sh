@@ -12,7 +12,7 @@
 # full-canvas clip encodes, bf16 ~20 s, SDPA ~15 s, FlashInfer ~90 s with fa3's first JIT); all 12 cases ~6-7 min.
 # SeaCache: --cache '{"policy": "sea"}' (ours and diffusers' bf16 cached, the fp32 reference not; + skipped fractions).
 # Noise seeds: --seeds N runs every case N times per run (N× the case time; the checkpoint is written once), e.g.
-#   bash bench/device_parity.sh nano --cases 'policy-*' 'id-*' --seeds 4
+#   bash bench/device_parity.sh nano --cases 'policy-480-*' 'id-256-*' --seeds 4   (4 cases × 4 seeds: ~6-8 min fresh)
 # diffusers' own FP8: --precision fp8 --fp8-reference diffusers (edge; carry .whl/fp8 too, unless the image has
 # nvidia-modelopt 0.47 and its imports): tools/make_fp8 writes /tmp/c3parity/parity-edge-s0-fp8 from the bf16
 # checkpoint once (calibration: diffusers fp32 on the GPU; ModelOpt's state built in fp32 on the CPU; ~2-3 min for

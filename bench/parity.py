@@ -10,7 +10,7 @@ diffusers in fp32 on the same weights. Rerun after every numeric change.
   python -m bench.parity --preset edge --precision fp8 --fp8-reference diffusers --cases 't2v-*'
                                                       # ours and diffusers' own FP8 on the same FP8 checkpoint
   python -m bench.parity --preset edge --cases 't2v-*' --cache '{"policy": "sea"}'   # SeaCache on both sides
-  python -m bench.parity --preset nano --cases 'policy-*' 'id-*' --seeds 4            # actions over 4 noise seeds
+  python -m bench.parity --preset nano --cases 'policy-480-*' 'id-256-*' --seeds 4     # actions over 4 noise seeds
   python -m bench.parity --report F.json --md BENCHMARKS.md   # render a saved run
 
 The checkpoint is a real diffusers one with LLM-like random weights at the preset's shapes
