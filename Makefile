@@ -67,7 +67,8 @@ parity: setup
 	$(PY) -m bench.parity --preset $(or $(PRESET),tiny) --json out/parity_$(or $(PRESET),tiny).json $(if $(MD),--md $(MD))
 
 # wheels the H200 lacks, for the device tool's carry (each folder under 64 MiB): parity = diffusers + flashinfer,
-# env = the Triton stub's numpy<2 + tritonclient, pytriton = the bundled tritonserver (bench/device_*.sh)
+# env = the Triton stub's numpy<2 + tritonclient, pytriton = the bundled tritonserver (bench/device_*.sh),
+# fp8 = ModelOpt and what its import needs beyond the image's (diffusers' FP8: parity --fp8-reference diffusers)
 WHEEL_PLATFORMS = --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 	$(foreach v,manylinux_2_35 manylinux_2_28 manylinux_2_27 manylinux_2_24 manylinux_2_17 manylinux2014,--platform $(v)_x86_64)
 device-wheels:
@@ -75,6 +76,8 @@ device-wheels:
 		apache-tvm-ffi==0.1.15.post2 nvidia-cudnn-frontend==1.32.0
 	pip download -q $(WHEEL_PLATFORMS) -d .whl/env numpy==1.26.4 tritonclient==2.73.0 python-rapidjson==1.25
 	pip download -q $(WHEEL_PLATFORMS) -d .whl/pytriton nvidia-pytriton==0.7.0
+	pip download -q $(WHEEL_PLATFORMS) -d .whl/fp8 nvidia-modelopt==0.47.0 pulp==3.3.2 omegaconf==2.4.0 \
+		nvidia-ml-py==13.615.71
 	bash bench/perf_analyzer/fetch.sh .whl/perf_analyzer
 
 docker:

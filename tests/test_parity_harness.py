@@ -101,3 +101,32 @@ def test_weights_are_llm_like_and_load_in_both(tiny_run):
     flow = root.with_name(root.name + "-flow")  # the schedule override: a linked copy with its own model_index.json
     assert json.loads((flow / "model_index.json").read_text())["use_native_flow_schedule"] is False
     assert Checkpoint.open(flow).use_native_flow_schedule is False
+
+
+def test_aggregate_over_seeds():
+    per_seed = [
+        {"rel_l2": 0.3, "psnr_db": 40.0, "backend": "sdpa"},
+        {"rel_l2": 0.4, "psnr_db": 38.0, "backend": "sdpa"},
+    ]
+    agg = parity.aggregate(per_seed)
+    assert agg["rel_l2"] == pytest.approx(math.sqrt((0.09 + 0.16) / 2)) and agg["rel_l2_range"] == [0.3, 0.4]
+    assert agg["psnr_db"] == 38.0 and agg["backend"] == "sdpa" and agg["seeds"] == per_seed
+
+
+def test_tiny_cache_and_seeds(tmp_path, monkeypatch):
+    """--cache and --seeds on one 8-step case (fp32 against fp32): diffusers and ours skip the same branch-steps
+    for each seed, the fp32 reference runs uncached, the aggregates are the RMS over the seeds."""
+    monkeypatch.setenv("COSMOS3_CACHE", str(tmp_path / "cache"))
+    result = parity.main(["--preset", "tiny", "--device", "cpu", "--cases", "t2v-5f-8s-native", "--cache",
+                          '{"policy": "sea"}', "--seeds", "2"])  # fmt: skip
+    assert result["seeds"] == [0, 1] and result["cache"] == {"policy": "sea"}
+    row = result["cases"]["t2v-5f-8s-native"]
+    ours, theirs = row["runs"]["sdpa"], row["runs"]["diffusers"]
+    assert [d["skipped"] for d in ours["seeds"]] == [d["skipped"] for d in theirs["seeds"]]
+    assert ours["skip_frac"] == theirs["skip_frac"] > 0  # SeaCache reused some steps
+    assert 0 < theirs["rel_l2"] < 1e-3  # cached against the uncached fp32 reference
+    assert ours["rel_l2"] == pytest.approx(parity.rms([d["rel_l2"] for d in ours["seeds"]]))
+    assert row["pass"] and ours["ratio"] == pytest.approx(1.0, abs=0.05)
+    table = parity.table(result)
+    assert "diffusers float32 + SeaCache" in table and "branch-steps skipped" in table and " [" in table
+    assert 'SeaCache {"policy": "sea"}' in parity.summary(result) and "noise seeds 0–1" in parity.summary(result)

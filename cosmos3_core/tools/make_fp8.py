@@ -129,11 +129,12 @@ def _read_state(tdir: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _calibrate(src: Path, calibration: list[dict[str, Any]]) -> dict[str, float]:
-    """Max |input| of every layer linear over the calibration requests (diffusers' pipeline, fp32, CPU)."""
+def _calibrate(src: Path, calibration: list[dict[str, Any]], device: str = "cpu") -> dict[str, float]:
+    """Max |input| of every layer linear over the calibration requests (diffusers' pipeline, fp32, on `device`)."""
     from diffusers import Cosmos3OmniPipeline
 
-    pipe = Cosmos3OmniPipeline.from_pretrained(src, dtype=torch.float32)
+    device_map = device if device.startswith("cuda") else None  # a real-shape source calibrates on the GPU
+    pipe = Cosmos3OmniPipeline.from_pretrained(src, dtype=torch.float32, device_map=device_map)
     pipe.set_progress_bar_config(disable=True)
     names = [
         n for n, m in pipe.transformer.named_modules() if n.startswith("layers.") and isinstance(m, torch.nn.Linear)
@@ -192,16 +193,17 @@ def make_fp8(
     out: Path,
     policy: dict | None = None,
     calibration: list[dict[str, Any]] | None = None,
+    device: str = "cpu",
 ) -> Path:
     """Write the FP8 checkpoint of `src` to `out` (replaced if it exists) → `out`. `policy`: the
-    `diffusion_step_policy` to stamp (`policy_json(...)`), None for none."""
+    `diffusion_step_policy` to stamp (`policy_json(...)`), None for none. `device`: where the calibration runs."""
     src, out = Path(src), Path(out)
     if out.exists():
         shutil.rmtree(out)
     shutil.copytree(src, out, ignore=shutil.ignore_patterns("transformer"))
     tdir = out / "transformer"
     tdir.mkdir()
-    amax = _calibrate(src, calibration or CALIBRATION)
+    amax = _calibrate(src, calibration or CALIBRATION, device)
     state = _read_state(src / "transformer")
     fp8: dict[str, torch.Tensor] = {}
     for name in sorted(amax):
