@@ -10,6 +10,8 @@ Two backends with one contract, chosen by the deployment's `attention`:
 - `FlashInferAttention` — CUDA: FlashInfer's paged prefill over the prefix pages and ragged prefill over the
   own tokens, merged by their log-sum-exp. `plan` does all host work once per step (every layer shares it)
   and writes only into buffers the plan owns, so a captured CUDA graph replays it with new page tables.
+  Its modules (`flashinfer_module_specs`) are JIT-built on first use, unless built ahead for this GPU arch
+  (tools/warm.py, no GPU needed) into `caches.flashinfer_aot_dir`, where they are loaded as they are.
 
 A backend makes one `Plan` per step layout (`graphs.StepLayout`); `plan.update(segments)` runs before each
 forward outside any graph, `plan(q, k, v, layer)` inside it.
@@ -137,13 +139,27 @@ class FlashInferAttention:
         self.heads, self.kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         device = pool.k_pages.device
         major, minor = torch.cuda.get_device_capability(device)
-        use_flashinfer_aot(cuda_arch(major, minor))  # modules built ahead (tools/warm.py) load without a JIT
+        self.aot = use_flashinfer_aot(cuda_arch(major, minor))  # modules built ahead (tools/warm.py): no JIT
         self.backend = flashinfer_backend(major, head_dim)
         self.workspace = torch.empty(self.WORKSPACE_BYTES, dtype=torch.uint8, device=device)  # shared: runs are serial
 
     def check(self) -> None:
         """One tiny plan and call: JIT-compiles the kernels now (minutes the first time, then cached) so a
-        deployment that cannot build them (no nvcc, an unsupported GPU) fails at load, not on a request."""
+        deployment that cannot build them (no nvcc, an unsupported GPU) fails at load, not on a request. Modules
+        built ahead that do not load here (another CUDA major or flashinfer build) are JIT-built instead."""
+        from .caches import use_flashinfer_aot
+
+        try:
+            self._check()
+        except Exception as e:
+            if self.aot is None:
+                raise
+            print(f"cosmos3: flashinfer modules in {self.aot} do not run here ({str(e)[:300]}); JIT-building them",
+                  file=sys.stderr)  # fmt: skip
+            self.aot = use_flashinfer_aot(None)
+            self._check()
+
+    def _check(self) -> None:
         dev, dt, rows = self.workspace.device, self.pool.k_pages.dtype, 64
         prefix = PageList([0], 1, torch.zeros(1, dtype=torch.long, device=dev))
         plan = self.make_plan(rows)

@@ -59,15 +59,22 @@ def cuda_arch(major: int, minor: int) -> str:
     return f"{major}.{minor}{'a' if major >= 9 else ''}"
 
 
-def use_flashinfer_aot(arch: str) -> Path | None:
+_FLASHINFER_OWN_AOT: list[Path] = []  # flashinfer's own prebuilt-module folder, before use_flashinfer_aot
+
+
+def use_flashinfer_aot(arch: str | None) -> Path | None:
     """Point FlashInfer's prebuilt-module lookup (`jit.env.FLASHINFER_AOT_DIR`, where a module's `<uri>/<uri>.so`
     is loaded without building) at `flashinfer_aot_dir(arch)` when that folder exists and no flashinfer-jit-cache
-    package is installed (that one has every module) → the folder in use, or None. A module not found there is
-    JIT-built as before. Call after importing flashinfer, before its first kernel loads."""
+    package is installed (that one has every module) → the folder in use, or None (`arch` None: flashinfer's own
+    lookup again). A module not found there is JIT-built as before. Call after importing flashinfer, before its
+    first kernel loads."""
     from flashinfer.jit import env as jit_env
 
-    folder = flashinfer_aot_dir(arch)
-    if jit_env.has_flashinfer_jit_cache() or not folder.is_dir():
+    if not _FLASHINFER_OWN_AOT:
+        _FLASHINFER_OWN_AOT.append(jit_env.FLASHINFER_AOT_DIR)
+    folder = flashinfer_aot_dir(arch) if arch else None
+    if folder is None or jit_env.has_flashinfer_jit_cache() or not folder.is_dir():
+        jit_env.FLASHINFER_AOT_DIR = _FLASHINFER_OWN_AOT[0]
         return None
     jit_env.FLASHINFER_AOT_DIR = folder
     return folder
