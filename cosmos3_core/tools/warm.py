@@ -20,6 +20,7 @@ Two parts, both into the kernel caches of `caches.py`:
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import shutil
 import sys
@@ -57,10 +58,8 @@ def gpu_archs() -> list[str]:
 def build_flashinfer(d: Deployment, head_dim: int, archs: list[str], verbose: bool = False) -> list[Path]:
     """Build the deployment's FlashInfer modules for each arch into `flashinfer_aot_dir(arch)` (those already there
     are kept) → the module files. Compiles in a scratch folder beside them, removed after."""
-    try:
-        from flashinfer.jit import env as jit_env
-    except ImportError as e:
-        raise SystemExit(f"warm: flashinfer is not installed ({e}): pip install -e '.[gpu]'") from e
+    from flashinfer.jit import env as jit_env
+
     saved = jit_env.FLASHINFER_JIT_DIR, jit_env.FLASHINFER_GEN_SRC_DIR, jit_env.FLASHINFER_AOT_DIR
     saved_archs = os.environ.get("FLASHINFER_CUDA_ARCH_LIST")
     try:
@@ -128,7 +127,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.kernels_only and not archs:
         print("warm: no GPU here: name the GPU arch to build for (--cuda-arch 9.0a)", file=sys.stderr)
         return 2
-    if uses_flashinfer and (args.kernels_only or d.torch_device.startswith("cuda")):
+    if uses_flashinfer and importlib.util.find_spec("flashinfer") is None:
+        print("warm: flashinfer is not installed (pip install -e '.[gpu]'): its modules are not built",
+              file=sys.stderr)  # fmt: skip
+        if args.kernels_only or d.attention == "flashinfer":
+            return 2
+    elif uses_flashinfer and (args.kernels_only or d.torch_device.startswith("cuda")):
         try:
             build_flashinfer(d, ckpt.config.head_dim, archs, args.verbose)
         except Exception as e:  # a server would JIT or (attention: auto) fall back to SDPA, as the load below does
