@@ -12,6 +12,8 @@
 #         torch.compile's caches), then a new server on those caches
 #   cold  nothing built ahead (the 113 s reference: fa3 JIT and compile at startup)
 # After each server: the FlashInfer modules it JIT-built (none when the carried ones loaded) and its attention.
+# out/fi_aot (4.4 MB), here, without a GPU: make warm-kernels CONFIG=configs/bench_edge.yaml CUDA_ARCH=9.0a &&
+#   cp -r ~/.cache/cosmos3/kernels/flashinfer/aot/sm90a out/fi_aot
 #   device run, carry [.whl/pytriton, out/fi_aot]: FI_AOT=out/fi_aot bash bench/device_coldstart.sh aot warm
 set -uo pipefail
 [ -x /tmp/v/bin/python ] || { echo "no /tmp/v: run bench/device_env.sh first on this machine"; exit 3; }
