@@ -43,8 +43,8 @@ for c in "${cases[@]}"; do
     aot) [ -d "${FI_AOT:-}" ] || { echo "aot: set FI_AOT to the carried folder"; continue; }
          fresh carry; serve aot ;;
     warm) fresh carry
-          /usr/bin/time -f "make warm wall %e s" /tmp/v/bin/python -m cosmos3_core.tools.warm --config $CONFIG 2>&1 \
-            | grep -v -e Warning -e float32
+          t0=$SECONDS; /tmp/v/bin/python -m cosmos3_core.tools.warm --config $CONFIG 2>&1 | grep -v -e Warning -e float32
+          echo "make warm wall $((SECONDS - t0)) s"
           du -sh /tmp/coldstart/kernels/* 2>/dev/null; serve warm ;;
     cold) fresh none; serve cold ;;
     *) echo "unknown case $c"; exit 2 ;;
