@@ -12,7 +12,7 @@ ADDRESS ?= 127.0.0.1
 PROMPT ?= A robot arm stacks red and blue cubes on a wooden table, soft daylight.
 OUT ?= out/demo.mp4
 
-.PHONY: setup serve demo stop test lint bench soak fuzz conformance parity warm device-wheels docker clean
+.PHONY: setup serve demo stop test lint bench soak fuzz conformance parity warm warm-kernels device-wheels docker clean
 
 setup: $(VENV)/.installed
 
@@ -57,9 +57,15 @@ bench: setup
 	$(PY) -m bench.served --config configs/bench_nano_ar.yaml --c1 0 --c4 0 --ar 1 --json out/bench_nano_ar.json --md BENCHMARKS.md
 	$(PY) -m bench.inprocess --preset edge --compile --variants sdpa flashinfer+graphs --json out/bench_inprocess.json --md BENCHMARKS.md
 
-# build the deployment's kernels (FlashInfer fa3 JIT, torch.compile) into $$COSMOS3_CACHE/kernels before serving
+# build the deployment's kernels (FlashInfer's modules, torch.compile's graphs) into $$COSMOS3_CACHE/kernels before
+# serving, on the GPU it will serve on. warm-kernels: FlashInfer's modules only, no GPU needed (nvcc, flashinfer
+# installed: the `gpu` extra), for CUDA_ARCH (default $$FLASHINFER_CUDA_ARCH_LIST, else this machine's GPUs; 9.0a: H100/H200)
 warm: setup
 	$(PY) -m cosmos3_core.tools.warm --config $(CONFIG) $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT))
+
+warm-kernels: setup
+	$(PY) -m cosmos3_core.tools.warm --kernels-only --config $(CONFIG) $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) \
+		$(if $(CUDA_ARCH),--cuda-arch "$(CUDA_ARCH)")
 
 # numerics at real shapes (GPU: PRESET=edge|nano, see bench/device_parity.sh); tiny runs on the CPU
 parity: setup

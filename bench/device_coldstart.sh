@@ -1,20 +1,52 @@
 #!/usr/bin/env bash
 # On the H200, after `bench/device_env.sh` and with nvidia-pytriton installed in /tmp/v (bench/device_served.sh
-# does it): cold start with kernel caches built ahead. A fresh $COSMOS3_CACHE; the random:edge checkpoint is
-# written first (a real deployment has its checkpoint on disk; not timed); `make warm`'s command builds the
-# kernels into $COSMOS3_CACHE/kernels and times load + compile + warmup; then a new server on that cache is
-# timed from launch to ready (bench.served's `server startup`), and serves one request.
-#   device run, carry [.whl/pytriton] on the warm machine: bash bench/device_coldstart.sh
+# does it): cold start to ready of Edge (configs/bench_edge.yaml), each case on a fresh $COSMOS3_CACHE
+# (/tmp/coldstart) and a fresh server, timed by bench.served's `server startup` (launch → ready: load, compile,
+# warmup), which then serves one request. The random:edge checkpoint is written first (a real deployment has its
+# checkpoint on disk; not timed). Cases (arguments, default: aot warm):
+#   aot   a fresh machine with only FlashInfer's modules built ahead carried in: $FI_AOT, what
+#         `python -m cosmos3_core.tools.warm --kernels-only --config configs/bench_edge.yaml --cuda-arch 9.0a` wrote
+#         into kernels/flashinfer/aot/sm90a on a machine without a GPU, copied to $COSMOS3_CACHE/kernels/flashinfer/
+#         aot/sm90a; no inductor or Triton cache: torch.compile runs at startup
+#   warm  `make warm`'s command first (timed: FlashInfer's modules, kept from $FI_AOT when given, else built here;
+#         torch.compile's caches), then a new server on those caches
+#   cold  nothing built ahead (the 113 s reference: fa3 JIT and compile at startup)
+# After each server: the FlashInfer modules it JIT-built (none when the carried ones loaded) and its attention.
+# out/fi_aot (4.4 MB), here, without a GPU: make warm-kernels CONFIG=configs/bench_edge.yaml CUDA_ARCH=9.0a &&
+#   cp -r ~/.cache/cosmos3/kernels/flashinfer/aot/sm90a out/fi_aot
+#   device run, carry [.whl/pytriton, out/fi_aot]: FI_AOT=out/fi_aot bash bench/device_coldstart.sh aot warm
 set -uo pipefail
 [ -x /tmp/v/bin/python ] || { echo "no /tmp/v: run bench/device_env.sh first on this machine"; exit 3; }
 /tmp/v/bin/python -c "import pytriton" 2>/dev/null || /tmp/v/bin/python -m pip install -q --no-index --no-deps .whl/pytriton/*.whl
-unset FLASHINFER_WORKSPACE_BASE TORCHINDUCTOR_CACHE_DIR TRITON_CACHE_DIR
+unset FLASHINFER_WORKSPACE_BASE TORCHINDUCTOR_CACHE_DIR TRITON_CACHE_DIR FLASHINFER_CUDA_ARCH_LIST
 export COSMOS3_CACHE=/tmp/coldstart
-rm -rf /tmp/coldstart /tmp/torchinductor_root
-/tmp/v/bin/python -c "from cosmos3_core.tools.checkpoints import resolve_checkpoint; print(resolve_checkpoint('random:edge'))"
-echo "== make warm (python -m cosmos3_core.tools.warm --config configs/bench_edge.yaml)"
-/usr/bin/time -f "warm wall %e s" /tmp/v/bin/python -m cosmos3_core.tools.warm --config configs/bench_edge.yaml 2>&1 | grep -v -e Warning -e float32
-du -sh /tmp/coldstart/kernels/* 2>/dev/null
-echo "== a server on the built caches"
-timeout 400 /tmp/v/bin/python -m bench.served --config configs/bench_edge.yaml --c1 1 --c4 0 --inprocess 0 --diffusers 0 \
-  --json $OUT/coldstart.json 2>&1 | grep -v -e Warning -e float32 | tail -5
+CONFIG=configs/bench_edge.yaml
+FI=/tmp/coldstart/kernels/flashinfer
+fresh() {  # an empty cache (and torch.compile's default folder), then the checkpoint's configs and $FI_AOT if given
+  rm -rf /tmp/coldstart /tmp/torchinductor_root
+  /tmp/v/bin/python -c "from cosmos3_core.tools.checkpoints import resolve_checkpoint; resolve_checkpoint('random:edge')"
+  if [ "$1" = carry ] && [ -n "${FI_AOT:-}" ]; then
+    mkdir -p $FI/aot && cp -r "$FI_AOT" $FI/aot/sm90a && echo "carried: $(ls $FI/aot/sm90a | wc -l) modules, $(du -sh $FI/aot | cut -f1)"
+  fi
+}
+serve() {  # a new server on the cache: startup (launch → ready) and one request
+  timeout 400 /tmp/v/bin/python -m bench.served --config $CONFIG --c1 1 --c4 0 --inprocess 0 --diffusers 0 \
+    --json $OUT/coldstart_$1.json > $OUT/coldstart_$1.txt 2>&1
+  grep -e "server startup" -e "^c1" -e Error $OUT/coldstart_$1.txt | tail -4
+  echo "flashinfer modules JIT-built by it: $(ls $FI/.cache/flashinfer/*/*/cached_ops/*/*.so 2>/dev/null | wc -l)"
+  grep -h -e "attention auto" -e "flashinfer modules in" "$(ls -td /tmp/cosmos3-bench-*/ | head -1)tritonserver.log" | head -3
+}
+cases=("$@"); [ ${#cases[@]} -gt 0 ] || cases=(aot warm)
+for c in "${cases[@]}"; do
+  echo "== $c"
+  case $c in
+    aot) [ -d "${FI_AOT:-}" ] || { echo "aot: set FI_AOT to the carried folder"; continue; }
+         fresh carry; serve aot ;;
+    warm) fresh carry
+          t0=$SECONDS; /tmp/v/bin/python -m cosmos3_core.tools.warm --config $CONFIG 2>&1 | grep -v -e Warning -e float32
+          echo "make warm wall $((SECONDS - t0)) s"
+          du -sh /tmp/coldstart/kernels/* 2>/dev/null; serve warm ;;
+    cold) fresh none; serve cold ;;
+    *) echo "unknown case $c"; exit 2 ;;
+  esac
+done

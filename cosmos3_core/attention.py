@@ -10,6 +10,8 @@ Two backends with one contract, chosen by the deployment's `attention`:
 - `FlashInferAttention` — CUDA: FlashInfer's paged prefill over the prefix pages and ragged prefill over the
   own tokens, merged by their log-sum-exp. `plan` does all host work once per step (every layer shares it)
   and writes only into buffers the plan owns, so a captured CUDA graph replays it with new page tables.
+  Its modules (`flashinfer_module_specs`) are JIT-built on first use, unless built ahead for this GPU arch
+  (tools/warm.py, no GPU needed) into `caches.flashinfer_aot_dir`, where they are loaded as they are.
 
 A backend makes one `Plan` per step layout (`graphs.StepLayout`); `plan.update(segments)` runs before each
 forward outside any graph, `plan(q, k, v, layer)` inside it.
@@ -98,6 +100,25 @@ class SdpaPlan:
         return out
 
 
+def flashinfer_backend(major: int, head_dim: int) -> str:
+    """FlashInfer's prefill backend on a GPU of compute capability `major`.x: fa3 on Hopper at its head sizes."""
+    return "fa3" if major == 9 and head_dim in (64, 128, 256) else "fa2"
+
+
+def flashinfer_module_specs(backend: str, dtype: torch.dtype, head_dim: int) -> list:
+    """FlashInfer's JIT specs of the modules `FlashInferPlan` loads → `flashinfer.jit.JitSpec`s: the batch prefill
+    module (the paged and the ragged wrapper share it) with the arguments their `plan` derives from ours (q, kv and
+    out in `dtype`, int32 indices, no positional encoding, sliding window, soft cap or fp16 QK reduction), and the
+    cascade module of `merge_state`. tools/warm.py builds these ahead; keep them in step with `update`'s plans."""
+    from flashinfer.jit.attention import gen_batch_prefill_module
+    from flashinfer.jit.cascade import gen_cascade_module
+
+    prefill = gen_batch_prefill_module(
+        backend, dtype, dtype, dtype, torch.int32, head_dim, head_dim, 0, False, False, False
+    )  # fmt: skip
+    return [prefill, gen_cascade_module()]
+
+
 class FlashInferAttention:
     """FlashInfer batch prefill: paged (prefix) + ragged (own tokens) + `merge_state`. fa3 on Hopper.
 
@@ -112,16 +133,33 @@ class FlashInferAttention:
     def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int):
         import flashinfer  # noqa: F401 - fail at construction, not mid-step
 
+        from .caches import cuda_arch, use_flashinfer_aot
+
         self.pool = pool
         self.heads, self.kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         device = pool.k_pages.device
-        major, _ = torch.cuda.get_device_capability(device)
-        self.backend = "fa3" if major == 9 and head_dim in (64, 128, 256) else "fa2"
+        major, minor = torch.cuda.get_device_capability(device)
+        self.aot = use_flashinfer_aot(cuda_arch(major, minor))  # modules built ahead (tools/warm.py): no JIT
+        self.backend = flashinfer_backend(major, head_dim)
         self.workspace = torch.empty(self.WORKSPACE_BYTES, dtype=torch.uint8, device=device)  # shared: runs are serial
 
     def check(self) -> None:
         """One tiny plan and call: JIT-compiles the kernels now (minutes the first time, then cached) so a
-        deployment that cannot build them (no nvcc, an unsupported GPU) fails at load, not on a request."""
+        deployment that cannot build them (no nvcc, an unsupported GPU) fails at load, not on a request. Modules
+        built ahead that do not load here (another CUDA major or flashinfer build) are JIT-built instead."""
+        from .caches import use_flashinfer_aot
+
+        try:
+            self._check()
+        except Exception as e:
+            if self.aot is None:
+                raise
+            print(f"cosmos3: flashinfer modules in {self.aot} do not run here ({str(e)[:300]}); JIT-building them",
+                  file=sys.stderr)  # fmt: skip
+            self.aot = use_flashinfer_aot(None)
+            self._check()
+
+    def _check(self) -> None:
         dev, dt, rows = self.workspace.device, self.pool.k_pages.dtype, 64
         prefix = PageList([0], 1, torch.zeros(1, dtype=torch.long, device=dev))
         plan = self.make_plan(rows)

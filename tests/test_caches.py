@@ -1,9 +1,19 @@
-"""The kernel caches: one root, explicit folders win, and the server's environment carries them to the stubs."""
+"""The kernel caches: one root, explicit folders win, and the server's environment carries them to the stubs;
+FlashInfer's modules built ahead: per GPU arch, the ones the deployment loads."""
 
 from __future__ import annotations
 
-from cosmos3_core.caches import KERNEL_CACHE_VARS, cache_root, use_kernel_caches
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from cosmos3_core.caches import KERNEL_CACHE_VARS, cache_root, cuda_arch, flashinfer_aot_dir, use_kernel_caches
+from cosmos3_core.deployment import Deployment
+from cosmos3_core.tools.warm import flashinfer_kernels
 from cosmos3_core.triton.launcher import server_env
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
 def test_kernel_caches_fill_only_what_is_missing(monkeypatch, tmp_path):
@@ -24,3 +34,20 @@ def test_the_stubs_inherit_the_kernel_caches(monkeypatch, tmp_path):
     use_kernel_caches()
     env = server_env(tritonserver=tmp_path / "tritonserver")
     assert env["FLASHINFER_WORKSPACE_BASE"] == str(tmp_path / "kernels" / "flashinfer")
+
+
+def test_flashinfer_modules_built_ahead_are_kept_per_gpu_arch(monkeypatch, tmp_path):
+    monkeypatch.setenv("FLASHINFER_WORKSPACE_BASE", str(tmp_path / "fi"))
+    assert [cuda_arch(9, 0), cuda_arch(8, 9), cuda_arch(10, 0)] == ["9.0a", "8.9", "10.0a"]  # as flashinfer targets
+    assert flashinfer_aot_dir(cuda_arch(9, 0)) == tmp_path / "fi" / "aot" / "sm90a"
+
+
+def test_warm_builds_the_flashinfer_modules_the_deployment_loads():
+    edge = Deployment.load(CONFIGS / "bench_edge.yaml")
+    assert flashinfer_kernels(edge, 128, "9.0a") == [("fa3", torch.bfloat16, 128)]
+    assert flashinfer_kernels(edge, 128, "8.0") == [("fa2", torch.bfloat16, 128)]
+    assert flashinfer_kernels(edge, 96, "9.0a") == [("fa2", torch.bfloat16, 96)]  # fa3: head_dim 64/128/256
+    assert flashinfer_kernels(Deployment(), 128, "9.0a") == [("fa3", torch.bfloat16, 128)]  # auto: as on a GPU
+    assert flashinfer_kernels(replace(edge, dtype="float16"), 128, "9.0a") == [("fa3", torch.float16, 128)]
+    assert flashinfer_kernels(replace(edge, attention="sdpa"), 128, "9.0a") == []
+    assert flashinfer_kernels(Deployment.load(CONFIGS / "tiny.yaml"), 128, "9.0a") == []  # CPU, fp32
