@@ -12,7 +12,10 @@ Two backends with one contract, chosen by the deployment's `attention`:
   and writes only into buffers the plan owns, so a captured CUDA graph replays it with new page tables.
 
 A backend makes one `Plan` per step layout (`graphs.StepLayout`); `plan.update(segments)` runs before each
-forward outside any graph, `plan(q, k, v, layer)` inside it.
+forward outside any graph, `plan(q, k, v, layer)` inside it. A backend is `bucketable` when a captured plan takes
+any segments that fit its rows and segment slots (`make_plan(rows, slots)`) — segment boundaries and prefixes are
+plan data, not shapes — so a layout may be keyed on a bucket rather than the exact mix: FlashInfer (a fixed request
+count, padded with empty requests); not SDPA, whose per-segment loop (host code) a capture freezes.
 Layouts: q `[rows, heads, d]`, k/v `[rows, kv_heads, d]`; output `[rows, heads * d]`.
 """
 
@@ -46,14 +49,16 @@ class Plan(Protocol):
 class Backend(Protocol):
     name: str
     pool: KVPool
+    bucketable: bool
 
     def supports(self, segments: list[Segment]) -> bool: ...
     def shape_key(self, segments: list[Segment]) -> tuple: ...
-    def make_plan(self, rows: int) -> Plan: ...
+    def make_plan(self, rows: int, slots: int = 0) -> Plan: ...
 
 
 class SdpaAttention:
     name = "sdpa"
+    bucketable = False  # its plan loops over the segments in Python: a capture freezes their boundaries
 
     def __init__(self, pool: KVPool):
         self.pool = pool
@@ -65,7 +70,7 @@ class SdpaAttention:
         """What besides the segment lengths fixes this backend's tensor shapes: the prefix token counts."""
         return tuple(tuple(p.num_tokens for p in seg.prefix) for seg in segments)
 
-    def make_plan(self, rows: int) -> SdpaPlan:
+    def make_plan(self, rows: int, slots: int = 0) -> SdpaPlan:
         return SdpaPlan(self.pool)
 
 
@@ -80,7 +85,8 @@ class SdpaPlan:
         self.page_index: list[list[torch.Tensor]] = []
 
     def update(self, segments: list[Segment]) -> None:
-        if not self.page_index:
+        shapes = [[p.index.shape for p in seg.prefix] for seg in segments]
+        if shapes != [[b.shape for b in bufs] for bufs in self.page_index]:  # a new layout (or an eager new mix)
             self.page_index = [[p.index.clone() for p in seg.prefix] for seg in segments]
         else:
             for bufs, seg in zip(self.page_index, segments):
@@ -107,6 +113,7 @@ class FlashInferAttention:
     `page_size`) is not `supported`: `DenoiseStep` runs that layout with SDPA."""
 
     name = "flashinfer"
+    bucketable = True
     WORKSPACE_BYTES = 256 << 20
 
     def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int):
@@ -138,14 +145,18 @@ class FlashInferAttention:
     def shape_key(self, segments: list[Segment]) -> tuple:
         return ()  # prefix lengths are plan data, not shapes
 
-    def make_plan(self, rows: int) -> FlashInferPlan:
-        return FlashInferPlan(self, rows)
+    def make_plan(self, rows: int, slots: int = 0) -> FlashInferPlan:
+        return FlashInferPlan(self, rows, slots)
 
 
 class FlashInferPlan:
-    def __init__(self, attn: FlashInferAttention, rows: int):
+    """`slots`: a bucketed layout's segment slots: every update plans 2·slots requests (each segment and its
+    padding rows, then empty ones), the fixed batch a captured graph needs; 0: as many as the first update's."""
+
+    def __init__(self, attn: FlashInferAttention, rows: int, slots: int = 0):
         self.attn = attn
         self.rows = rows  # packed rows: the last segment's padding ends here
+        self.batch = 2 * slots
         self.paged = self.ragged = None
 
     def _wrappers(self, batch: int) -> None:
@@ -189,6 +200,13 @@ class FlashInferPlan:
                 indices.append(ids[0])
                 pages_indptr.append(len(indices))
                 last_len.append(1)
+        if self.batch and len(qo) - 1 > self.batch:
+            raise ValueError(f"{len(segments)} segments exceed the plan's {self.batch // 2} slots")
+        while len(qo) - 1 < self.batch:  # a bucket's unused slots: empty requests (no rows, one page: never read)
+            qo.append(qo[-1])
+            indices.append(indices[0])
+            pages_indptr.append(len(indices))
+            last_len.append(1)
         if self.paged is None:
             self._wrappers(len(qo) - 1)
         qo_indptr = torch.tensor(qo, dtype=torch.int32)

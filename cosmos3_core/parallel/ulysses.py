@@ -100,7 +100,10 @@ class UlyssesPlan:
 
 
 class UlyssesBackend:
-    """A backend over the head-sharded pool, its plans wrapped in the all-to-alls."""
+    """A backend over the head-sharded pool, its plans wrapped in the all-to-alls. Never bucketable: how many
+    sound and action rows each rank holds (`UlyssesLayout`) is a shape, fixed by the exact mix."""
+
+    bucketable = False
 
     def __init__(self, inner: Backend, comm: Comm, heads: int, kv_heads: int):
         self.inner, self.comm, self.heads, self.kv_heads = inner, comm, heads, kv_heads
@@ -113,8 +116,8 @@ class UlyssesBackend:
     def shape_key(self, segments: list[Segment]) -> tuple:
         return self.inner.shape_key(segments)
 
-    def make_plan(self, rows: int) -> UlyssesPlan:
-        return UlyssesPlan(self.inner.make_plan(rows), self.comm, self.heads, self.kv_heads)
+    def make_plan(self, rows: int, slots: int = 0) -> UlyssesPlan:
+        return UlyssesPlan(self.inner.make_plan(rows, slots), self.comm, self.heads, self.kv_heads)
 
 
 class UlyssesLayout(StepLayout):
