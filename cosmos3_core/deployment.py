@@ -46,7 +46,7 @@ class Deployment:
     # with cuda_graphs and FlashInfer: packed-row buckets (ascending multiples of 64, e.g. [4096, 8192, 16384, 32768]):
     # a step runs in the layout of the smallest bucket its rows fit (padding rows cost their compute), so a new mix
     # of request sizes replays an existing capture; the warmup captures every bucket (step.py). [] or a pack larger
-    # than the largest: a layout per exact size mix. A single-GPU denoise only (a parallel group keeps exact layouts)
+    # than the largest: a layout per exact size mix. A single-GPU denoise only (parallel groups keep exact layouts)
     graph_buckets: list[int] = field(default_factory=list)
     # CUDA graphs held at once (each keeps its activations' memory): a layout beyond runs eager, captured layouts
     # are kept (buckets first: the warmup captures them)
@@ -122,4 +122,5 @@ class Deployment:
             p = replace(p, cfg=1, ulysses=1)
         return WorkerSpec(str(checkpoint), self.torch_device, dtype, p, roles, self.pool_pages,
                           self.page_size, self.attention, self.compile, self.cuda_graphs,
-                          precision=self.precision, fp8_policy=dict(self.fp8_policy))  # fmt: skip
+                          max_captures=self.max_captures, precision=self.precision,
+                          fp8_policy=dict(self.fp8_policy))  # fmt: skip

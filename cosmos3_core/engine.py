@@ -83,7 +83,7 @@ class DenoiseEngine:
             self.step = DenoiseStep(self.model, self.pool, kernels, attention, cuda_graphs, graph_buckets, max_captures)
         else:  # several ranks per request (parallel/denoise.py): the same interfaces over a group
             self.pool = parallel.pool(self.model, pool_pages, page_size, dtype, device)
-            self.step = parallel.step(self.model, self.pool, kernels, attention, cuda_graphs)
+            self.step = parallel.step(self.model, self.pool, kernels, attention, cuda_graphs, max_captures)
         self.scheduler = Scheduler(
             cfg, self.pool, ckpt.scheduler_config, ckpt.use_native_flow_schedule, max_queue, decode_chunk,
             sound_spec(ckpt),

@@ -180,12 +180,12 @@ class UlyssesStep(DenoiseStep):
     layout_class = UlyssesLayout
 
     def __init__(self, model: Cosmos3Transformer, pool: KVPool, comm: Comm, kernels: GenKernels, attention: str,
-                 cuda_graphs: bool):  # fmt: skip
+                 cuda_graphs: bool, max_captures: int = 16):  # fmt: skip
         cfg = model.cfg
         h, kv, u = cfg.num_attention_heads, cfg.num_key_value_heads, comm.parallel.ulysses
         lo, hi = comm.parallel.kv_heads_of(comm.ulysses_index, h, kv)
         inner = make_attention(attention, pool, h // u, hi - lo, cfg.head_dim)
         backend = UlyssesBackend(inner, comm, h, kv)
-        super().__init__(model, pool, kernels, backend, cuda_graphs)
+        super().__init__(model, pool, kernels, backend, cuda_graphs, max_captures=max_captures)
         sdpa = inner if isinstance(inner, SdpaAttention) else SdpaAttention(pool)
         self.sdpa = backend if sdpa is inner else UlyssesBackend(sdpa, comm, h, kv)
