@@ -125,7 +125,8 @@ class UlyssesLayout(StepLayout):
 
     def __init__(self, model: Cosmos3Transformer, kernels: GenKernels, attention: UlyssesBackend, total_rows: int,
                  token_dim: int, segments: list[Segment], graph_pool: tuple | None, a16_rows: int,
-                 residual: bool = False):  # fmt: skip
+                 residual: bool = False, capacity: None = None):  # fmt: skip
+        # capacity: None (exact layouts only: `UlyssesBackend` is not bucketable)
         super().__init__(model, kernels, attention, total_rows, token_dim, segments, graph_pool, a16_rows, residual)
         comm = attention.comm
         u, j = comm.parallel.ulysses, comm.ulysses_index
