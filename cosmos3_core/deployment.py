@@ -48,8 +48,8 @@ class Deployment:
     # of request sizes replays an existing capture; the warmup captures every bucket (step.py). [] or a pack larger
     # than the largest: a layout per exact size mix. A single-GPU denoise only (parallel groups keep exact layouts)
     graph_buckets: list[int] = field(default_factory=list)
-    # CUDA graphs held at once (each keeps its activations' memory): a layout beyond runs eager, captured layouts
-    # are kept (buckets first: the warmup captures them)
+    # CUDA graphs held at once (each keeps its activations' memory): beyond, a new layout runs eager until a captured
+    # one is dropped (least recently used of the step's layouts); the warmup captures the buckets first
     max_captures: int = 16
     warmup_requests: list[dict[str, Any]] = field(default_factory=list)  # request parameters run at startup
     drain_timeout_s: float = 20.0  # on shutdown, live requests get this long to finish before they are ended

@@ -20,8 +20,9 @@ action rows each rounded up to a power of two — keyed on that with the FP8 spl
 row is W8A16), the residual flag and the backend. A new size mix within a bucket reuses the layout and replays its
 capture; padding never reaches a real row (graphs.py). A pack larger than the largest bucket, a commit pass or a
 backend that cannot bucket (SDPA, Ulysses) gets an exact layout. Captures are bounded: a layout captures only while
-fewer than `max_captures` layouts hold a graph, else it runs eager; captured layouts are kept (`capture_buckets`,
-the warmup, captures every bucket first), the others the MAX_LAYOUTS most recently used.
+fewer than `max_captures` layouts hold a graph, else it runs eager. The step keeps the most recently used layouts
+(max(MAX_LAYOUTS, max_captures); an evicted layout's graph goes with it); the warmup (`capture_buckets`) captures
+every bucket first.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ class DenoiseStep:
     """Runs denoise steps over packed rows. Owns the attention backend and, per layout (row sizes, branches,
     commit flags, and whatever the backend's shapes depend on; or a bucket of them, `graph_buckets`: ascending
     row counts, multiples of SEGMENT_ALIGN), a `StepLayout`: input buffers, attention plan and, on CUDA with
-    `cuda_graphs`, the captured forward — at most `max_captures` of them. Layouts with a graph are kept, the
-    MAX_LAYOUTS most recently used others too."""
+    `cuda_graphs`, the captured forward — at most `max_captures` of them. The max(MAX_LAYOUTS, max_captures) most
+    recently used layouts are kept."""
 
     MAX_LAYOUTS = 16
     layout_class = StepLayout  # parallel/ulysses.py: layouts that split the pack's rows over ranks
@@ -109,9 +110,8 @@ class DenoiseStep:
             residual, capacity,
         )  # fmt: skip
         self.layouts[key] = layout
-        eager = [k for k, v in self.layouts.items() if v.graph is None]
-        for k in eager[: max(0, len(eager) - self.MAX_LAYOUTS)]:  # least recently used first; captured layouts stay
-            del self.layouts[k]
+        while len(self.layouts) > max(self.MAX_LAYOUTS, self.max_captures):
+            self.layouts.popitem(last=False)  # the least recently used (and its graph)
         return layout, segments
 
     def capture_buckets(self, a16: tuple[bool, ...] = (True,)) -> int:

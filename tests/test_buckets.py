@@ -125,14 +125,14 @@ def test_exact_layouts_where_buckets_do_not_apply(parts):
     assert next(iter(plain.layouts))[0][0] != "bucket"
 
 
-def test_layout_cache_keeps_the_recent_eager_layouts(parts):
+def test_layout_cache_keeps_the_most_recent_layouts(parts):
     cfg, model, pool = parts
     step = DenoiseStep(model, pool)
-    step.MAX_LAYOUTS = 2
+    step.MAX_LAYOUTS, step.max_captures = 2, 1
     rows = [make_row(cfg, pool, 10 + i, (1, 1, 1 + i), branches=1) for i in range(3)]
-    for r in rows:
+    for r in rows + rows[1:2]:
         step([r])
-    assert len(step.layouts) == 2 and step.captures == 0  # the least recently used went
+    assert [k[0][0][0] for k in step.layouts] == [3, 2] and step.captures == 0  # the least recently used went
     assert step.capture_buckets() == 0  # no graphs on the CPU: nothing to capture
 
 
