@@ -182,8 +182,9 @@ class FlashInferPlan:
             backend=a.backend,
         )  # fmt: skip
 
-    def update(self, segments: list[Segment]) -> None:
-        a, ps = self.attn, self.attn.pool.page_size
+    def requests(self, segments: list[Segment]) -> tuple[list[int], list[int], list[int], list[int]]:
+        """The plan's requests (host lists): (qo_indptr, paged kv_indptr, page indices, last page lengths)."""
+        ps = self.attn.pool.page_size
         # requests: each segment, then its padding rows as a request of their own (ragged ranges are contiguous)
         qo, pages_indptr, indices, last_len = [0], [0], [], []
         for i, seg in enumerate(segments):
@@ -207,6 +208,11 @@ class FlashInferPlan:
             indices.append(indices[0])
             pages_indptr.append(len(indices))
             last_len.append(1)
+        return qo, pages_indptr, indices, last_len
+
+    def update(self, segments: list[Segment]) -> None:
+        a, ps = self.attn, self.attn.pool.page_size
+        qo, pages_indptr, indices, last_len = self.requests(segments)
         if self.paged is None:
             self._wrappers(len(qo) - 1)
         qo_indptr = torch.tensor(qo, dtype=torch.int32)
