@@ -16,8 +16,8 @@ row's segment `token_segment`, `sound_rows`, `action_rows`) being buffer content
   themselves, so no real row attends to them), and unused `sound_rows` / `action_rows` entries name the pack's
   last row, always a padding row then (`DenoiseStep` sizes the bucket so): their embeddings land there and their
   predictions are never read;
-- the attention plan, updated by `fill` outside the graph (host work, buffer copies) when the segments' pages
-  differ from the last step's;
+- the attention plan, updated by `fill` outside the graph (host work, buffer copies) when the segments' pages (or,
+  bucketed, their geometry) differ from the last step's;
 - on CUDA with graphs on, the captured GEN forward: the first run of a layout is eager (compiles, autotuning,
   allocator growth), the second captures (when the step allows: `run(capture=...)`) and every later one replays.
   Layouts that return K/V (AR commit passes) always run eager. Graphs share one memory pool: replays are serial
