@@ -141,7 +141,9 @@ def test_layout_cache_keeps_the_most_recent_layouts(parts):
 def test_engine_mixes_within_a_bucket_use_one_layout(nano_ckpt):
     """Requests of different sizes that join and leave: the bucketed engine runs every tick in one layout, where
     exact layouts take one per mix, and each request's latents are the exact run's."""
-    gen = Generator(Deployment(checkpoint=str(nano_ckpt), device="cpu", dtype="float32"))
+    d = Deployment(checkpoint=str(nano_ckpt), device="cpu", dtype="float32", graph_buckets=[2048], max_captures=3)
+    gen = Generator(d)
+    assert gen.engine.step.buckets == (2048,) and gen.engine.step.max_captures == 3  # the deployment's
     requests = [
         ("a red fox", {"num_frames": 9, "height": 64, "width": 96, "steps": 4, "seed": 1}),
         ("a blue boat", {"num_frames": 5, "height": 96, "width": 64, "steps": 2, "seed": 2, "guidance_scale": 1.0}),
@@ -157,8 +159,9 @@ def test_engine_mixes_within_a_bucket_use_one_layout(nano_ckpt):
         gen.engine.run_until_idle()
         return [s.latents for s in sinks]
 
-    exact = run()
+    exact = run()  # SDPA: exact layouts, buckets or not
     exact_layouts = len(gen.engine.step.layouts)
+    assert all(key[0][0] != "bucket" for key in gen.engine.step.layouts)
     eng = gen.engine
     eng.step = DenoiseStep(eng.model, eng.pool, attention=BucketedSdpa(eng.pool), graph_buckets=(2048,))
     for a, b in zip(run(), exact):
