@@ -14,7 +14,10 @@ Two backends with one contract, chosen by the deployment's `attention`:
   (tools/warm.py, no GPU needed) into `caches.flashinfer_aot_dir`, where they are loaded as they are.
 
 A backend makes one `Plan` per step layout (`graphs.StepLayout`); `plan.update(segments)` runs before each
-forward outside any graph, `plan(q, k, v, layer)` inside it.
+forward outside any graph, `plan(q, k, v, layer)` inside it. A backend is `bucketable` when a captured plan takes
+any segments that fit its rows and segment slots (`make_plan(rows, slots)`) — segment boundaries and prefixes are
+plan data, not shapes — so a layout may be keyed on a bucket rather than the exact mix: FlashInfer (a fixed request
+count, padded with empty requests); not SDPA, whose per-segment loop (host code) a capture freezes.
 Layouts: q `[rows, heads, d]`, k/v `[rows, kv_heads, d]`; output `[rows, heads * d]`.
 """
 
@@ -48,14 +51,16 @@ class Plan(Protocol):
 class Backend(Protocol):
     name: str
     pool: KVPool
+    bucketable: bool
 
     def supports(self, segments: list[Segment]) -> bool: ...
     def shape_key(self, segments: list[Segment]) -> tuple: ...
-    def make_plan(self, rows: int) -> Plan: ...
+    def make_plan(self, rows: int, slots: int = 0) -> Plan: ...
 
 
 class SdpaAttention:
     name = "sdpa"
+    bucketable = False  # its plan loops over the segments in Python: a capture freezes their boundaries
 
     def __init__(self, pool: KVPool):
         self.pool = pool
@@ -67,7 +72,7 @@ class SdpaAttention:
         """What besides the segment lengths fixes this backend's tensor shapes: the prefix token counts."""
         return tuple(tuple(p.num_tokens for p in seg.prefix) for seg in segments)
 
-    def make_plan(self, rows: int) -> SdpaPlan:
+    def make_plan(self, rows: int, slots: int = 0) -> SdpaPlan:
         return SdpaPlan(self.pool)
 
 
@@ -82,7 +87,8 @@ class SdpaPlan:
         self.page_index: list[list[torch.Tensor]] = []
 
     def update(self, segments: list[Segment]) -> None:
-        if not self.page_index:
+        shapes = [[p.index.shape for p in seg.prefix] for seg in segments]
+        if shapes != [[b.shape for b in bufs] for bufs in self.page_index]:  # a new layout (or an eager new mix)
             self.page_index = [[p.index.clone() for p in seg.prefix] for seg in segments]
         else:
             for bufs, seg in zip(self.page_index, segments):
@@ -128,6 +134,7 @@ class FlashInferAttention:
     `page_size`) is not `supported`: `DenoiseStep` runs that layout with SDPA."""
 
     name = "flashinfer"
+    bucketable = True
     WORKSPACE_BYTES = 256 << 20
 
     def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int):
@@ -176,14 +183,18 @@ class FlashInferAttention:
     def shape_key(self, segments: list[Segment]) -> tuple:
         return ()  # prefix lengths are plan data, not shapes
 
-    def make_plan(self, rows: int) -> FlashInferPlan:
-        return FlashInferPlan(self, rows)
+    def make_plan(self, rows: int, slots: int = 0) -> FlashInferPlan:
+        return FlashInferPlan(self, rows, slots)
 
 
 class FlashInferPlan:
-    def __init__(self, attn: FlashInferAttention, rows: int):
+    """`slots`: a bucketed layout's segment slots: every update plans 2·slots requests (each segment and its
+    padding rows, then empty ones), the fixed batch a captured graph needs; 0: as many as the first update's."""
+
+    def __init__(self, attn: FlashInferAttention, rows: int, slots: int = 0):
         self.attn = attn
         self.rows = rows  # packed rows: the last segment's padding ends here
+        self.batch = 2 * slots
         self.paged = self.ragged = None
 
     def _wrappers(self, batch: int) -> None:
@@ -209,8 +220,9 @@ class FlashInferPlan:
             backend=a.backend,
         )  # fmt: skip
 
-    def update(self, segments: list[Segment]) -> None:
-        a, ps = self.attn, self.attn.pool.page_size
+    def requests(self, segments: list[Segment]) -> tuple[list[int], list[int], list[int], list[int]]:
+        """The plan's requests (host lists): (qo_indptr, paged kv_indptr, page indices, last page lengths)."""
+        ps = self.attn.pool.page_size
         # requests: each segment, then its padding rows as a request of their own (ragged ranges are contiguous)
         qo, pages_indptr, indices, last_len = [0], [0], [], []
         for i, seg in enumerate(segments):
@@ -227,6 +239,18 @@ class FlashInferPlan:
                 indices.append(ids[0])
                 pages_indptr.append(len(indices))
                 last_len.append(1)
+        if self.batch and len(qo) - 1 > self.batch:
+            raise ValueError(f"{len(segments)} segments exceed the plan's {self.batch // 2} slots")
+        while len(qo) - 1 < self.batch:  # a bucket's unused slots: empty requests (no rows, one page: never read)
+            qo.append(qo[-1])
+            indices.append(indices[0])
+            pages_indptr.append(len(indices))
+            last_len.append(1)
+        return qo, pages_indptr, indices, last_len
+
+    def update(self, segments: list[Segment]) -> None:
+        a, ps = self.attn, self.attn.pool.page_size
+        qo, pages_indptr, indices, last_len = self.requests(segments)
         if self.paged is None:
             self._wrappers(len(qo) - 1)
         qo_indptr = torch.tensor(qo, dtype=torch.int32)

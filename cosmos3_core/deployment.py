@@ -43,6 +43,14 @@ class Deployment:
     compile: bool = False
     attention: str = "auto"  # sdpa | flashinfer | auto (flashinfer on CUDA when installed, else sdpa)
     cuda_graphs: bool = True  # CUDA only: capture each step layout's forward on its second use, then replay
+    # with cuda_graphs and FlashInfer: packed-row buckets (ascending multiples of 64, e.g. [4096, 8192, 16384, 32768]):
+    # a step runs in the layout of the smallest bucket its rows fit (padding rows cost their compute), so a new mix
+    # of request sizes replays an existing capture; the warmup captures every bucket (step.py). [] or a pack larger
+    # than the largest: a layout per exact size mix. A single-GPU denoise only (parallel groups keep exact layouts)
+    graph_buckets: list[int] = field(default_factory=list)
+    # CUDA graphs held at once (each keeps its activations' memory): beyond, a new layout runs eager until a captured
+    # one is dropped (least recently used of the step's layouts); the warmup captures the buckets first
+    max_captures: int = 16
     warmup_requests: list[dict[str, Any]] = field(default_factory=list)  # request parameters run at startup
     drain_timeout_s: float = 20.0  # on shutdown, live requests get this long to finish before they are ended
     cancel_dir: str = ""  # where the decode step marks cancelled requests for the engine (set by serve.render)
@@ -84,6 +92,11 @@ class Deployment:
             raise ValueError(f"{path}: dtype must be one of {', '.join(DTYPES)}, auto")
         raw["fp8_policy"] = raw.get("fp8_policy") or {}
         validate_precision(raw.get("precision", "checkpoint"), raw["fp8_policy"], str(path))
+        buckets = raw.get("graph_buckets") or []
+        if any(not isinstance(b, int) or b <= 0 or b % 64 for b in buckets) or buckets != sorted(set(buckets)):
+            raise ValueError(f"{path}: graph_buckets: ascending positive multiples of 64 rows; got {buckets}")
+        if not isinstance(raw.get("max_captures", 0), int) or raw.get("max_captures", 0) < 0:
+            raise ValueError(f"{path}: max_captures: a count ≥ 0; got {raw['max_captures']}")
         limits = Limits(**(raw.pop("limits", None) or {}))
         given = raw.pop("instances", None) or {}
         if set(given) - set(INSTANCES) or any(not isinstance(n, int) or n < 1 for n in given.values()):
@@ -109,4 +122,5 @@ class Deployment:
             p = replace(p, cfg=1, ulysses=1)
         return WorkerSpec(str(checkpoint), self.torch_device, dtype, p, roles, self.pool_pages,
                           self.page_size, self.attention, self.compile, self.cuda_graphs,
-                          precision=self.precision, fp8_policy=dict(self.fp8_policy))  # fmt: skip
+                          max_captures=self.max_captures, precision=self.precision,
+                          fp8_policy=dict(self.fp8_policy))  # fmt: skip

@@ -68,6 +68,8 @@ class DenoiseEngine:
         attention: str = "auto",
         cuda_graphs: bool = True,
         parallel: DenoiseParallel | None = None,
+        graph_buckets: tuple[int, ...] = (),
+        max_captures: int = 16,
     ):
         cfg = self.cfg = ckpt.config
         self.device, self.dtype = device, dtype
@@ -78,10 +80,10 @@ class DenoiseEngine:
             self.pool = KVPool(
                 pool_pages, page_size, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype, device
             )
-            self.step = DenoiseStep(self.model, self.pool, kernels, attention, cuda_graphs)
+            self.step = DenoiseStep(self.model, self.pool, kernels, attention, cuda_graphs, graph_buckets, max_captures)
         else:  # several ranks per request (parallel/denoise.py): the same interfaces over a group
             self.pool = parallel.pool(self.model, pool_pages, page_size, dtype, device)
-            self.step = parallel.step(self.model, self.pool, kernels, attention, cuda_graphs)
+            self.step = parallel.step(self.model, self.pool, kernels, attention, cuda_graphs, max_captures)
         self.scheduler = Scheduler(
             cfg, self.pool, ckpt.scheduler_config, ckpt.use_native_flow_schedule, max_queue, decode_chunk,
             sound_spec(ckpt),
@@ -107,6 +109,8 @@ class DenoiseEngine:
             attention=d.attention,
             cuda_graphs=d.cuda_graphs,
             parallel=DenoiseParallel(group) if group is not None and d.parallel.denoise_ranks > 1 else None,
+            graph_buckets=tuple(d.graph_buckets) if d.cuda_graphs else (),  # without graphs, padding only costs
+            max_captures=d.max_captures,
         )
 
     def tick(self) -> int:
@@ -183,7 +187,8 @@ class DenoiseEngine:
         allocator growth and kernel autotuning happen before serving; an action request with zero clean latents
         (forward dynamics: zero actions). Served in FP8, a 1-step request (W8A8 by the policy's 1-step rule) runs
         beside the first one's W8A16 step, then alone: the W8A16, W8A8 and mixed paths of the linears are all
-        compiled before serving. Returns seconds spent."""
+        compiled before serving. Then every `graph_buckets` layout is captured (W8A16, and served in FP8, W8A8 too:
+        `DenoiseStep.capture_buckets`). Returns seconds spent."""
         t0 = time.perf_counter()
         cfg = self.cfg
         g = torch.Generator().manual_seed(0)
@@ -204,6 +209,8 @@ class DenoiseEngine:
                     )
                     self.submit(pre, _NullSink())
                 self.run_until_idle()
+        if isinstance(self.step, DenoiseStep):  # a parallel group's steps keep exact layouts
+            self.step.capture_buckets((True, False) if self.fp8_policy is not None else (True,))
         if self.device.startswith("cuda"):
             torch.cuda.synchronize()
         self.scheduler.stats = EngineStats()  # serving counts start after warmup

@@ -3,17 +3,25 @@
 A layout is fixed by the packed rows' sizes, branches that run (not reused: cache.py), commit flags and FP8
 precisions (W8A16 rows are packed first: `PackedStep.a16_rows` is where W8A8 starts), whether the forward returns
 the block stack's residual (a cached request is in the pack), plus whatever the attention backend's shapes depend
-on (SDPA's prefix lengths; nothing for FlashInfer, whose page tables are plan data). It owns:
+on (SDPA's prefix lengths; nothing for FlashInfer, whose page tables are plan data) — or, bucketed (`capacity`,
+chosen by `DenoiseStep` for a backend whose segment boundaries are plan data), by a bucket: its rows, segment slots,
+sound and action rows are capacities, and the packs of any size mix that fits run in it, their geometry (each
+row's segment `token_segment`, `sound_rows`, `action_rows`) being buffer content. It owns:
 - the packed input buffers `[S, ...]` (tokens, noisy mask, rotary cos/sin; sound tokens and their row index
-  `sound_rows`, fixed by the layout, so a sound layout captures like any other; action tokens likewise, with
-  `action_rows` and each action row's domain), zero padding included, and the per-segment timesteps, refilled each
-  step by `fill` — no per-step allocation of the step's inputs;
-- the attention plan, updated by `fill` outside the graph (host work, buffer copies) when the segments' pages
-  differ from the last step's;
+  `sound_rows`, so a sound layout captures like any other; action tokens likewise, with `action_rows` and each
+  action row's domain), zero padding included, and the per-segment timesteps, refilled each step by `fill` — no
+  per-step allocation of the step's inputs. The geometry buffers are rewritten (a host-to-device copy) only when
+  the segments' geometry differs from the last step's: never for an exact layout. Padding of a bucket: rows after
+  the last segment (and between segments) belong to no segment (`token_segment` 0; attention keeps them to
+  themselves, so no real row attends to them), and unused `sound_rows` / `action_rows` entries name the pack's
+  last row, always a padding row then (`DenoiseStep` sizes the bucket so): their embeddings land there and their
+  predictions are never read;
+- the attention plan, updated by `fill` outside the graph (host work, buffer copies) when the segments' pages (or,
+  bucketed, their geometry) differ from the last step's;
 - on CUDA with graphs on, the captured GEN forward: the first run of a layout is eager (compiles, autotuning,
-  allocator growth), the second captures and every later one replays. Layouts that return K/V (AR commit
-  passes) always run eager. Graphs share one memory pool: replays are serial and each step's outputs are
-  copied out (`DenoiseStep`) before the next replay.
+  allocator growth), the second captures (when the step allows: `run(capture=...)`) and every later one replays.
+  Layouts that return K/V (AR commit passes) always run eager. Graphs share one memory pool: replays are serial
+  and each step's outputs are copied out (`DenoiseStep`) before the next replay.
 """
 
 from __future__ import annotations
@@ -35,15 +43,15 @@ class PackedStep:
 
     tokens: torch.Tensor  # [S, patch_latent_dim]
     noisy_mask: torch.Tensor  # [S]
-    segment_timesteps: torch.Tensor  # [segments, padded to a multiple of 64] fp32
-    token_segment: torch.Tensor  # [S] int64: each row's segment (fixed by the layout; padding rows say 0)
+    segment_timesteps: torch.Tensor  # [segments (bucketed: slots), padded to a multiple of 64] fp32
+    token_segment: torch.Tensor  # [S] int64: each row's segment (the geometry; padding rows say 0)
     cos: torch.Tensor  # [S, head_dim]
     sin: torch.Tensor  # [S, head_dim]
     segments: list[Segment]
     sound: torch.Tensor  # [R, sound_dim]: every segment's sound tokens, in segment order (R = 0: no sound)
-    sound_rows: torch.Tensor  # [R] int64: where they sit in the pack (fixed by the layout)
+    sound_rows: torch.Tensor  # [R] int64: where they sit in the pack (the geometry; bucket padding: row S-1)
     action: torch.Tensor  # [A, action_dim]: every segment's action tokens, in segment order (A = 0: none)
-    action_rows: torch.Tensor  # [A] int64: where they sit in the pack (fixed by the layout)
+    action_rows: torch.Tensor  # [A] int64: where they sit in the pack (the geometry; bucket padding: row S-1)
     action_domain: torch.Tensor  # [A] int64: each action token's embodiment (refilled: requests of one shape differ)
     a16_rows: int  # FP8 linears: rows [0, a16_rows) run W8A16, the rest W8A8 (fixed by the layout)
     residual: bool  # the forward also returns the block stack's residual [S, hidden] (fixed by the layout)
@@ -51,7 +59,10 @@ class PackedStep:
 
 class StepLayout:
     """`graph_pool`: the CUDA graph memory pool its capture shares (None: never capture, e.g. on the CPU).
-    `a16_rows`: the pack's leading rows whose FP8 linears run W8A16 (the rest W8A8)."""
+    `a16_rows`: the pack's leading rows whose FP8 linears run W8A16 (the rest W8A8). `capacity`: a bucketed
+    layout's (segment slots, sound rows, action rows) — it then runs any `segments` that fit in `total_rows` (and
+    leave row `total_rows - 1` free when sound or action rows are fewer than their capacity); None: exactly
+    `segments`."""
 
     def __init__(
         self,
@@ -64,44 +75,65 @@ class StepLayout:
         graph_pool: tuple | None,
         a16_rows: int,
         residual: bool = False,
+        capacity: tuple[int, int, int] | None = None,
     ):
         cfg = model.cfg
         dev, dt = attention.pool.k_pages.device, attention.pool.k_pages.dtype
         self.model, self.kernels, self.graph_pool = model, kernels, graph_pool
-        # a segment's tokens: vision | sound | action
-        sound_rows = [
-            torch.arange(s.start + s.length - s.action - s.sound, s.start + s.length - s.action) for s in segments
-        ]
-        action_rows = [torch.arange(s.start + s.length - s.action, s.start + s.length) for s in segments]
-        actions = sum(s.action for s in segments)
+        slots, sounds, actions = capacity or (0, sum(s.sound for s in segments), sum(s.action for s in segments))
         self.packed: PackedStep = PackedStep(
             tokens=torch.zeros(total_rows, token_dim, dtype=dt, device=dev),
             noisy_mask=torch.zeros(total_rows, dtype=torch.bool, device=dev),
             # rows padded to a multiple of 64, like the segments: the embedding GEMM then has the same shape
             # whatever a request is packed with, so its result does not depend on its neighbours
-            segment_timesteps=torch.zeros(-(-len(segments) // 64) * 64, dtype=torch.float32, device=dev),
+            segment_timesteps=torch.zeros(-(-max(slots, len(segments)) // 64) * 64, dtype=torch.float32, device=dev),
             token_segment=torch.zeros(total_rows, dtype=torch.long, device=dev),
             cos=torch.zeros(total_rows, cfg.head_dim, dtype=dt, device=dev),
             sin=torch.zeros(total_rows, cfg.head_dim, dtype=dt, device=dev),
             segments=segments,
-            sound=torch.zeros(sum(s.sound for s in segments), cfg.sound_dim, dtype=dt, device=dev),
-            sound_rows=torch.cat(sound_rows).to(dev),
+            sound=torch.zeros(sounds, cfg.sound_dim, dtype=dt, device=dev),
+            sound_rows=torch.zeros(sounds, dtype=torch.long, device=dev),
             action=torch.zeros(actions, cfg.action_dim, dtype=dt, device=dev),
-            action_rows=torch.cat(action_rows).to(dev),
+            action_rows=torch.zeros(actions, dtype=torch.long, device=dev),
             action_domain=torch.zeros(actions, dtype=torch.long, device=dev),
             a16_rows=a16_rows,
             residual=residual,
         )
-        for i, s in enumerate(segments):
-            self.packed.token_segment[s.start : s.start + s.length] = i
-        self.plan = attention.make_plan(total_rows)
-        self.planned_for: tuple | None = None  # the pages the plan was last updated with
+        self.placed: tuple | None = None  # the geometry the buffers were last written for
+        self._place(segments)
+        self.plan = attention.make_plan(total_rows, slots)
+        self.planned_for: tuple | None = None  # the geometry and pages the plan was last updated with
         self.capturable = graph_pool is not None and not any(s.collect_kv for s in segments)
         self.runs = 0
         self.graph: torch.cuda.CUDAGraph | None = None
         self.graph_out: GenOutput | None = None
 
+    def _place(self, segments: list[Segment]) -> None:
+        """Write the segments' geometry (each row's segment, the sound and action rows) into the buffers, when it
+        differs from what they hold: host work and host-to-device copies, only when a bucket's mix changes."""
+        geometry = tuple((s.start, s.length, s.sound, s.action) for s in segments)
+        if geometry == self.placed:
+            return
+        p, last = self.packed, self.packed.tokens.shape[0] - 1
+        # a segment's tokens: vision | sound | action
+        ends = [s.start + s.length - s.action for s in segments]  # where each segment's action tokens start
+        sound = [r for s, e in zip(segments, ends) for r in range(e - s.sound, e)]
+        action = [r for s, e in zip(segments, ends) for r in range(e, e + s.action)]
+        if len(sound) > len(p.sound_rows) or len(action) > len(p.action_rows):
+            raise ValueError("segments exceed the layout's sound or action capacity")
+        token_segment = torch.zeros(len(p.token_segment), dtype=torch.long)
+        for i, s in enumerate(segments):
+            token_segment[s.start : s.start + s.length] = i
+        if self.placed is not None:  # a new mix in a bucket: no row keeps the last one's inputs (all finite anyway)
+            for buf in (p.tokens, p.noisy_mask, p.cos, p.sin):
+                buf.zero_()
+        p.token_segment.copy_(token_segment)
+        p.sound_rows.copy_(torch.tensor(sound + [last] * (len(p.sound_rows) - len(sound)), dtype=torch.long))
+        p.action_rows.copy_(torch.tensor(action + [last] * (len(p.action_rows) - len(action)), dtype=torch.long))
+        self.placed = geometry
+
     def fill(self, rows: list[Row], segments: list[Segment]) -> None:
+        self._place(segments)
         p = self.packed
         seg = iter(enumerate(segments))
         at = at_a = 0  # next free row of p.sound, p.action
@@ -124,8 +156,9 @@ class StepLayout:
                 p.cos[sl].copy_(br.cos)
                 p.sin[sl].copy_(br.sin)
         p.segments = segments
-        # the same requests' next step reads the same pages: re-planning (host work, copies) only when they change
-        pages = tuple(tuple((tuple(pl.pages), pl.num_tokens) for pl in s.prefix) for s in segments)
+        # the same requests' next step reads the same pages: re-planning (host work, copies) only when they (or, in
+        # a bucket, the segments' geometry) change
+        pages = self.placed, tuple(tuple((tuple(pl.pages), pl.num_tokens) for pl in s.prefix) for s in segments)
         if pages != self.planned_for:
             self.plan.update(segments)
             self.planned_for = pages
@@ -133,13 +166,14 @@ class StepLayout:
     def _forward(self) -> GenOutput:
         return gen_forward(self.model, self.packed, self.plan, self.kernels)
 
-    def run(self) -> GenOutput:
+    def run(self, capture: bool = True) -> GenOutput:
         """→ the pass's `GenOutput` (predictions [S, patch_latent_dim], sound [R, sound_dim] and action
         [A, action_dim] predictions or None, the block stack's residual [S, hidden] or None, K/V of collecting
         segments). With a graph, its tensors are the graph's output buffers: valid until the next replay of any
-        layout."""
+        layout. `capture`: this run may capture the graph (from the layout's second run, if capturable); the step
+        says False while it holds its bound of captures."""
         self.runs += 1
-        if self.graph is None and self.capturable and self.runs >= 2:
+        if self.graph is None and self.capturable and capture and self.runs >= 2:
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph, pool=self.graph_pool):
                 out = self._forward()

@@ -12,6 +12,17 @@ packed forward — and every other request's result — is the one it would be w
 
 FP8 precision is per row (`Row.a16`): the step packs W8A16 rows before W8A8 ones (a stable partition) and gives the
 layout the row where W8A8 starts; outputs come back in the callers' order.
+
+Buckets (`graph_buckets`, with a `bucketable` backend: FlashInfer): a pack that is not an AR commit pass runs in the
+layout of its bucket — its rows rounded up to the next bucket size (one more row when sound or action rows need a
+padding row), segment slots for as many segments as those rows can hold (one per SEGMENT_ALIGN rows), sound and
+action rows each rounded up to a power of two — keyed on that with the FP8 split row (the whole bucket when every
+row is W8A16), the residual flag and the backend. A new size mix within a bucket reuses the layout and replays its
+capture; padding never reaches a real row (graphs.py). A pack larger than the largest bucket, a commit pass or a
+backend that cannot bucket (SDPA, Ulysses) gets an exact layout. Captures are bounded: a layout captures only while
+fewer than `max_captures` layouts hold a graph, else it runs eager. The step keeps the most recently used layouts
+(max(MAX_LAYOUTS, max_captures); an evicted layout's graph goes with it); the warmup (`capture_buckets`) captures
+every bucket first.
 """
 
 from __future__ import annotations
@@ -25,13 +36,15 @@ from .graphs import StepLayout
 from .kv_pool import KVPool
 from .model.layers import Cosmos3Transformer
 from .model.towers import EAGER, GenKernels, embed_row, output_heads
-from .rows import Row, RowOutput, Segment, segments_of, unpatchify
+from .rows import SEGMENT_ALIGN, Branch, Row, RowOutput, Segment, denoise_step_row, segments_of, unpatchify
 
 
 class DenoiseStep:
     """Runs denoise steps over packed rows. Owns the attention backend and, per layout (row sizes, branches,
-    commit flags, and whatever the backend's shapes depend on), a `StepLayout`: input buffers, attention plan
-    and, on CUDA with `cuda_graphs`, the captured forward. The most recent MAX_LAYOUTS layouts are kept."""
+    commit flags, and whatever the backend's shapes depend on; or a bucket of them, `graph_buckets`: ascending
+    row counts, multiples of SEGMENT_ALIGN), a `StepLayout`: input buffers, attention plan and, on CUDA with
+    `cuda_graphs`, the captured forward — at most `max_captures` of them. The max(MAX_LAYOUTS, max_captures) most
+    recently used layouts are kept."""
 
     MAX_LAYOUTS = 16
     layout_class = StepLayout  # parallel/ulysses.py: layouts that split the pack's rows over ranks
@@ -43,6 +56,8 @@ class DenoiseStep:
         kernels: GenKernels = EAGER,
         attention: str | Backend = "auto",
         cuda_graphs: bool = True,
+        graph_buckets: tuple[int, ...] = (),
+        max_captures: int = 16,
     ):
         cfg = model.cfg
         self.model, self.pool, self.kernels = model, pool, kernels
@@ -54,8 +69,23 @@ class DenoiseStep:
         self.sdpa = self.attention if isinstance(self.attention, SdpaAttention) else SdpaAttention(pool)
         self.cuda_graphs = cuda_graphs and pool.k_pages.is_cuda
         self.graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None  # shared: replays are serial
+        if any(b <= 0 or b % SEGMENT_ALIGN for b in graph_buckets):
+            raise ValueError(f"graph_buckets: positive multiples of {SEGMENT_ALIGN} rows; got {list(graph_buckets)}")
+        self.buckets = tuple(sorted(graph_buckets))
+        self.max_captures = max_captures
         self.layouts: OrderedDict[tuple, StepLayout] = OrderedDict()
-        self.captures = 0
+        self.captures = 0  # graphs captured so far (replaced or dropped ones too)
+
+    def bucket(self, segments: list[Segment], total: int, attention: Backend) -> tuple[int, int, int] | None:
+        """→ the bucket of a pack of these segments (`total` rows): (rows, sound rows, action rows), or None when
+        it gets an exact layout."""
+        if not self.buckets or not attention.bucketable or any(s.collect_kv for s in segments):
+            return None
+        sound, action = sum(s.sound for s in segments), sum(s.action for s in segments)
+        sounds, actions = _pow2(sound), _pow2(action)
+        need = total + (sounds > sound or actions > action)  # unused sound / action entries point at the last row
+        rows = next((b for b in self.buckets if b >= need), None)
+        return None if rows is None else (rows, sounds, actions)
 
     def layout(self, rows: list[Row]) -> tuple[StepLayout, list[Segment]]:
         """`rows`: W8A16 rows first (see `__call__`)."""
@@ -64,22 +94,48 @@ class DenoiseStep:
         running = [(r, sum(x is None for x in r.reuse)) for r in rows]
         running = [(r, n) for r, n in running if n]  # a row whose branches all reuse is not in the pack
         residual = any(r.record for r, _ in running)
-        key = (  # key[1] names the backend (bench.parity and tests read it)
-            tuple((r.tokens.shape[0], r.sound.shape[0], r.action.shape[0], n, r.commit, r.a16) for r, n in running),
-            attention.name,
-            attention.shape_key(segments),
-            residual,
-        )
+        bucket = self.bucket(segments, total, attention)
+        size, capacity = (total, None) if bucket is None else (bucket[0], (bucket[0] // SEGMENT_ALIGN, *bucket[1:]))
         a16_segments = sum(n for r, n in running if r.a16)  # the running branches' segments only
-        a16_rows = segments[a16_segments].start if a16_segments < len(segments) else total
+        a16_rows = segments[a16_segments].start if a16_segments < len(segments) else size
+        sizes = (
+            tuple((r.tokens.shape[0], r.sound.shape[0], r.action.shape[0], n, r.commit, r.a16) for r, n in running)
+            if bucket is None
+            else ("bucket", *bucket, a16_rows)
+        )
+        key = (sizes, attention.name, attention.shape_key(segments) if bucket is None else (), residual)
+        # key[1] names the backend (bench.parity and tests read it)
         layout = self.layouts.pop(key, None) or self.layout_class(
-            self.model, self.kernels, attention, total, rows[0].tokens.shape[1], segments, self.graph_pool, a16_rows,
-            residual,
+            self.model, self.kernels, attention, size, rows[0].tokens.shape[1], segments, self.graph_pool, a16_rows,
+            residual, capacity,
         )  # fmt: skip
         self.layouts[key] = layout
-        while len(self.layouts) > self.MAX_LAYOUTS:
-            self.layouts.popitem(last=False)
+        while len(self.layouts) > max(self.MAX_LAYOUTS, self.max_captures):
+            self.layouts.popitem(last=False)  # the least recently used (and its graph)
         return layout, segments
+
+    def capture_buckets(self, a16: tuple[bool, ...] = (True,)) -> int:
+        """Warmup: run and capture each bucket's layout (no sound, no actions, no residual; FP8 linears all W8A16,
+        then all W8A8 with `a16` (True, False)) with a pack that fills it — one row of that many tokens on one text
+        token, zeros — so that served mixes replay it. → the number of graphs captured."""
+        if not (self.cuda_graphs and self.buckets and self.attention.bucketable):
+            return 0
+        before = self.captures
+        cfg, dev, dt = self.model.cfg, self.pool.k_pages.device, self.pool.k_pages.dtype
+        p = cfg.latent_patch_size
+        text = self.pool.alloc(1)
+        try:
+            for size in self.buckets:
+                rot = torch.zeros(size, cfg.head_dim, dtype=dt, device=dev)
+                latents = torch.zeros(1, cfg.latent_channel, 1, p, size * p, device=dev)  # [1, C, T, H, W]: size tokens
+                for precision in a16:
+                    row = denoise_step_row(latents, 1.0, torch.zeros(1, dtype=torch.long, device=dev),
+                                           (Branch((text,), rot, rot),), p, dt, a16=precision)  # fmt: skip
+                    for _ in range(2):  # eager (compiles, autotunes), then captured
+                        self([row])
+        finally:
+            self.pool.free(text)
+        return self.captures - before
 
     @torch.inference_mode()
     def __call__(self, rows: list[Row]) -> list[RowOutput]:
@@ -99,7 +155,7 @@ class DenoiseStep:
             layout, segments = self.layout(rows)
             layout.fill(rows, segments)
             had_graph = layout.graph is not None
-            fwd = layout.run()
+            fwd = layout.run(capture=sum(v.graph is not None for v in self.layouts.values()) < self.max_captures)
             self.captures += layout.graph is not None and not had_graph
         p = self.model.cfg.latent_patch_size
         out: list[RowOutput] = []
@@ -137,3 +193,8 @@ class DenoiseStep:
                     result.action_velocity.append(av.float() * row.noisy_mask[n + s :, None])  # type: ignore[union-attr]
             out.append(result)
         return out
+
+
+def _pow2(n: int) -> int:
+    """0 stays 0 (no sound: a different forward); else the next power of two."""
+    return 1 << (n - 1).bit_length() if n else 0

@@ -1,7 +1,8 @@
 """GPU paths (skipped without CUDA), on tiny checkpoints with head_dim 64 (a size every GPU kernel takes):
 
 - bf16 on the GPU against the fp32 CPU reference, for each attention backend, eager and captured;
-- FlashInfer against SDPA, captured against eager, batched against individual requests.
+- FlashInfer against SDPA, captured against eager, batched against individual requests;
+- bucketed layouts (`graph_buckets`): the warmup captures each bucket, and new size mixes replay those captures.
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ def ckpt_and_reference(request, tmp_path_factory):
     return ckpt, [cpu.latents(p, q) for p, q in REQUESTS]
 
 
-def gpu_generator(ckpt, attention: str, cuda_graphs: bool) -> Generator:
-    d = Deployment(checkpoint=str(ckpt), device="cuda", dtype="bfloat16", attention=attention, cuda_graphs=cuda_graphs)
+def gpu_generator(ckpt, attention: str, cuda_graphs: bool, **deployment) -> Generator:
+    d = Deployment(checkpoint=str(ckpt), device="cuda", dtype="bfloat16", attention=attention, cuda_graphs=cuda_graphs,
+                   **deployment)  # fmt: skip
     return Generator(d)
 
 
@@ -111,6 +113,29 @@ def test_ar_streams_with_flashinfer_match_sdpa(ckpt_and_reference, params):
     assert rel_l2(a.float(), b.float()) < 2 * BF16_TOL
     names = {key[1] for key in fi.engine.step.layouts}
     assert "flashinfer" in names and (params["window_mode"] == "chained" or "sdpa" in names)
+
+
+@pytest.mark.skipif(not HAS_FLASHINFER, reason="needs flashinfer")
+def test_bucketed_mixes_replay_the_warmup_captures(ckpt_and_reference):
+    """Every pack of these requests (alone, then batched as they join and leave: a different size mix each time)
+    fits a bucket the warmup captured: no new capture, and the results equal eager's within bf16."""
+    ckpt, _ = ckpt_and_reference
+    buckets = [256, 512]  # these packs: 64 to 320 rows
+    gen = gpu_generator(ckpt, "flashinfer", True, graph_buckets=buckets, max_captures=4)
+    step = gen.engine.step
+    assert step.captures == len(buckets) and {k[0][:2] for k in step.layouts} == {("bucket", b) for b in buckets}
+    eager = gpu_generator(ckpt, "flashinfer", False)
+    for prompt, params in REQUESTS:
+        assert rel_l2(gen.latents(prompt, params).float(), eager.latents(prompt, params).float()) < 1e-2, prompt
+    for ours, theirs in zip(run_batched(gen), run_batched(eager)):
+        assert rel_l2(ours, theirs) < 1e-2
+    assert step.captures == len(buckets)  # every new mix replayed a warmup capture
+    assert all(k[0][0] == "bucket" for k in step.layouts)
+    bounded = gpu_generator(ckpt, "flashinfer", True, graph_buckets=buckets, max_captures=1)
+    assert bounded.engine.step.captures == 1  # the second bucket runs eager
+    for prompt, params in REQUESTS[:1]:
+        assert rel_l2(bounded.latents(prompt, params).float(), eager.latents(prompt, params).float()) < 1e-2
+    assert bounded.engine.step.captures == 1
 
 
 def test_denoise_steps_never_sync_the_host(ckpt_and_reference):

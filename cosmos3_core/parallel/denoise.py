@@ -177,11 +177,18 @@ def _unflatten(
 
 
 def local_step(
-    model: Cosmos3Transformer, pool: KVPool, comm: Comm, kernels: GenKernels, attention: str, cuda_graphs: bool
+    model: Cosmos3Transformer,
+    pool: KVPool,
+    comm: Comm,
+    kernels: GenKernels,
+    attention: str,
+    cuda_graphs: bool,
+    max_captures: int = 16,
 ) -> DenoiseStep:
+    """A rank's step: exact layouts (no `graph_buckets`), at most `max_captures` captured."""
     if comm.parallel.ulysses > 1:
-        return UlyssesStep(model, pool, comm, kernels, attention, cuda_graphs)
-    return DenoiseStep(model, pool, kernels, attention, cuda_graphs)
+        return UlyssesStep(model, pool, comm, kernels, attention, cuda_graphs, max_captures)
+    return DenoiseStep(model, pool, kernels, attention, cuda_graphs, max_captures=max_captures)
 
 
 def kv_shard(comm: Comm, model: Cosmos3Transformer) -> tuple[int, int]:
@@ -357,21 +364,22 @@ class DenoiseParallel:
                            cfg.head_dim, dtype, device)  # fmt: skip
 
     def step(self, model: Cosmos3Transformer, pool: KVPool, kernels: GenKernels, attention: str,
-             cuda_graphs: bool) -> ParallelStep:  # fmt: skip
-        return ParallelStep(self.group, local_step(model, pool, self.group.comm, kernels, attention, cuda_graphs))
+             cuda_graphs: bool, max_captures: int = 16) -> ParallelStep:  # fmt: skip
+        return ParallelStep(self.group, local_step(model, pool, self.group.comm, kernels, attention, cuda_graphs,
+                                                   max_captures))  # fmt: skip
 
 
 class DenoiseWorker:
     """A worker's side of "write" and "step"."""
 
     def __init__(self, model: Cosmos3Transformer, comm: Comm, pool_pages: int, page_size: int, kernels: GenKernels,
-                 attention: str, cuda_graphs: bool, device: torch.device | str):  # fmt: skip
+                 attention: str, cuda_graphs: bool, device: torch.device | str, max_captures: int = 16):  # fmt: skip
         cfg = model.cfg
         self.comm, self.device, self.dtype = comm, device, next(model.parameters()).dtype
         self.heads = kv_shard(comm, model)
         n = self.heads[1] - self.heads[0]
         self.pool = KVPool(pool_pages, page_size, cfg.num_hidden_layers, n, cfg.head_dim, self.dtype, device)
-        self.step = local_step(model, self.pool, comm, kernels, attention, cuda_graphs)
+        self.step = local_step(model, self.pool, comm, kernels, attention, cuda_graphs, max_captures)
         self.lists = PageLists(device)
         self.patch = cfg.latent_patch_size
 

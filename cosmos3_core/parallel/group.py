@@ -56,6 +56,7 @@ class WorkerSpec:
     attention: str = "auto"
     compile: bool = False
     cuda_graphs: bool = True
+    max_captures: int = 16  # the deployment's: CUDA graphs each rank's step holds at once
     env: dict[str, str] = field(default_factory=dict)  # extra environment for the workers (tests: faults)
     # the deployment's precision and FP8 step-policy overrides (deployment.py): workers serve the GEN tower in the
     # same precision as rank 0, and each row says its step's W8A16/W8A8 choice (`Row.a16`)

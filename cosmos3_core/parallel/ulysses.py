@@ -100,7 +100,10 @@ class UlyssesPlan:
 
 
 class UlyssesBackend:
-    """A backend over the head-sharded pool, its plans wrapped in the all-to-alls."""
+    """A backend over the head-sharded pool, its plans wrapped in the all-to-alls. Never bucketable: how many
+    sound and action rows each rank holds (`UlyssesLayout`) is a shape, fixed by the exact mix."""
+
+    bucketable = False
 
     def __init__(self, inner: Backend, comm: Comm, heads: int, kv_heads: int):
         self.inner, self.comm, self.heads, self.kv_heads = inner, comm, heads, kv_heads
@@ -113,8 +116,8 @@ class UlyssesBackend:
     def shape_key(self, segments: list[Segment]) -> tuple:
         return self.inner.shape_key(segments)
 
-    def make_plan(self, rows: int) -> UlyssesPlan:
-        return UlyssesPlan(self.inner.make_plan(rows), self.comm, self.heads, self.kv_heads)
+    def make_plan(self, rows: int, slots: int = 0) -> UlyssesPlan:
+        return UlyssesPlan(self.inner.make_plan(rows, slots), self.comm, self.heads, self.kv_heads)
 
 
 class UlyssesLayout(StepLayout):
@@ -122,7 +125,8 @@ class UlyssesLayout(StepLayout):
 
     def __init__(self, model: Cosmos3Transformer, kernels: GenKernels, attention: UlyssesBackend, total_rows: int,
                  token_dim: int, segments: list[Segment], graph_pool: tuple | None, a16_rows: int,
-                 residual: bool = False):  # fmt: skip
+                 residual: bool = False, capacity: None = None):  # fmt: skip
+        # capacity: None (exact layouts only: `UlyssesBackend` is not bucketable)
         super().__init__(model, kernels, attention, total_rows, token_dim, segments, graph_pool, a16_rows, residual)
         comm = attention.comm
         u, j = comm.parallel.ulysses, comm.ulysses_index
@@ -177,12 +181,12 @@ class UlyssesStep(DenoiseStep):
     layout_class = UlyssesLayout
 
     def __init__(self, model: Cosmos3Transformer, pool: KVPool, comm: Comm, kernels: GenKernels, attention: str,
-                 cuda_graphs: bool):  # fmt: skip
+                 cuda_graphs: bool, max_captures: int = 16):  # fmt: skip
         cfg = model.cfg
         h, kv, u = cfg.num_attention_heads, cfg.num_key_value_heads, comm.parallel.ulysses
         lo, hi = comm.parallel.kv_heads_of(comm.ulysses_index, h, kv)
         inner = make_attention(attention, pool, h // u, hi - lo, cfg.head_dim)
         backend = UlyssesBackend(inner, comm, h, kv)
-        super().__init__(model, pool, kernels, backend, cuda_graphs)
+        super().__init__(model, pool, kernels, backend, cuda_graphs, max_captures=max_captures)
         sdpa = inner if isinstance(inner, SdpaAttention) else SdpaAttention(pool)
         self.sdpa = backend if sdpa is inner else UlyssesBackend(sdpa, comm, h, kv)
