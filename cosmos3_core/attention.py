@@ -249,8 +249,7 @@ class FlashInferPlan:
         self.rows = rows  # packed rows: the last segment's padding ends here
         self.batch = 2 * slots
         self.paged = self.ragged = None
-        # fp8: the segments' rows (padding rows do not set the scales), a buffer `update` refills
-        self.valid = torch.zeros(rows, dtype=torch.bool, device=attn.workspace.device) if attn.fp8 else None
+        self.valid: torch.Tensor | None = None  # fp8: the segments' rows (padding does not set the scales)
 
     def _wrappers(self, batch: int) -> None:
         import flashinfer
@@ -322,8 +321,10 @@ class FlashInferPlan:
             qo_indptr, qo_indptr, a.heads, a.kv_heads, a.head_dim, causal=False, q_data_type=own, kv_data_type=own,
             o_data_type=dt,
         )  # fmt: skip
-        if self.valid is not None:
-            self.valid.copy_(segment_rows(segments, self.rows))
+        if a.fp8:
+            if self.valid is None:
+                self.valid = torch.zeros(self.rows, dtype=torch.bool, device=a.workspace.device)
+            self.valid.copy_(segment_rows(segments, self.rows), non_blocking=True)  # as the plans' own copies
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         import flashinfer
