@@ -60,10 +60,10 @@ def quantize_fp8(x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, to
     """x [rows, heads, d], valid [rows] bool (the segments' rows; padding rows do not set the scale) → (E4M3
     [rows, heads, d], fp32 scale [heads]) with x ≈ e4m3 · scale: per head, scale = amax over the valid rows / 448
     (an all-zero head: a tiny scale, no division by zero); padding rows clamp to ±448."""
-    xf = x.float()
-    amax = torch.where(valid[:, None, None], xf.abs(), 0.0).amax(dim=(0, 2))
+    row_amax = x.abs().amax(dim=2).float()  # [rows, heads]: exact in x's dtype, one read of x
+    amax = torch.where(valid[:, None], row_amax, 0.0).amax(dim=0)
     scale = amax.clamp_min(1e-12) / FP8_MAX
-    return (xf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(E4M3), scale
+    return (x / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(E4M3), scale  # x / scale in fp32 (type promotion)
 
 
 def fake_quant_fp8(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
