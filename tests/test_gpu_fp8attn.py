@@ -50,9 +50,14 @@ pytestmark = [
 ]
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 8, 2, 128, 16  # GQA 4:1, Edge's head_dim
-# FP8 kernel vs the fake-quant reference: both quantize q/k/v identically; the kernel also rounds the softmax
-# probabilities to E4M3 (p·448, 3 mantissa bits) and its prefix part sees the unquantized q: a few 1e-2 at most
-FP8_TOL = 5e-2
+# Bars, from an fp32 simulation of FA3 FP8's maths on these inputs (E4M3 q/k/v with these scales, P·448 rounded to
+# E4M3, the prefix with the unquantized q, merged by LSE): random q/k/v are the hard case (the output is an average
+# of uncorrelated values, small beside the per-element rounding), so one call's FP8 error is ~3-6e-2 rel-L2:
+# - the kernel's error against exact attention is at most RATIO × the fake quant's own (simulated: ≤ 1.1×); a
+#   wrong scale, LSE or layout gives O(1) errors;
+# - kernel vs fake quant ≤ FP8_TOL (simulated 2.4-4.2e-2: the kernel's extra P rounding);
+# - LSE of the FP8 ragged call vs the bf16 one ≤ LSE_TOL absolute (simulated max 5.2e-2; log2 vs ln would be ~2).
+RATIO, FP8_TOL, LSE_TOL = 2.0, 0.1, 0.2
 BF16_TOL = 1e-2  # FlashInfer bf16 vs SDPA bf16, one attention call (the harness's own noise)
 ENGINE_FP8_TOL = 0.1  # final latents, FP8 attention vs bf16 (a few steps: bf16 noise 3e-2 + FP8 rounding ~1e-2)
 
@@ -76,12 +81,29 @@ def pack(seed: int, heads: int = HEADS):
     return pool, segments, rows, q, k, v, real
 
 
-def run_plan(backend, rows: int, segments, q, k, v, slots: int = 0, layer: int = 1) -> torch.Tensor:
-    plan = backend.make_plan(rows, slots)
-    plan.update(segments)
-    out = plan(q, k, v, layer)
-    torch.cuda.synchronize()
+def run_plan(backend, rows: int, segments, q, k, v, slots: int = 0, layer: int = 1, fp32: bool = False):
+    """`fp32`: SDPA over an fp32 copy of the pool (the exact reference)."""
+    pool = backend.pool
+    if fp32:
+        saved = pool.k_pages, pool.v_pages
+        pool.k_pages, pool.v_pages = pool.k_pages.float(), pool.v_pages.float()
+    try:
+        plan = backend.make_plan(rows, slots)
+        plan.update(segments)
+        out = plan(q, k, v, layer)
+        torch.cuda.synchronize()
+    finally:
+        if fp32:
+            pool.k_pages, pool.v_pages = saved
     return out
+
+
+def sdpa_nhd(q, k, v) -> torch.Tensor:
+    """q [N, heads, d], k/v [M, kv_heads, d] → [N, heads, d], non-causal, GQA."""
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], enable_gqa=True
+    )
+    return out[0].transpose(0, 1)
 
 
 def test_warm_builds_exactly_the_modules_plan_loads(monkeypatch):
@@ -106,8 +128,9 @@ def test_warm_builds_exactly_the_modules_plan_loads(monkeypatch):
 
 
 def test_fa3_fp8_ragged_kernel_output_and_lse():
-    """The FP8 ragged run alone vs FlashInfer's bf16 ragged run on the same requests: output within FP8_TOL, LSE
-    (same units in both: merge_state combines it with the paged bf16 LSE) within 0.1 absolute."""
+    """The FP8 ragged run alone vs FlashInfer's bf16 ragged run on the same requests: output within RATIO × the
+    fake quant's own-token error, LSE (same units in both: merge_state combines it with the paged bf16 LSE) within
+    LSE_TOL absolute."""
     pool, segments, rows, q, k, v, real = pack(1)
     fp8_plan = FlashInferAttention(pool, HEADS, KV_HEADS, HEAD_DIM, fp8=True).make_plan(rows)
     bf16_plan = FlashInferAttention(pool, HEADS, KV_HEADS, HEAD_DIM).make_plan(rows)
@@ -120,10 +143,18 @@ def test_fa3_fp8_ragged_kernel_output_and_lse():
     torch.cuda.synchronize()
     assert out8.dtype == torch.bfloat16 and bool(out8[real].isfinite().all()), "FP8 ragged output not finite"
     err = rel_l2(out8[real].float(), out[real].float())
+    fake = torch.zeros_like(out)  # the fake quant's own-token attention, per segment
+    deq = [(x8.float() * s[:, None]).bfloat16() for x8, s in ((q8, sq), (k8, sk), (v8, sv))]
+    for seg in segments:
+        r = slice(seg.start, seg.start + seg.length)
+        fake[r] = sdpa_nhd(*(x[r] for x in deq))
+    fake_err = rel_l2(fake[real].float(), out[real].float())
     lse_err = (lse8[real] - lse[real]).abs().max().item()
-    assert err < FP8_TOL, f"FP8 ragged output vs bf16: rel-L2 {err:.3e} > {FP8_TOL} (lse max |diff| {lse_err:.3e})"
-    assert lse_err < 0.1, f"FP8 ragged LSE vs bf16: max |diff| {lse_err:.3e} (output rel-L2 {err:.3e}): wrong units?"
-    assert err > 1e-4, f"FP8 ragged output equals bf16 (rel-L2 {err:.3e}): the FP8 kernel did not run"
+    msg = f"FP8 ragged vs bf16: output rel-L2 {err:.3e} (fake quant's {fake_err:.3e}), LSE max |diff| {lse_err:.3e}"
+    assert err < RATIO * fake_err, msg
+    assert lse_err < LSE_TOL, msg + ": LSE off (units? scales?)"
+    assert err > 1e-3, msg + ": the FP8 kernel did not run"
+    print(msg)
 
 
 @pytest.mark.parametrize("slots", [0, 4], ids=["exact", "bucketed"])
@@ -133,13 +164,16 @@ def test_fa3_fp8_attention_matches_the_sdpa_fake_quant_reference(slots):
     fi16 = run_plan(FlashInferAttention(pool, HEADS, KV_HEADS, HEAD_DIM), rows, segments, q, k, v, slots)
     sd8 = run_plan(SdpaAttention(pool, fp8=True), rows, segments, q, k, v)
     sd16 = run_plan(SdpaAttention(pool), rows, segments, q, k, v)
+    exact = run_plan(SdpaAttention(pool), rows, segments, q.float(), k.float(), v.float(), fp32=True)
     e = {name: rel_l2(a[real].float(), b[real].float()) for name, a, b in
-         [("fi8~sd8", fi8, sd8), ("fi16~sd16", fi16, sd16), ("sd8~sd16", sd8, sd16), ("fi8~fi16", fi8, fi16)]}  # fmt: skip
+         [("fi8~sd8", fi8, sd8), ("fi8~exact", fi8, exact), ("sd8~exact", sd8, exact), ("fi16~sd16", fi16, sd16),
+          ("fi8~fi16", fi8, fi16)]}  # fmt: skip
     summary = ", ".join(f"{n} {x:.3e}" for n, x in e.items())
     assert bool(fi8[real].isfinite().all()), f"FA3 FP8 output not finite ({summary})"
     assert e["fi16~sd16"] < BF16_TOL, f"harness: FlashInfer bf16 vs SDPA bf16 off ({summary})"
-    assert e["fi8~sd8"] < FP8_TOL, f"FA3 FP8 vs SDPA fake quant: {e['fi8~sd8']:.3e} > {FP8_TOL} ({summary})"
-    assert e["fi8~fi16"] > 1e-4, f"FA3 FP8 equals bf16: FP8 not engaged ({summary})"
+    assert e["fi8~exact"] < RATIO * e["sd8~exact"], f"FA3 FP8 error > {RATIO}x the fake quant's ({summary})"
+    assert e["fi8~sd8"] < FP8_TOL, f"FA3 FP8 vs SDPA fake quant > {FP8_TOL} ({summary})"
+    assert e["fi8~fi16"] > 1e-3, f"FA3 FP8 equals bf16: FP8 not engaged ({summary})"
     print(summary)
 
 
