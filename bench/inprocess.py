@@ -74,7 +74,8 @@ def ours(args, params) -> dict:
     for variant in args.variants:
         attention, *extra = variant.split("+")
         eng = gen.engine
-        eng.step = DenoiseStep(eng.model, eng.pool, eng.step.kernels, attention, cuda_graphs="graphs" in extra)
+        eng.step = DenoiseStep(eng.model, eng.pool, eng.step.kernels, attention, cuda_graphs="graphs" in extra,
+                               fp8_attention=getattr(args, "fp8_attention", False))  # fmt: skip
         out[variant] = run_variant(gen, params, args.repeat)
     return out
 
@@ -160,6 +161,7 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="torch.compile the GEN layer stack")
     ap.add_argument("--precision", choices=["checkpoint", "fp8"], default="checkpoint", help="a deployment's precision")
     ap.add_argument("--fp8-policy", type=json.loads, default={}, help="JSON: a deployment's fp8_policy")
+    ap.add_argument("--fp8-attention", action="store_true", help="a deployment's fp8_attention (FA3 FP8, Hopper)")
     ap.add_argument("--variants", nargs="+", default=["sdpa", "flashinfer+graphs"], help="attention[+graphs] ...")
     ap.add_argument("--json", default="")
     ap.add_argument("--md", default="", help="append a row (date, GPU, command, figures) to this BENCHMARKS.md")
@@ -187,7 +189,7 @@ def main() -> None:
     result["tokens_per_branch"] = tokens
     diff = statistics.median(result["diffusers"]["e2e"]) if "diffusers" in result else float("nan")
     print(f"{args.preset} {args.width}x{args.height}x{args.frames} steps {args.steps} guidance {args.guidance} "
-          f"tokens/branch {tokens} compile {args.compile} precision {args.precision} on {result['gpu']}; compute floor {result['floor_s']:.2f} s, "
+          f"tokens/branch {tokens} compile {args.compile} precision {args.precision} fp8_attention {args.fp8_attention} on {result['gpu']}; compute floor {result['floor_s']:.2f} s, "
           f"diffusers e2e {diff:.2f} s, peak mem ours {result['ours_peak_mem_gb']:.1f} GB / diffusers "
           f"{result['diffusers_peak_mem_gb']:.1f} GB")  # fmt: skip
     print(

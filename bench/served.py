@@ -170,7 +170,8 @@ def side_by_side(deployment: Deployment, overrides: dict, inprocess: int, diffus
     if inprocess:
         args = SimpleNamespace(preset=preset, repeat=inprocess, compile=deployment.compile,
                                variants=[deployment.attention + ("+graphs" if deployment.cuda_graphs else "")],
-                               precision=deployment.precision, fp8_policy=deployment.fp8_policy)  # fmt: skip
+                               precision=deployment.precision, fp8_policy=deployment.fp8_policy,
+                               fp8_attention=deployment.fp8_attention)  # fmt: skip
         r = next(iter(ours(args, params).values()))
         out["inprocess"] = {"e2e": r["phases"]["e2e"], "phases": r["phases"], "skipped_fraction": r["skipped_fraction"]}
     if diffusers:

@@ -19,6 +19,18 @@ any segments that fit its rows and segment slots (`make_plan(rows, slots)`) — 
 plan data, not shapes — so a layout may be keyed on a bucket rather than the exact mix: FlashInfer (a fixed request
 count, padded with empty requests); not SDPA, whose per-segment loop (host code) a capture freezes.
 Layouts: q `[rows, heads, d]`, k/v `[rows, kv_heads, d]`; output `[rows, heads * d]`.
+
+FP8 attention (`fp8=True`, the deployment's `fp8_attention`): the own-token (ragged) attention's q, k and v are
+quantized to E4M3 (`quantize_fp8`: dynamic scales per head, amax over the pack's segment rows / 448, computed on
+the device — no host sync, capturable); the prefix (text and AR context, the bf16 pool) stays bf16. FlashInfer
+runs the ragged part on FA3's FP8 kernel (Hopper only; the scales go in as per-head `scale_q/k/v`, the output stays
+in the model dtype: FA3 has no FP8 output) and merges with the bf16 paged part as before. SDPA "fake-quantizes":
+q, k, v quantized with the same scales and dequantized (`fake_quant_fp8`) before one SDPA call over [prefix | own]
+— the reference the GPU tests hold FlashInfer FP8 to (FlashInfer differs by its own rounding: it quantizes the
+softmax probabilities to E4M3 too, and its prefix part sees the unquantized q). The scales are per head over every
+segment of the pack (FA3 takes one scale per head per call), so a request's FP8 rounding depends on its batch
+mates' amax — results agree within FP8 rounding, not bit for bit, across batch mixes. Every row and every step
+(the FP8 linears' W8A16 step policy does not apply: the switch is separate).
 """
 
 from __future__ import annotations
@@ -30,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from .kv_pool import KVPool, PageList
+from .model.fp8 import E4M3, FP8_MAX
 from .rows import Segment
 
 BACKENDS = ("auto", "sdpa", "flashinfer")
@@ -41,6 +54,30 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> tor
         q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=causal, enable_gqa=True
     )  # [1, heads, N, d]
     return out[0].transpose(0, 1).flatten(-2)
+
+
+def quantize_fp8(x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, heads, d], valid [rows] bool (the segments' rows; padding rows do not set the scale) → (E4M3
+    [rows, heads, d], fp32 scale [heads]) with x ≈ e4m3 · scale: per head, scale = amax over the valid rows / 448
+    (an all-zero head: a tiny scale, no division by zero); padding rows clamp to ±448."""
+    row_amax = x.abs().amax(dim=2).float()  # [rows, heads]: exact in x's dtype, one read of x
+    amax = torch.where(valid[:, None], row_amax, 0.0).amax(dim=0)
+    scale = amax.clamp_min(1e-12) / FP8_MAX
+    return (x / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(E4M3), scale  # x / scale in fp32 (type promotion)
+
+
+def fake_quant_fp8(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """`quantize_fp8` then back to x's dtype: what FP8 attention's kernel sees, in x's dtype (SDPA's FP8 path)."""
+    x8, scale = quantize_fp8(x, valid)
+    return (x8.float() * scale[:, None]).to(x.dtype)
+
+
+def segment_rows(segments: list[Segment], rows: int) -> torch.Tensor:
+    """[rows] bool on the host: True on the segments' rows, False on padding."""
+    valid = torch.zeros(rows, dtype=torch.bool)
+    for s in segments:
+        valid[s.start : s.start + s.length] = True
+    return valid
 
 
 class Plan(Protocol):
@@ -62,8 +99,9 @@ class SdpaAttention:
     name = "sdpa"
     bucketable = False  # its plan loops over the segments in Python: a capture freezes their boundaries
 
-    def __init__(self, pool: KVPool):
+    def __init__(self, pool: KVPool, fp8: bool = False):
         self.pool = pool
+        self.fp8 = fp8  # own-token q/k/v fake-quantized to E4M3 (see the module docstring)
 
     def supports(self, segments: list[Segment]) -> bool:
         return True
@@ -73,7 +111,7 @@ class SdpaAttention:
         return tuple(tuple(p.num_tokens for p in seg.prefix) for seg in segments)
 
     def make_plan(self, rows: int, slots: int = 0) -> SdpaPlan:
-        return SdpaPlan(self.pool)
+        return SdpaPlan(self.pool, self.fp8)
 
 
 class SdpaPlan:
@@ -81,8 +119,8 @@ class SdpaPlan:
     Keeps plain numbers, never the segments' `PageList`s: those are emptied when their request ends, and a plan
     may outlive them (a later request on the same pages is not re-planned)."""
 
-    def __init__(self, pool: KVPool):
-        self.pool = pool
+    def __init__(self, pool: KVPool, fp8: bool = False):
+        self.pool, self.fp8 = pool, fp8
         self.spans: list[tuple[slice, list[int]]] = []  # per segment: its rows, its prefix lists' token counts
         self.page_index: list[list[torch.Tensor]] = []
 
@@ -99,6 +137,11 @@ class SdpaPlan:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         pool = self.pool
         out = torch.zeros(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
+        if self.fp8:
+            valid = torch.zeros(q.shape[0], dtype=torch.bool, device=q.device)
+            for rows, _ in self.spans:
+                valid[rows] = True
+            q, k, v = fake_quant_fp8(q, valid), fake_quant_fp8(k, valid), fake_quant_fp8(v, valid)
         for (rows, counts), index in zip(self.spans, self.page_index):
             keys = [pool.k_pages[layer, i].flatten(0, 1)[:n] for i, n in zip(index, counts)]
             values = [pool.v_pages[layer, i].flatten(0, 1)[:n] for i, n in zip(index, counts)]
@@ -111,18 +154,21 @@ def flashinfer_backend(major: int, head_dim: int) -> str:
     return "fa3" if major == 9 and head_dim in (64, 128, 256) else "fa2"
 
 
-def flashinfer_module_specs(backend: str, dtype: torch.dtype, head_dim: int) -> list:
+def flashinfer_module_specs(backend: str, dtype: torch.dtype, head_dim: int, fp8: bool = False) -> list:
     """FlashInfer's JIT specs of the modules `FlashInferPlan` loads → `flashinfer.jit.JitSpec`s: the batch prefill
     module (the paged and the ragged wrapper share it) with the arguments their `plan` derives from ours (q, kv and
-    out in `dtype`, int32 indices, no positional encoding, sliding window, soft cap or fp16 QK reduction), and the
-    cascade module of `merge_state`. tools/warm.py builds these ahead; keep them in step with `update`'s plans."""
+    out in `dtype`, int32 indices, no positional encoding, sliding window, soft cap or fp16 QK reduction), with `fp8`
+    (fa3 only) also the ragged wrapper's FP8 one (q and kv E4M3, out in `dtype`), and the cascade module of
+    `merge_state`. tools/warm.py builds these ahead; keep them in step with `update`'s plans."""
     from flashinfer.jit.attention import gen_batch_prefill_module
     from flashinfer.jit.cascade import gen_cascade_module
 
-    prefill = gen_batch_prefill_module(
-        backend, dtype, dtype, dtype, torch.int32, head_dim, head_dim, 0, False, False, False
-    )  # fmt: skip
-    return [prefill, gen_cascade_module()]
+    specs = [gen_batch_prefill_module(backend, dtype, dtype, dtype, torch.int32, head_dim, head_dim, 0, False, False,
+                                      False)]  # fmt: skip
+    if fp8 and backend == "fa3":  # fa2 has no FP8 kernel: FlashInferAttention refuses it at load
+        specs.append(gen_batch_prefill_module(backend, E4M3, E4M3, dtype, torch.int32, head_dim, head_dim, 0, False,
+                                              False, False))  # fmt: skip
+    return [*specs, gen_cascade_module()]
 
 
 class FlashInferAttention:
@@ -137,7 +183,7 @@ class FlashInferAttention:
     bucketable = True
     WORKSPACE_BYTES = 256 << 20
 
-    def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int, fp8: bool = False):
         import flashinfer  # noqa: F401 - fail at construction, not mid-step
 
         from .caches import cuda_arch, use_flashinfer_aot
@@ -148,6 +194,13 @@ class FlashInferAttention:
         major, minor = torch.cuda.get_device_capability(device)
         self.aot = use_flashinfer_aot(cuda_arch(major, minor))  # modules built ahead (tools/warm.py): no JIT
         self.backend = flashinfer_backend(major, head_dim)
+        self.fp8 = fp8  # own-token attention on FA3's FP8 kernel (see the module docstring)
+        if fp8 and self.backend != "fa3":
+            raise ValueError(
+                f"fp8_attention: FlashInfer's FP8 attention is its fa3 backend's (Hopper, head_dim 64/128/256); this "
+                f"is compute capability {major}.{minor} at head_dim {head_dim} ({self.backend}). attention: sdpa "
+                "runs the FP8 fake-quant reference instead"
+            )
         self.workspace = torch.empty(self.WORKSPACE_BYTES, dtype=torch.uint8, device=device)  # shared: runs are serial
 
     def check(self) -> None:
@@ -196,6 +249,7 @@ class FlashInferPlan:
         self.rows = rows  # packed rows: the last segment's padding ends here
         self.batch = 2 * slots
         self.paged = self.ragged = None
+        self.valid: torch.Tensor | None = None  # fp8: the segments' rows (padding does not set the scales)
 
     def _wrappers(self, batch: int) -> None:
         import flashinfer
@@ -262,35 +316,51 @@ class FlashInferPlan:
             torch.tensor(last_len, dtype=torch.int32),
             a.heads, a.kv_heads, a.head_dim, ps, causal=False, q_data_type=dt, kv_data_type=dt,
         )  # fmt: skip
+        own = E4M3 if a.fp8 else dt  # fp8: E4M3 q and kv, output in the model dtype (FA3 has no FP8 output)
         self.ragged.plan(
-            qo_indptr, qo_indptr, a.heads, a.kv_heads, a.head_dim, causal=False, q_data_type=dt, kv_data_type=dt
-        )
+            qo_indptr, qo_indptr, a.heads, a.kv_heads, a.head_dim, causal=False, q_data_type=own, kv_data_type=own,
+            o_data_type=dt,
+        )  # fmt: skip
+        if a.fp8:
+            if self.valid is None:
+                self.valid = torch.zeros(self.rows, dtype=torch.bool, device=a.workspace.device)
+            self.valid.copy_(segment_rows(segments, self.rows), non_blocking=True)  # as the plans' own copies
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         import flashinfer
 
         pool = self.attn.pool
         out_prefix, lse_prefix = self.paged.run(q, (pool.k_pages[layer], pool.v_pages[layer]), return_lse=True)
-        out_own, lse_own = self.ragged.run(q, k, v, return_lse=True)
+        if self.valid is None:
+            out_own, lse_own = self.ragged.run(q, k, v, return_lse=True)
+        else:  # FA3 FP8: per-head scales as run's positional args (scale_q [heads], scale_k/v [kv_heads], fp32)
+            (q8, sq), (k8, sk), (v8, sv) = (quantize_fp8(x, self.valid) for x in (q, k, v))
+            out = torch.empty_like(q)  # run's own default for FP8 input is bf16 whatever the plan's o_data_type
+            out_own, lse_own = self.ragged.run(q8, k8, v8, sq, sk, sv, out=out, return_lse=True)
         return flashinfer.merge_state(out_prefix, lse_prefix, out_own, lse_own)[0].flatten(-2)
 
 
-def make_attention(name: str, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int) -> Backend:
+def make_attention(
+    name: str, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int, fp8: bool = False
+) -> Backend:
     """`auto`: FlashInfer on CUDA when it is installed and its kernels build and run here, else SDPA (saying
-    why on stderr). `flashinfer` asked for explicitly fails here instead."""
+    why on stderr). `flashinfer` asked for explicitly fails here instead, and so does `auto` with `fp8` on CUDA
+    (fp8_attention asks for FA3's FP8 kernel: an SDPA fallback would be slower than bf16, not faster). SDPA with
+    `fp8` (asked for, or `auto` on the CPU) is the fake-quant reference."""
     if name not in BACKENDS:
         raise ValueError(f"attention must be one of {', '.join(BACKENDS)}; got {name!r}")
     on_cuda = pool.k_pages.is_cuda
     if name == "sdpa" or (name == "auto" and not on_cuda):
-        return SdpaAttention(pool)
+        return SdpaAttention(pool, fp8)
     if not on_cuda:
         raise ValueError("attention: flashinfer needs a CUDA device")
     try:
-        attention = FlashInferAttention(pool, num_heads, num_kv_heads, head_dim)
+        attention = FlashInferAttention(pool, num_heads, num_kv_heads, head_dim, fp8)
         attention.check()
         return attention
     except Exception as e:
-        if name == "flashinfer":
-            raise RuntimeError(f"attention: flashinfer does not run here: {e}") from e
+        if name == "flashinfer" or fp8:
+            what = "fp8_attention" if fp8 else "attention"
+            raise RuntimeError(f"{what}: flashinfer does not run here: {e}") from e
         print(f"cosmos3: attention auto → sdpa (flashinfer unavailable: {str(e)[:300]})", file=sys.stderr)
         return SdpaAttention(pool)

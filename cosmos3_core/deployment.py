@@ -42,6 +42,11 @@ class Deployment:
     # torch.compile the GEN layer stack and (on CUDA) the VAE decoder's fused kernels; dynamic shapes
     compile: bool = False
     attention: str = "auto"  # sdpa | flashinfer | auto (flashinfer on CUDA when installed, else sdpa)
+    # the GEN attention over a segment's own tokens in FP8 (E4M3 q/k/v, per-head dynamic scales; the text prefix
+    # stays bf16), every step and row whatever the precision. CUDA: FlashInfer's FA3 FP8 kernel (Hopper; else the
+    # load fails); attention sdpa (or the CPU): the same quantization simulated (fake quant), the reference.
+    # A single-GPU denoise only. See attention.py
+    fp8_attention: bool = False
     cuda_graphs: bool = True  # CUDA only: capture each step layout's forward on its second use, then replay
     # with cuda_graphs and FlashInfer: packed-row buckets (ascending multiples of 64, e.g. [4096, 8192, 16384, 32768]):
     # a step runs in the layout of the smallest bucket its rows fit (padding rows cost their compute), so a new mix
@@ -92,6 +97,8 @@ class Deployment:
             raise ValueError(f"{path}: dtype must be one of {', '.join(DTYPES)}, auto")
         raw["fp8_policy"] = raw.get("fp8_policy") or {}
         validate_precision(raw.get("precision", "checkpoint"), raw["fp8_policy"], str(path))
+        if not isinstance(raw.get("fp8_attention", False), bool):
+            raise ValueError(f"{path}: fp8_attention: true or false; got {raw['fp8_attention']!r}")
         buckets = raw.get("graph_buckets") or []
         if any(not isinstance(b, int) or b <= 0 or b % 64 for b in buckets) or buckets != sorted(set(buckets)):
             raise ValueError(f"{path}: graph_buckets: ascending positive multiples of 64 rows; got {buckets}")
@@ -107,6 +114,8 @@ class Deployment:
             parallel = ParallelConfig.from_dict(raw.pop("parallel", None))
         except (TypeError, ValueError) as e:
             raise ValueError(f"{path}: {e}") from e
+        if raw.get("fp8_attention") and parallel.denoise_ranks > 1:
+            raise ValueError(f"{path}: fp8_attention: a single-GPU denoise only (parallel cfg and ulysses must be 1)")
         if parallel.ranks > 1 and given.get("denoise", 1) != 1:
             raise ValueError(f"{path}: parallel: one denoise instance drives the group (instances.denoise is 1)")
         return cls(**raw, instances={**INSTANCES, **given}, defaults=Defaults(**d, **tasks), limits=limits,

@@ -70,6 +70,7 @@ class DenoiseEngine:
         parallel: DenoiseParallel | None = None,
         graph_buckets: tuple[int, ...] = (),
         max_captures: int = 16,
+        fp8_attention: bool = False,
     ):
         cfg = self.cfg = ckpt.config
         self.device, self.dtype = device, dtype
@@ -80,7 +81,10 @@ class DenoiseEngine:
             self.pool = KVPool(
                 pool_pages, page_size, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype, device
             )
-            self.step = DenoiseStep(self.model, self.pool, kernels, attention, cuda_graphs, graph_buckets, max_captures)
+            self.step = DenoiseStep(self.model, self.pool, kernels, attention, cuda_graphs, graph_buckets, max_captures,
+                                    fp8_attention)  # fmt: skip
+        elif fp8_attention:
+            raise ValueError("fp8_attention: a single-GPU denoise only (parallel splits it over ranks)")
         else:  # several ranks per request (parallel/denoise.py): the same interfaces over a group
             self.pool = parallel.pool(self.model, pool_pages, page_size, dtype, device)
             self.step = parallel.step(self.model, self.pool, kernels, attention, cuda_graphs, max_captures)
@@ -111,6 +115,7 @@ class DenoiseEngine:
             parallel=DenoiseParallel(group) if group is not None and d.parallel.denoise_ranks > 1 else None,
             graph_buckets=tuple(d.graph_buckets) if d.cuda_graphs else (),  # without graphs, padding only costs
             max_captures=d.max_captures,
+            fp8_attention=d.fp8_attention,
         )
 
     def tick(self) -> int:

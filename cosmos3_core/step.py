@@ -58,15 +58,19 @@ class DenoiseStep:
         cuda_graphs: bool = True,
         graph_buckets: tuple[int, ...] = (),
         max_captures: int = 16,
+        fp8_attention: bool = False,
     ):
         cfg = model.cfg
         self.model, self.pool, self.kernels = model, pool, kernels
         self.attention = (
-            make_attention(attention, pool, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+            make_attention(
+                attention, pool, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, fp8_attention
+            )  # fmt: skip
             if isinstance(attention, str)
             else attention  # a backend made by the caller (parallel/ulysses.py: over a head-sharded pool)
         )
-        self.sdpa = self.attention if isinstance(self.attention, SdpaAttention) else SdpaAttention(pool)
+        fp8 = getattr(self.attention, "fp8", False)  # the SDPA fallback layouts quantize as the backend does
+        self.sdpa = self.attention if isinstance(self.attention, SdpaAttention) else SdpaAttention(pool, fp8)
         self.cuda_graphs = cuda_graphs and pool.k_pages.is_cuda
         self.graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None  # shared: replays are serial
         if any(b <= 0 or b % SEGMENT_ALIGN for b in graph_buckets):

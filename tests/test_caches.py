@@ -44,10 +44,10 @@ def test_flashinfer_modules_built_ahead_are_kept_per_gpu_arch(monkeypatch, tmp_p
 
 def test_warm_builds_the_flashinfer_modules_the_deployment_loads():
     edge = Deployment.load(CONFIGS / "bench_edge.yaml")
-    assert flashinfer_kernels(edge, 128, "9.0a") == [("fa3", torch.bfloat16, 128)]
-    assert flashinfer_kernels(edge, 128, "8.0") == [("fa2", torch.bfloat16, 128)]
-    assert flashinfer_kernels(edge, 96, "9.0a") == [("fa2", torch.bfloat16, 96)]  # fa3: head_dim 64/128/256
-    assert flashinfer_kernels(Deployment(), 128, "9.0a") == [("fa3", torch.bfloat16, 128)]  # auto: as on a GPU
-    assert flashinfer_kernels(replace(edge, dtype="float16"), 128, "9.0a") == [("fa3", torch.float16, 128)]
+    assert flashinfer_kernels(edge, 128, "9.0a") == [("fa3", torch.bfloat16, 128, False)]
+    assert flashinfer_kernels(edge, 128, "8.0") == [("fa2", torch.bfloat16, 128, False)]
+    assert flashinfer_kernels(edge, 96, "9.0a") == [("fa2", torch.bfloat16, 96, False)]  # fa3: head_dim 64/128/256
+    assert flashinfer_kernels(Deployment(), 128, "9.0a") == [("fa3", torch.bfloat16, 128, False)]  # auto: as on a GPU
+    assert flashinfer_kernels(replace(edge, dtype="float16"), 128, "9.0a") == [("fa3", torch.float16, 128, False)]
     assert flashinfer_kernels(replace(edge, attention="sdpa"), 128, "9.0a") == []
     assert flashinfer_kernels(Deployment.load(CONFIGS / "tiny.yaml"), 128, "9.0a") == []  # CPU, fp32

@@ -4,10 +4,11 @@ Two parts, both into the kernel caches of `caches.py`:
 
 - FlashInfer's modules (`--kernels-only`: only these; `make warm-kernels`). The modules the deployment's FlashInfer
   attention loads (`attention.flashinfer_module_specs`: the batch prefill module, fa3 on Hopper at head_dim
-  64/128/256 else fa2, at the checkpoint's head_dim and the deployment's dtype, and the cascade module) are compiled
-  with nvcc for each GPU arch of `--cuda-arch` (default: $FLASHINFER_CUDA_ARCH_LIST, else this machine's GPUs)
-  into `caches.flashinfer_aot_dir(arch)`, where a server's FlashInfer loads them without a JIT. No GPU or driver
-  is needed, only the CUDA toolkit (nvcc, its headers and libcuda stub): docker/Dockerfile runs it at build time.
+  64/128/256 else fa2, at the checkpoint's head_dim and the deployment's dtype, with `fp8_attention` on fa3 also
+  the FP8 (E4M3 q/kv) one, and the cascade module) are compiled with nvcc for each GPU arch of `--cuda-arch`
+  (default: $FLASHINFER_CUDA_ARCH_LIST, else this machine's GPUs) into `caches.flashinfer_aot_dir(arch)`, where a
+  server's FlashInfer loads them without a JIT. No GPU or driver is needed, only the CUDA toolkit (nvcc, its
+  headers and libcuda stub): docker/Dockerfile runs it at build time.
   Only the checkpoint's configs are read; at build time, when the deployment's checkpoint is not there yet, name
   one of the same architecture (`--checkpoint random:edge`: Edge's real shapes, configs only).
 - The rest (a GPU): loads the deployment in-process exactly as a server does (prefill, the denoise engine with its
@@ -35,15 +36,15 @@ from ..caches import cuda_arch, flashinfer_aot_dir, use_kernel_caches
 from ..deployment import DEFAULT_CONFIG, DTYPES, Deployment
 
 
-def flashinfer_kernels(d: Deployment, head_dim: int, arch: str) -> list[tuple[str, torch.dtype, int]]:
-    """(backend, dtype, head_dim) of each FlashInfer prefill module the deployment loads on a GPU of `arch`
-    ("9.0a"); none when it never runs FlashInfer (attention sdpa, a CPU device, float32: FlashInfer's prefill is
-    16-bit only, `attention: auto` falls back to SDPA). `device: auto` and `dtype: auto` are taken as a GPU's
-    (bfloat16)."""
+def flashinfer_kernels(d: Deployment, head_dim: int, arch: str) -> list[tuple[str, torch.dtype, int, bool]]:
+    """(backend, dtype, head_dim, fp8) of each FlashInfer prefill module set the deployment loads on a GPU of `arch`
+    ("9.0a"), fp8 its `fp8_attention` (with fa3, the FP8 ragged module too); none when it never runs FlashInfer
+    (attention sdpa, a CPU device, float32: FlashInfer's prefill is 16-bit only, `attention: auto` falls back to
+    SDPA). `device: auto` and `dtype: auto` are taken as a GPU's (bfloat16)."""
     dtype = torch.bfloat16 if d.dtype == "auto" else DTYPES[d.dtype]
     if d.attention == "sdpa" or d.device.startswith("cpu") or dtype == torch.float32:
         return []
-    return [(flashinfer_backend(int(arch.split(".")[0]), head_dim), dtype, head_dim)]
+    return [(flashinfer_backend(int(arch.split(".")[0]), head_dim), dtype, head_dim, d.fp8_attention)]
 
 
 def gpu_archs() -> list[str]:

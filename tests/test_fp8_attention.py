@@ -1,0 +1,139 @@
+"""`fp8_attention` on the CPU: the SDPA backend's fake quant (attention.py) — E4M3 own-token q/k/v with per-head
+dynamic scales over the pack's segment rows, the bf16 prefix as it is — checked against a hand-written reference of
+one attention call (exactly), through the real step on a tiny checkpoint (near the unquantized result, not equal to
+it), and the deployment field's validation. FlashInfer's FA3 FP8 kernel against this reference: test_gpu_fp8attn.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cosmos3_core.attention import SdpaAttention, make_attention, quantize_fp8
+from cosmos3_core.deployment import Deployment
+from cosmos3_core.generate import Generator
+from cosmos3_core.kv_pool import KVPool
+from cosmos3_core.rows import Segment
+from cosmos3_core.tools.warm import flashinfer_kernels
+from tests.conftest import rel_l2
+
+CONFIGS = Path(__file__).parent.parent / "configs"
+PROMPT = "a red fox runs through snow"
+T2V = {"num_frames": 9, "height": 64, "width": 96, "steps": 4, "seed": 1, "guidance_scale": 4.0}
+# rel-L2 of the final latents, fp8_attention vs not, on the nano checkpoint (fp32 CPU): measured 9.5e-3 (E4M3 has 3
+# mantissa bits: ~2^-5 relative rounding per element, averaged down by the attention's sums); the bar leaves 3x
+FP8_ATTN_TOL = 3e-2
+
+
+def fake_quant_reference(x: torch.Tensor, rows: list[slice]) -> torch.Tensor:
+    """Written out: per head h, s_h = max |x[r, h, :]| over the segments' rows / 448; x → e4m3(x / s_h) · s_h."""
+    real = torch.cat([x[r] for r in rows])
+    out = torch.empty_like(x)
+    for h in range(x.shape[1]):
+        s = real[:, h].abs().max().item() / 448.0
+        out[:, h] = (x[:, h] / s).clamp(-448, 448).to(torch.float8_e4m3fn).to(torch.float32) * s
+    return out
+
+
+def test_quantize_fp8_scales_per_head_over_the_segment_rows_only():
+    torch.manual_seed(0)
+    x = torch.randn(10, 3, 8) * torch.tensor([1.0, 10.0, 0.01])[:, None]
+    x[8:] = 1e4  # padding rows: never set the scale
+    valid = torch.tensor([True] * 8 + [False] * 2)
+    x8, scale = quantize_fp8(x, valid)
+    assert x8.dtype == torch.float8_e4m3fn and scale.shape == (3,) and scale.dtype == torch.float32
+    assert torch.equal(scale, x[:8].abs().amax(dim=(0, 2)) / 448.0)
+    assert torch.equal(x8[:8].float().abs().amax(dim=(0, 2)), torch.full((3,), 448.0))  # each head's amax hits 448
+    assert torch.equal(x8[8:].float(), torch.full((2, 3, 8), 448.0))  # padding clamps, no inf / nan
+    err = rel_l2(x8[:8].float() * scale[:, None], x[:8])
+    assert 1e-3 < err < 4e-2, err  # E4M3 rounding: 3 mantissa bits
+    zeros, s0 = quantize_fp8(torch.zeros(4, 2, 8), torch.ones(4, dtype=torch.bool))
+    assert torch.equal(zeros.float(), torch.zeros(4, 2, 8)) and bool((s0 > 0).all())  # no division by zero
+
+
+def test_sdpa_fp8_plan_equals_the_hand_written_fake_quant_reference():
+    """One attention call of the SDPA backend with fp8: two segments with their own prefix pages, padding rows
+    between and after (excluded from the scales), GQA — equal, element for element, to the reference."""
+    torch.manual_seed(1)
+    heads, kv_heads, d, ps = 4, 2, 16, 4
+    pool = KVPool(16, ps, 2, kv_heads, d, torch.float32, "cpu")
+    pool.k_pages.normal_()
+    pool.v_pages.normal_()
+    text = [pool.alloc(6), pool.alloc(9)]
+    segments = [Segment(0, 20, (text[0],), False), Segment(24, 13, (text[1],), False)]
+    n = 40  # rows 20..23 and 37..39: padding
+    q, k, v = (torch.randn(n, h, d) for h in (heads, kv_heads, kv_heads))
+    q[20:24], k[37:] = 50.0, -50.0  # large padding values: they must not move the scales
+    layer = 1
+
+    plan = SdpaAttention(pool, fp8=True).make_plan(n)
+    plan.update(segments)
+    ours = plan(q, k, v, layer)
+
+    rows = [slice(s.start, s.start + s.length) for s in segments]
+    qd, kd, vd = (fake_quant_reference(x, rows) for x in (q, k, v))
+    for seg, r in zip(segments, rows):
+        kp, vp = pool.gather(layer, seg.prefix[0])  # the prefix: bf16 pool (here fp32), not quantized
+        keys, values = torch.cat([kp, kd[r]]), torch.cat([vp, vd[r]])
+        ref = F.scaled_dot_product_attention(
+            qd[r].transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None], enable_gqa=True
+        )[0].transpose(0, 1)
+        assert torch.equal(ours[r], ref.flatten(-2)), seg
+    plain = SdpaAttention(pool).make_plan(n)
+    plain.update(segments)
+    err = rel_l2(ours[rows[0]], plain(q, k, v, layer)[rows[0]])
+    assert 1e-4 < err < 5e-2, err  # quantized: near the unquantized attention, not equal to it
+
+
+def test_fp8_attention_through_the_real_step_is_near_the_unquantized_result(nano_ckpt):
+    """A full request (CFG, 4 steps) on the tiny nano checkpoint, fp32 on the CPU: fp8_attention (SDPA fake quant)
+    differs from plain attention by FP8 rounding — within FP8_ATTN_TOL, and not zero (the switch reaches every
+    step). The step's SDPA fallback quantizes too."""
+    base = Deployment(checkpoint=str(nano_ckpt), device="cpu", dtype="float32")
+    plain = Generator(base).latents(PROMPT, dict(T2V))
+    gen = Generator(replace(base, fp8_attention=True))
+    assert gen.engine.step.attention.fp8 and gen.engine.step.sdpa.fp8
+    fp8 = gen.latents(PROMPT, dict(T2V))
+    again = gen.latents(PROMPT, dict(T2V))
+    err = rel_l2(fp8, plain)
+    print(f"fp8_attention vs plain: rel-L2 {err:.2e}")
+    assert 1e-4 < err < FP8_ATTN_TOL, err
+    assert torch.equal(fp8, again)  # deterministic
+
+
+def test_make_attention_with_fp8_on_the_cpu():
+    pool = KVPool(4, 4, 1, 2, 16, torch.float32, "cpu")
+    assert make_attention("auto", pool, 4, 2, 16, fp8=True).fp8  # the CPU: the SDPA fake-quant reference
+    assert make_attention("sdpa", pool, 4, 2, 16, fp8=True).fp8
+    assert not make_attention("sdpa", pool, 4, 2, 16).fp8
+    with pytest.raises(ValueError, match="flashinfer needs a CUDA device"):
+        make_attention("flashinfer", pool, 4, 2, 16, fp8=True)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("fp8_attention: fp8\n", "fp8_attention: true or false; got 'fp8'"),
+        ("fp8_attention: 1\n", "fp8_attention: true or false; got 1"),
+        ("fp8_attention: true\nparallel: {cfg: 2}\n", "fp8_attention: a single-GPU denoise only"),
+        ("fp8_attention: true\nparallel: {ulysses: 2}\n", "fp8_attention: a single-GPU denoise only"),
+    ],
+)
+def test_fp8_attention_is_validated_at_load_naming_the_field(tmp_path, text, message):
+    path = tmp_path / "d.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        Deployment.load(path)
+
+
+def test_the_fp8attn_bench_config_is_the_fp8_one_with_fp8_attention():
+    fp8, ours = Deployment.load(CONFIGS / "bench_edge_fp8.yaml"), Deployment.load(CONFIGS / "bench_edge_fp8attn.yaml")
+    assert ours.fp8_attention and not fp8.fp8_attention
+    assert {**fp8.__dict__, "fp8_attention": True} == ours.__dict__
+    assert not Deployment.load(CONFIGS / "bench_edge.yaml").fp8_attention  # off by default
+    # warm builds the FP8 module too (attention.flashinfer_module_specs: fa3 only)
+    assert flashinfer_kernels(ours, 128, "9.0a") == [("fa3", torch.bfloat16, 128, True)]

@@ -1,0 +1,270 @@
+"""`fp8_attention` on the GPU (skipped without CUDA, flashinfer or a Hopper GPU): FlashInfer's FA3 FP8 kernel for the
+own-token attention, held to the SDPA fake-quant reference (attention.py; its maths is checked on the CPU in
+test_fp8_attention.py). Run on an H100/H200:
+
+    .venv/bin/python -m pytest tests/test_gpu_fp8attn.py -v -rs
+
+The first run JIT-builds the FP8 module (fa3, E4M3 q/kv, bf16 out, head_dim 128) unless `make warm-kernels` built it.
+Every assertion message carries the measured numbers. What each test isolates, in the order to read failures:
+
+1. test_warm_builds_exactly_the_modules_plan_loads — flashinfer_module_specs (tools/warm.py) = the modules the
+   wrappers' plan() asks for (else the AOT lookup misses and the server JIT-builds at load).
+2. test_fa3_fp8_ragged_kernel_output_and_lse — the ragged FP8 kernel alone (run's positional per-head scales,
+   out in bf16, return_lse) against FlashInfer's bf16 ragged kernel: output and LSE (the LSE feeds merge_state).
+3. test_fa3_fp8_attention_matches_the_sdpa_fake_quant_reference — the whole plan (bf16 paged prefix + FP8 ragged
+   + merge), exact and bucketed plans, against SDPA fake quant on the same inputs; also that FP8 is really engaged.
+4. test_fp8_plan_captured_equals_eager — the plan inside a CUDA graph, replayed with new segments and inputs.
+5. test_fp8_attention_engine_requests — full requests through the engine (CUDA graphs, buckets): FP8 attention vs
+   bf16 FlashInfer and vs the SDPA fake-quant engine, captured vs eager, batched vs alone.
+6. test_fp8_attention_is_refused_where_fa3_cannot_run_it — a load error naming fp8_attention, not a silent fallback.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from cosmos3_core.attention import (
+    FlashInferAttention,
+    SdpaAttention,
+    flashinfer_module_specs,
+    make_attention,
+    quantize_fp8,
+)
+from cosmos3_core.deployment import Deployment
+from cosmos3_core.generate import Generator, _CollectSink
+from cosmos3_core.kv_pool import KVPool
+from cosmos3_core.rows import Segment
+from cosmos3_core.tools.make_tiny import make_tiny
+from tests.conftest import rel_l2
+
+HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(not HAS_FLASHINFER, reason="needs flashinfer"),
+    pytest.mark.skipif(not HOPPER, reason="FA3 FP8 attention needs a Hopper GPU (compute capability 9.x)"),
+]
+
+HEADS, KV_HEADS, HEAD_DIM, PAGE = 8, 2, 128, 16  # GQA 4:1, Edge's head_dim
+# Bars, from an fp32 simulation of FA3 FP8's maths on these inputs (E4M3 q/k/v with these scales, P·448 rounded to
+# E4M3, the prefix with the unquantized q, merged by LSE): random q/k/v are the hard case (the output is an average
+# of uncorrelated values, small beside the per-element rounding), so one call's FP8 error is ~3-6e-2 rel-L2:
+# - the kernel's error against exact attention is at most RATIO × the fake quant's own (simulated: ≤ 1.1×); a
+#   wrong scale, LSE or layout gives O(1) errors;
+# - kernel vs fake quant ≤ FP8_TOL (simulated 2.4-4.2e-2: the kernel's extra P rounding);
+# - LSE of the FP8 ragged call vs the bf16 one ≤ LSE_TOL absolute (simulated max 5.2e-2; log2 vs ln would be ~2).
+RATIO, FP8_TOL, LSE_TOL = 2.0, 0.1, 0.2
+BF16_TOL = 1e-2  # FlashInfer bf16 vs SDPA bf16, one attention call (the harness's own noise)
+ENGINE_FP8_TOL = 0.1  # final latents, FP8 attention vs bf16 (a few steps: bf16 noise 3e-2 + FP8 rounding ~1e-2)
+
+
+def pack(seed: int, heads: int = HEADS):
+    """A pool with three prefixes (partial, full and short pages) and a pack of three segments with padding between
+    and after: 64-row aligned as the step packs them. → (pool, segments, rows, q, k, v, real-row index)."""
+    torch.manual_seed(seed)
+    pool = KVPool(64, PAGE, 2, KV_HEADS, HEAD_DIM, torch.bfloat16, "cuda")
+    pool.k_pages.normal_()
+    pool.v_pages.normal_()
+    text = [pool.alloc(37), pool.alloc(32), pool.alloc(5)]
+    segments = [Segment(0, 300, (text[0],), False), Segment(320, 64, (text[1],), False),
+                Segment(384, 150, (text[2],), False)]  # fmt: skip
+    rows = 576
+    head_scale = torch.linspace(0.5, 2.0, heads, device="cuda")[:, None]  # per-head magnitudes: per-head scales
+    q = (torch.randn(rows, heads, HEAD_DIM, device="cuda") * head_scale).bfloat16()
+    k = (torch.randn(rows, KV_HEADS, HEAD_DIM, device="cuda") * head_scale[:KV_HEADS]).bfloat16()
+    v = torch.randn(rows, KV_HEADS, HEAD_DIM, device="cuda").bfloat16()
+    real = torch.cat([torch.arange(s.start, s.start + s.length) for s in segments]).cuda()
+    return pool, segments, rows, q, k, v, real
+
+
+def run_plan(backend, rows: int, segments, q, k, v, slots: int = 0, layer: int = 1, fp32: bool = False):
+    """`fp32`: SDPA over an fp32 copy of the pool (the exact reference)."""
+    pool = backend.pool
+    if fp32:
+        saved = pool.k_pages, pool.v_pages
+        pool.k_pages, pool.v_pages = pool.k_pages.float(), pool.v_pages.float()
+    try:
+        plan = backend.make_plan(rows, slots)
+        plan.update(segments)
+        out = plan(q, k, v, layer)
+        torch.cuda.synchronize()
+    finally:
+        if fp32:
+            pool.k_pages, pool.v_pages = saved
+    return out
+
+
+def sdpa_nhd(q, k, v) -> torch.Tensor:
+    """q [N, heads, d], k/v [M, kv_heads, d] → [N, heads, d], non-causal, GQA."""
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], enable_gqa=True
+    )
+    return out[0].transpose(0, 1)
+
+
+def test_warm_builds_exactly_the_modules_plan_loads(monkeypatch):
+    """The batch prefill modules FlashInfer's plan() loads (its get_batch_prefill_module arguments) must be the
+    ones flashinfer_module_specs lists (tools/warm.py builds those ahead; the AOT lookup is by name)."""
+    import flashinfer.prefill as fp
+    from flashinfer.jit.attention import gen_batch_prefill_module
+
+    asked = []
+    real = fp.get_batch_prefill_module
+
+    def spy(backend, *args):
+        asked.append(gen_batch_prefill_module(backend, *args).name)
+        return real(backend, *args)
+
+    monkeypatch.setattr(fp, "get_batch_prefill_module", spy)
+    pool, segments, rows, q, k, v, _ = pack(0)
+    run_plan(FlashInferAttention(pool, HEADS, KV_HEADS, HEAD_DIM, fp8=True), rows, segments, q, k, v)
+    specs = {s.name for s in flashinfer_module_specs("fa3", torch.bfloat16, HEAD_DIM, fp8=True)}
+    assert set(asked) <= specs, f"plan loaded {sorted(set(asked) - specs)}, not in flashinfer_module_specs {specs}"
+    assert len(set(asked)) == 2, f"expected the bf16 (paged) and the FP8 (ragged) prefill modules; got {asked}"
+
+
+def test_fa3_fp8_ragged_kernel_output_and_lse():
+    """The FP8 ragged run alone vs FlashInfer's bf16 ragged run on the same requests: output within RATIO × the
+    fake quant's own-token error, LSE (same units in both: merge_state combines it with the paged bf16 LSE) within
+    LSE_TOL absolute."""
+    pool, segments, rows, q, k, v, real = pack(1)
+    fp8_plan = FlashInferAttention(pool, HEADS, KV_HEADS, HEAD_DIM, fp8=True).make_plan(rows)
+    bf16_plan = FlashInferAttention(pool, HEADS, KV_HEADS, HEAD_DIM).make_plan(rows)
+    fp8_plan.update(segments)
+    bf16_plan.update(segments)
+    (q8, sq), (k8, sk), (v8, sv) = (quantize_fp8(x, fp8_plan.valid) for x in (q, k, v))
+    assert sq.shape == (HEADS,) and sk.shape == sv.shape == (KV_HEADS,)
+    out8, lse8 = fp8_plan.ragged.run(q8, k8, v8, sq, sk, sv, out=torch.empty_like(q), return_lse=True)
+    out, lse = bf16_plan.ragged.run(q, k, v, return_lse=True)
+    torch.cuda.synchronize()
+    assert out8.dtype == torch.bfloat16 and bool(out8[real].isfinite().all()), "FP8 ragged output not finite"
+    err = rel_l2(out8[real].float(), out[real].float())
+    fake = torch.zeros_like(out)  # the fake quant's own-token attention, per segment
+    deq = [(x8.float() * s[:, None]).bfloat16() for x8, s in ((q8, sq), (k8, sk), (v8, sv))]
+    for seg in segments:
+        r = slice(seg.start, seg.start + seg.length)
+        fake[r] = sdpa_nhd(*(x[r] for x in deq))
+    fake_err = rel_l2(fake[real].float(), out[real].float())
+    lse_err = (lse8[real] - lse[real]).abs().max().item()
+    msg = f"FP8 ragged vs bf16: output rel-L2 {err:.3e} (fake quant's {fake_err:.3e}), LSE max |diff| {lse_err:.3e}"
+    assert err < RATIO * fake_err, msg
+    assert lse_err < LSE_TOL, msg + ": LSE off (units? scales?)"
+    assert err > 1e-3, msg + ": the FP8 kernel did not run"
+    print(msg)
+
+
+@pytest.mark.parametrize("slots", [0, 4], ids=["exact", "bucketed"])
+def test_fa3_fp8_attention_matches_the_sdpa_fake_quant_reference(slots):
+    pool, segments, rows, q, k, v, real = pack(2)
+    fi8 = run_plan(FlashInferAttention(pool, HEADS, KV_HEADS, HEAD_DIM, fp8=True), rows, segments, q, k, v, slots)
+    fi16 = run_plan(FlashInferAttention(pool, HEADS, KV_HEADS, HEAD_DIM), rows, segments, q, k, v, slots)
+    sd8 = run_plan(SdpaAttention(pool, fp8=True), rows, segments, q, k, v)
+    sd16 = run_plan(SdpaAttention(pool), rows, segments, q, k, v)
+    exact = run_plan(SdpaAttention(pool), rows, segments, q.float(), k.float(), v.float(), fp32=True)
+    e = {name: rel_l2(a[real].float(), b[real].float()) for name, a, b in
+         [("fi8~sd8", fi8, sd8), ("fi8~exact", fi8, exact), ("sd8~exact", sd8, exact), ("fi16~sd16", fi16, sd16),
+          ("fi8~fi16", fi8, fi16)]}  # fmt: skip
+    summary = ", ".join(f"{n} {x:.3e}" for n, x in e.items())
+    assert bool(fi8[real].isfinite().all()), f"FA3 FP8 output not finite ({summary})"
+    assert e["fi16~sd16"] < BF16_TOL, f"harness: FlashInfer bf16 vs SDPA bf16 off ({summary})"
+    assert e["fi8~exact"] < RATIO * e["sd8~exact"], f"FA3 FP8 error > {RATIO}x the fake quant's ({summary})"
+    assert e["fi8~sd8"] < FP8_TOL, f"FA3 FP8 vs SDPA fake quant > {FP8_TOL} ({summary})"
+    assert e["fi8~fi16"] > 1e-3, f"FA3 FP8 equals bf16: FP8 not engaged ({summary})"
+    print(summary)
+
+
+def test_fp8_plan_captured_equals_eager():
+    """A bucketed FP8 plan captured in a CUDA graph (update outside, call inside), then replayed with another
+    segment mix and new inputs copied into the same buffers, equals the eager plan on that mix (≤ 1e-2). A host
+    sync inside the call would fail the capture."""
+    pool, segments, rows, q, k, v, real = pack(3)
+    attn = FlashInferAttention(pool, HEADS, KV_HEADS, HEAD_DIM, fp8=True)
+    plan = attn.make_plan(rows, 4)
+    plan.update(segments)
+    bufs = [x.clone() for x in (q, k, v)]
+    plan(*bufs, 0)  # warm (module load) before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = plan(*bufs, 0)
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = run_plan(attn, rows, segments, q, k, v, 4, layer=0)
+    first = rel_l2(out[real].float(), eager[real].float())
+    assert first < 1e-2, f"replay vs eager, the captured mix: rel-L2 {first:.3e}"
+
+    _, _, _, q2, k2, v2, _ = pack(4)
+    text = [pool.alloc(48), pool.alloc(7)]
+    mix = [Segment(0, 128, (text[0],), False), Segment(128, 400, (text[1],), False)]  # another mix, same bucket
+    plan.update(mix)
+    for buf, x in zip(bufs, (q2, k2, v2)):
+        buf.copy_(x)
+    graph.replay()
+    torch.cuda.synchronize()
+    eager2 = run_plan(attn, rows, mix, q2, k2, v2, 4, layer=0)
+    real2 = torch.arange(0, 528, device="cuda")
+    second = rel_l2(out[real2].float(), eager2[real2].float())
+    assert second < 1e-2, f"replay with a new mix vs eager: rel-L2 {second:.3e} (first mix {first:.3e})"
+
+
+REQUESTS = [
+    ("a red fox", {"num_frames": 9, "height": 64, "width": 96, "steps": 4, "seed": 1}),
+    ("a blue boat", {"num_frames": 5, "height": 96, "width": 64, "steps": 3, "seed": 2, "guidance_scale": 1.0}),
+    ("a green hill", {"num_frames": 1, "height": 64, "width": 64, "steps": 5, "seed": 3}),
+]
+
+
+def test_fp8_attention_engine_requests(tmp_path):
+    """Tiny Nano at head_dim 128 (4 heads, 2 KV heads), bf16 on the GPU, FlashInfer with CUDA graphs and buckets."""
+    ckpt = make_tiny(tmp_path / "nano", variant="nano", seed=7, head_dim=128)
+
+    def gen(attention: str, fp8: bool, graphs: bool, **kw) -> Generator:
+        return Generator(Deployment(checkpoint=str(ckpt), device="cuda", dtype="bfloat16", attention=attention,
+                                    cuda_graphs=graphs, fp8_attention=fp8, **kw))  # fmt: skip
+
+    fp8 = gen("flashinfer", True, True, graph_buckets=[256, 512], max_captures=4)
+    step = fp8.engine.step
+    assert step.attention.name == "flashinfer" and step.attention.fp8 and step.sdpa.fp8
+    assert step.captures == 2, f"warmup captured {step.captures} of the 2 buckets"
+    eager, bf16, ref = gen("flashinfer", True, False), gen("flashinfer", False, True), gen("sdpa", True, False)
+    lines = []
+    for prompt, params in REQUESTS:
+        a = fp8.latents(prompt, params).float()
+        e = {"captured~eager": rel_l2(a, eager.latents(prompt, params).float()),
+             "fp8~bf16": rel_l2(a, bf16.latents(prompt, params).float()),
+             "fp8~sdpa_fake_quant": rel_l2(a, ref.latents(prompt, params).float())}  # fmt: skip
+        lines.append(f"{prompt}: " + ", ".join(f"{n} {x:.3e}" for n, x in e.items()))
+        assert bool(a.isfinite().all()), lines[-1]
+        assert e["captured~eager"] < 1e-2, lines[-1]
+        assert 1e-4 < e["fp8~bf16"] < ENGINE_FP8_TOL, lines[-1]
+        assert e["fp8~sdpa_fake_quant"] < ENGINE_FP8_TOL, lines[-1]
+    assert step.captures == 2, f"a mix did not replay a bucket's capture ({step.captures} captures)"
+    assert all(key[1] == "flashinfer" for key in step.layouts), [key[1] for key in step.layouts]
+    # batched: the per-head scales span the pack, so a request's rounding depends on its batch mates (FP8 noise)
+    solo = [fp8.latents(p, q).float().cpu() for p, q in REQUESTS]
+    sinks = []
+    for prompt, params in REQUESTS:
+        p = fp8.prefill.validate(prompt, params, None)
+        sinks.append(_CollectSink(p.steps, False))
+        fp8.engine.submit(fp8.prefill.run(p, None), sinks[-1])
+    fp8.engine.run_until_idle()
+    for (prompt, _), s, alone in zip(REQUESTS, sinks, solo):
+        err = rel_l2(s.latents.float().cpu(), alone)
+        assert err < 5e-2, f"{prompt}: batched vs alone rel-L2 {err:.3e}"
+    print("\n".join(lines))
+
+
+def test_fp8_attention_is_refused_where_fa3_cannot_run_it():
+    """head_dim 96 is fa2's on Hopper, which has no FP8 kernel: FlashInfer FP8 refuses at load naming the field —
+    also under attention auto (no silent SDPA fallback)."""
+    pool = KVPool(8, PAGE, 1, KV_HEADS, 96, torch.bfloat16, "cuda")
+    with pytest.raises(ValueError, match="fp8_attention: FlashInfer's FP8 attention is its fa3"):
+        FlashInferAttention(pool, HEADS, KV_HEADS, 96, fp8=True)
+    for name in ("auto", "flashinfer"):
+        with pytest.raises(RuntimeError, match="fp8_attention"):
+            make_attention(name, pool, HEADS, KV_HEADS, 96, fp8=True)
+    assert make_attention("sdpa", pool, HEADS, KV_HEADS, 96, fp8=True).fp8  # the fake-quant reference runs anywhere
