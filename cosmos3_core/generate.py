@@ -99,12 +99,19 @@ class Generator:
         return self.run(prefilled, progress).latents
 
     def run(self, prefilled: PrefillResult, progress: bool = False) -> Generated:
-        sink = _CollectSink(prefilled.params.steps, progress)
-        self.engine.submit(prefilled, sink)
+        return self.run_together([prefilled], progress)[0]
+
+    def run_together(self, prefilled: list[PrefillResult], progress: bool = False) -> list[Generated]:
+        """Submit every request, then run the engine until idle: they share its ticks (packed steps) as concurrent
+        requests to a server do → each one's result, in order."""
+        sinks = [_CollectSink(p.params.steps, progress) for p in prefilled]
+        for p, sink in zip(prefilled, sinks):
+            self.engine.submit(p, sink)
         self.engine.run_until_idle()
-        if sink.failure is not None:
-            raise RuntimeError(sink.failure)
-        return Generated(sink.latents, sink.sound, sink.actions, sink.info)  # type: ignore[arg-type]
+        for sink in sinks:
+            if sink.failure is not None:
+                raise RuntimeError(sink.failure)
+        return [Generated(s.latents, s.sound, s.actions, s.info) for s in sinks]  # type: ignore[arg-type]
 
     def frames_and_audio(
         self, prompt: str, params: dict, image: np.ndarray | None = None, video: np.ndarray | None = None

@@ -15,7 +15,7 @@ import torch
 
 from cosmos3_core.attention import FlashInferPlan, SdpaAttention
 from cosmos3_core.deployment import Deployment
-from cosmos3_core.generate import Generator, _CollectSink
+from cosmos3_core.generate import Generator
 from cosmos3_core.kv_pool import KVPool, PageList
 from cosmos3_core.model.checkpoint import Checkpoint
 from cosmos3_core.model.layers import GEN
@@ -151,13 +151,8 @@ def test_engine_mixes_within_a_bucket_use_one_layout(nano_ckpt):
     ]
 
     def run() -> list[torch.Tensor]:
-        sinks = []
-        for prompt, params in requests:
-            p = gen.prefill.validate(prompt, params, None)
-            sinks.append(_CollectSink(p.steps, False))
-            gen.engine.submit(gen.prefill.run(p, None), sinks[-1])
-        gen.engine.run_until_idle()
-        return [s.latents for s in sinks]
+        prefilled = [gen.prefill.run(gen.prefill.validate(prompt, params, None), None) for prompt, params in requests]
+        return [r.latents for r in gen.run_together(prefilled)]
 
     exact = run()  # SDPA: exact layouts, buckets or not
     exact_layouts = len(gen.engine.step.layouts)

@@ -48,14 +48,9 @@ def gpu_generator(ckpt, attention: str, cuda_graphs: bool, **deployment) -> Gene
 
 
 def run_batched(gen: Generator) -> list[torch.Tensor]:
-    sinks = []
-    for prompt, params in REQUESTS:
-        p = gen.prefill.validate(prompt, params, None)
-        sinks.append(_CollectSink(p.steps, False))
-        gen.engine.submit(gen.prefill.run(p, None), sinks[-1])
-    gen.engine.run_until_idle()
+    results = gen.run_together([gen.prefill.run(gen.prefill.validate(p, q, None), None) for p, q in REQUESTS])
     assert gen.engine.stats.max_requests_in_tick == len(REQUESTS)
-    return [s.latents.float().cpu() for s in sinks]
+    return [r.latents.float().cpu() for r in results]
 
 
 @pytest.mark.parametrize("attention,cuda_graphs", VARIANTS)

@@ -34,7 +34,7 @@ from cosmos3_core.attention import (
     quantize_fp8,
 )
 from cosmos3_core.deployment import Deployment
-from cosmos3_core.generate import Generator, _CollectSink
+from cosmos3_core.generate import Generator
 from cosmos3_core.kv_pool import KVPool
 from cosmos3_core.rows import Segment
 from cosmos3_core.tools.make_tiny import make_tiny
@@ -246,14 +246,9 @@ def test_fp8_attention_engine_requests(tmp_path):
     assert all(key[1] == "flashinfer" for key in step.layouts), [key[1] for key in step.layouts]
     # batched: the per-head scales span the pack, so a request's rounding depends on its batch mates (FP8 noise)
     solo = [fp8.latents(p, q).float().cpu() for p, q in REQUESTS]
-    sinks = []
-    for prompt, params in REQUESTS:
-        p = fp8.prefill.validate(prompt, params, None)
-        sinks.append(_CollectSink(p.steps, False))
-        fp8.engine.submit(fp8.prefill.run(p, None), sinks[-1])
-    fp8.engine.run_until_idle()
-    for (prompt, _), s, alone in zip(REQUESTS, sinks, solo):
-        err = rel_l2(s.latents.float().cpu(), alone)
+    batched = fp8.run_together([fp8.prefill.run(fp8.prefill.validate(p, q, None), None) for p, q in REQUESTS])
+    for (prompt, _), r, alone in zip(REQUESTS, batched, solo):
+        err = rel_l2(r.latents.float().cpu(), alone)
         assert err < 5e-2, f"{prompt}: batched vs alone rel-L2 {err:.3e}"
     print("\n".join(lines))
 

@@ -292,15 +292,20 @@ def merge(
             if row.commit:
                 out.kv.append(src.kv[k])
             else:
-                out.velocity.append(src.velocity[k])
-                if src.sound_velocity:
-                    out.sound_velocity.append(src.sound_velocity[k])
-                if src.action_velocity:
-                    out.action_velocity.append(src.action_velocity[k])
+                _append_branch(out, src, k)
                 if row.record:
                     out.residual.append(src.residual[k])
         result.append(out)
     return result
+
+
+def _append_branch(out: RowOutput, src: RowOutput, k: int) -> None:
+    """Append branch `k` of `src`'s velocities (vision, and sound / actions where it has them) to `out`."""
+    out.velocity.append(src.velocity[k])
+    if src.sound_velocity:
+        out.sound_velocity.append(src.sound_velocity[k])
+    if src.action_velocity:
+        out.action_velocity.append(src.action_velocity[k])
 
 
 def _branches(row: Row, which: list[int]) -> Row:
@@ -340,11 +345,7 @@ def join_reused(row: Row, run: RowOutput | None, re: RowOutput | None) -> RowOut
             j += 1
     out = RowOutput([], [])
     for src, k in parts:  # type: ignore[misc]
-        out.velocity.append(src.velocity[k])
-        if src.sound_velocity:
-            out.sound_velocity.append(src.sound_velocity[k])
-        if src.action_velocity:
-            out.action_velocity.append(src.action_velocity[k])
+        _append_branch(out, src, k)
         if row.record:
             out.residual.append(src.residual[k] if src is run else None)
     return out
