@@ -25,6 +25,9 @@ python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/parity/*.
 if [[ " $* " == *" --fp8-reference diffusers "* ]] && ! python3 -c "import modelopt.torch.quantization" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/fp8/*.whl 2>&1 | grep -v -e WARNING -e "already exists" | tail -2
 fi
+# FlashInfer's modules built ahead without a GPU (tools/warm.py --kernels-only), when carried as out/fi_aot: loaded
+# from FlashInfer's workspace (caches.flashinfer_aot_dir) instead of ~90 s of JIT per module on a fresh machine
+[ -d out/fi_aot ] && mkdir -p /tmp/fiws/aot/sm90a && cp -r out/fi_aot/. /tmp/fiws/aot/sm90a/
 export PYTHONPATH=/tmp/site:$PWD COSMOS3_CACHE=/tmp/c3parity FLASHINFER_WORKSPACE_BASE=/tmp/fiws PYTHONUNBUFFERED=1
 python3 -c "import torch, diffusers, transformers; print(torch.__version__, diffusers.__version__, transformers.__version__, torch.cuda.get_device_name())"
 python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" 2>&1 | tail -1
