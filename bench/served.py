@@ -359,7 +359,11 @@ def perf_analyzer(binary: str, url: str, params: dict, counts: dict[int, int]) -
                    "--concurrency-range", f"{c}:{c}", "--measurement-mode", "count_windows",
                    "--measurement-request-count", str(n), "--max-trials", "3", "--stability-percentage", "50",
                    "-f", str(table)]  # fmt: skip
-            run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+            try:
+                run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+            except subprocess.TimeoutExpired:
+                print(f"perf_analyzer c={c}: no result within 900 s", flush=True)
+                continue
             if run.returncode or not table.exists():
                 print(
                     f"perf_analyzer c={c} failed ({run.returncode}):\n{(run.stdout + run.stderr)[-2000:]}", flush=True
@@ -411,6 +415,11 @@ def main() -> int:
         ap.error("--c8-variants must be among --variants")
     if args.c4_variants and not (args.c4 and set(args.c4_variants) <= set(args.variants or ())):
         ap.error("--c4-variants runs --c4 requests of --variants kinds: give both")
+    if args.variants and args.c4 and not args.c4_variants:
+        ap.error("with --variants, --c4 runs the --c4-variants kinds: give --c4-variants, or --c4 0")
+    pa_kind = (args.c4_variants or ["t2v"])[-1]
+    if args.perf_analyzer and VARIANTS[pa_kind][1] is not None:
+        ap.error(f"--perf-analyzer sends a prompt and parameters only: {pa_kind} needs a conditioning input")
     configured = Deployment.load(args.config)  # `start` resolves `random:` into a path; side_by_side needs the name
     workdir = Path(tempfile.mkdtemp(prefix="cosmos3-bench-"))
     proc, ports, deployment = start(configured, workdir)
@@ -492,7 +501,8 @@ def main() -> int:
     for c, r in ((c, r) for c, r in result.get("perf_analyzer", {}).items() if c != "variant"):
         name = result["perf_analyzer"]["variant"]
         ours = result.get(f"c{c}:{name}") or result.get(f"c{c}", {})
-        print(f"perf_analyzer c={c} {name}: {60 * r['infer_per_s']:.2f} videos/min, p50 latency {r['p50_latency']:.2f}s"
+        print(f"perf_analyzer c={c} {name}: {60 * r['infer_per_s']:.2f} videos/min, "
+              f"p50 latency {r.get('p50_latency', float('nan')):.2f}s"
               f"  (bench.served: {ours.get('videos_per_min', float('nan')):.2f} videos/min, "
               f"e2e p50 {ours.get('e2e_p50', float('nan')):.2f}s)")  # fmt: skip
     print(f"server startup (load + compile + warmup) {result['startup_s']:.0f}s")

@@ -217,6 +217,11 @@ class FlashInferAttention:
             print(f"cosmos3: flashinfer modules in {self.aot} do not run here ({str(e)[:300]}); JIT-building them",
                   file=sys.stderr)  # fmt: skip
             self.aot = use_flashinfer_aot(None)
+            import flashinfer.cascade
+            import flashinfer.prefill
+
+            flashinfer.prefill.get_batch_prefill_module.cache_clear()  # they hold the modules that failed
+            flashinfer.cascade.get_cascade_module.cache_clear()
             self._check()
 
     def _check(self) -> None:
@@ -250,6 +255,9 @@ class FlashInferPlan:
         self.batch = 2 * slots
         self.paged = self.ragged = None
         self.valid: torch.Tensor | None = None  # fp8: the segments' rows (padding does not set the scales)
+        # a wrapper's plan fills its pinned host buffer, then copies it to the GPU asynchronously: the next plan waits
+        # for that copy, or a host running a step ahead would rewrite the buffer before the GPU read it
+        self.copied: torch.cuda.Event | None = None
 
     def _wrappers(self, batch: int) -> None:
         import flashinfer
@@ -305,6 +313,8 @@ class FlashInferPlan:
     def update(self, segments: list[Segment]) -> None:
         a, ps = self.attn, self.attn.pool.page_size
         qo, pages_indptr, indices, last_len = self.requests(segments)
+        if self.copied is not None:
+            self.copied.synchronize()
         if self.paged is None:
             self._wrappers(len(qo) - 1)
         qo_indptr = torch.tensor(qo, dtype=torch.int32)
@@ -325,6 +335,8 @@ class FlashInferPlan:
             if self.valid is None:
                 self.valid = torch.zeros(self.rows, dtype=torch.bool, device=a.workspace.device)
             self.valid.copy_(segment_rows(segments, self.rows), non_blocking=True)  # as the plans' own copies
+        self.copied = torch.cuda.Event()
+        self.copied.record()
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         import flashinfer

@@ -53,8 +53,9 @@ class Deployment:
     # of request sizes replays an existing capture; the warmup captures every bucket (step.py). [] or a pack larger
     # than the largest: a layout per exact size mix. A single-GPU denoise only (parallel groups keep exact layouts)
     graph_buckets: list[int] = field(default_factory=list)
-    # CUDA graphs held at once (each keeps its activations' memory): beyond, a new layout runs eager until a captured
-    # one is dropped (least recently used of the step's layouts); the warmup captures the buckets first
+    # CUDA graphs held at once (each keeps its activations' memory): a layout that captures beyond releases the least
+    # recently used one's graph (it runs eager, then captures again, when used next); the warmup captures the buckets
+    # first. 0: no captures
     max_captures: int = 16
     warmup_requests: list[dict[str, Any]] = field(default_factory=list)  # request parameters run at startup
     drain_timeout_s: float = 20.0  # on shutdown, live requests get this long to finish before they are ended
@@ -114,8 +115,9 @@ class Deployment:
             parallel = ParallelConfig.from_dict(raw.pop("parallel", None))
         except (TypeError, ValueError) as e:
             raise ValueError(f"{path}: {e}") from e
-        if raw.get("fp8_attention") and parallel.denoise_ranks > 1:
-            raise ValueError(f"{path}: fp8_attention: a single-GPU denoise only (parallel cfg and ulysses must be 1)")
+        for single in ("fp8_attention", "graph_buckets"):  # rank steps keep bf16 attention and exact layouts
+            if raw.get(single) and parallel.denoise_ranks > 1:
+                raise ValueError(f"{path}: {single}: a single-GPU denoise only (parallel cfg and ulysses must be 1)")
         if parallel.ranks > 1 and given.get("denoise", 1) != 1:
             raise ValueError(f"{path}: parallel: one denoise instance drives the group (instances.denoise is 1)")
         return cls(**raw, instances={**INSTANCES, **given}, defaults=Defaults(**d, **tasks), limits=limits,

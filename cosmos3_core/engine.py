@@ -11,6 +11,7 @@ the step policy's precision for its own step (W8A16 or W8A8; an AR commit pass a
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 
 import torch
@@ -188,13 +189,22 @@ class DenoiseEngine:
         return self.scheduler.pages_held(job_id)
 
     def warmup(self, requests: list[GenerationParams], text_tokens: int = 96) -> float:
-        """Run each request shape for two steps through the real step (rows from the row builder), so compiles,
-        allocator growth and kernel autotuning happen before serving; an action request with zero clean latents
+        """First capture every `graph_buckets` layout (W8A16, and served in FP8, W8A8 too:
+        `DenoiseStep.capture_buckets`; said on stderr when `max_captures` holds fewer). Then run each request shape
+        for two steps through the real step (rows from the row builder), so compiles, allocator growth and kernel
+        autotuning happen before serving; an action request with zero clean latents
         (forward dynamics: zero actions). Served in FP8, a 1-step request (W8A8 by the policy's 1-step rule) runs
         beside the first one's W8A16 step, then alone: the W8A16, W8A8 and mixed paths of the linears are all
-        compiled before serving. Then every `graph_buckets` layout is captured (W8A16, and served in FP8, W8A8 too:
-        `DenoiseStep.capture_buckets`). Returns seconds spent."""
+        compiled before serving. Returns seconds spent."""
         t0 = time.perf_counter()
+        if isinstance(self.step, DenoiseStep):  # first, so the requests' layouts cannot use up max_captures
+            a16 = (True, False) if self.fp8_policy is not None else (True,)
+            want = len(self.step.buckets) * len(a16) if self.step.cuda_graphs and self.step.attention.bucketable else 0
+            self.step.capture_buckets(a16)
+            held = sum(v.graph is not None for v in self.step.layouts.values())
+            if held < want:
+                print(f"cosmos3: warmup holds {held} of {want} graph buckets' captures (max_captures "
+                      f"{self.step.max_captures})", file=sys.stderr)  # fmt: skip
         cfg = self.cfg
         g = torch.Generator().manual_seed(0)
         for p in requests:
@@ -214,8 +224,6 @@ class DenoiseEngine:
                     )
                     self.submit(pre, _NullSink())
                 self.run_until_idle()
-        if isinstance(self.step, DenoiseStep):  # a parallel group's steps keep exact layouts
-            self.step.capture_buckets((True, False) if self.fp8_policy is not None else (True,))
         if self.device.startswith("cuda"):
             torch.cuda.synchronize()
         self.scheduler.stats = EngineStats()  # serving counts start after warmup

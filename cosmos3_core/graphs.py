@@ -166,6 +166,10 @@ class StepLayout:
     def _forward(self) -> GenOutput:
         return gen_forward(self.model, self.packed, self.plan, self.kernels)
 
+    def release_graph(self) -> None:
+        """Drop the captured graph (its memory returns to the shared pool); the next run captures again."""
+        self.graph = self.graph_out = None
+
     def run(self, capture: bool = True) -> GenOutput:
         """→ the pass's `GenOutput` (predictions [S, patch_latent_dim], sound [R, sound_dim] and action
         [A, action_dim] predictions or None, the block stack's residual [S, hidden] or None, K/V of collecting

@@ -19,10 +19,12 @@ padding row), segment slots for as many segments as those rows can hold (one per
 action rows each rounded up to a power of two — keyed on that with the FP8 split row (the whole bucket when every
 row is W8A16), the residual flag and the backend. A new size mix within a bucket reuses the layout and replays its
 capture; padding never reaches a real row (graphs.py). A pack larger than the largest bucket, a commit pass or a
-backend that cannot bucket (SDPA, Ulysses) gets an exact layout. Captures are bounded: a layout captures only while
-fewer than `max_captures` layouts hold a graph, else it runs eager. The step keeps the most recently used layouts
-(max(MAX_LAYOUTS, max_captures); an evicted layout's graph goes with it); the warmup (`capture_buckets`) captures
-every bucket first.
+backend that cannot bucket (SDPA, Ulysses) gets an exact layout. Captures are bounded: at most `max_captures`
+layouts hold a graph; a layout that captures beyond that releases the least recently used one's. The step keeps the
+most recently used layouts (max(MAX_LAYOUTS, max_captures); an evicted layout's graph goes with it); the warmup
+(`capture_buckets`) captures every bucket first. A bucket's key still holds the FP8 split row, the residual flag
+(a cached request in the pack) and the sound / action capacities: the warmup captures the no-sound, no-action,
+no-residual layouts, all W8A16 and all W8A8; other keys capture on their second use while serving.
 """
 
 from __future__ import annotations
@@ -159,7 +161,11 @@ class DenoiseStep:
             layout, segments = self.layout(rows)
             layout.fill(rows, segments)
             had_graph = layout.graph is not None
-            fwd = layout.run(capture=sum(v.graph is not None for v in self.layouts.values()) < self.max_captures)
+            if not had_graph and layout.capturable and layout.runs and self.max_captures:  # it captures now
+                held = [v for v in self.layouts.values() if v.graph is not None]
+                if len(held) >= self.max_captures:
+                    held[0].release_graph()  # the least recently used capture makes room
+            fwd = layout.run(capture=self.max_captures > 0)
             self.captures += layout.graph is not None and not had_graph
         p = self.model.cfg.latent_patch_size
         out: list[RowOutput] = []

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Triton's perf_analyzer without the NGC SDK container: the binary that tritonclient 2.41.0's manylinux wheel
 # carries (its last wheel to ship it; the PyPI `perf-analyzer` package is an empty placeholder), plus the two
-# shared libraries it links that a plain Linux box lacks: libb64.so.0d (Debian's libb64-0d) and libcudart.so.12
+# shared libraries it links that a plain Linux box lacks: libb64.so.0d (Debian's / Ubuntu's libb64-0d) and libcudart.so.12
 # (nvidia-cuda-runtime-cu12; loaded for its CUDA shared-memory option, which we do not use). Into DIR (default
 # .whl/perf_analyzer, 18 MB): DIR/bin/perf_analyzer, DIR/lib/. Run it as LD_LIBRARY_PATH=DIR/lib DIR/bin/perf_analyzer.
 # perf_analyzer 2.41 (23.12) speaks the same gRPC protocol as the wheel's tritonserver 2.51 (`--streaming` included).
@@ -11,7 +11,7 @@ tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 mkdir -p "$dir/bin" "$dir/lib"
 pip download -q --no-deps -d "$tmp" --only-binary=:all: --platform manylinux1_x86_64 --platform manylinux2014_x86_64 \
   tritonclient==2.41.0 nvidia-cuda-runtime-cu12==12.9.79
-(cd "$tmp" && apt-get download -q libb64-0d=1.2-5+b1 2>/dev/null)
+(cd "$tmp" && apt-get download -q libb64-0d)  # Debian / Ubuntu: the library perf_analyzer links
 python3 -m zipfile -e "$tmp"/tritonclient-2.41.0-*.whl "$tmp/tc"
 python3 -m zipfile -e "$tmp"/nvidia_cuda_runtime_cu12-*.whl "$tmp/cu"
 dpkg-deb -x "$tmp"/libb64-0d_*.deb "$tmp/b64"
