@@ -12,8 +12,9 @@ row's segment `token_segment`, `sound_rows`, `action_rows`) being buffer content
   action row's domain), zero padding included, and the per-segment timesteps, refilled each step by `fill` — no
   per-step allocation of the step's inputs. The geometry buffers are rewritten (a host-to-device copy) only when
   the segments' geometry differs from the last step's: never for an exact layout. Padding of a bucket: rows after
-  the last segment (and between segments) belong to no segment (`token_segment` 0; attention keeps them to
-  themselves, so no real row attends to them), and unused `sound_rows` / `action_rows` entries name the pack's
+  the last segment (and between segments) are in no segment's attention (`token_segment` says 0, so they take
+  segment 0's timestep, masked off by `noisy_mask`; FlashInfer gives them a request of their own over one prefix
+  page, so no real row attends to them and their outputs are never read), and unused `sound_rows` / `action_rows` entries name the pack's
   last row, always a padding row then (`DenoiseStep` sizes the bucket so): their embeddings land there and their
   predictions are never read;
 - the attention plan, updated by `fill` outside the graph (host work, buffer copies) when the segments' pages (or,
