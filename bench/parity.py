@@ -748,23 +748,21 @@ def table(result: dict[str, Any]) -> str:
         for v in variants:
             cells += [_pct(runs[v], "rel_l2"), f"{runs[v]['ratio']:.3f}"]
         cells.append(" / ".join(f"{runs[k]['psnr_db']:.1f}" for k in ["diffusers", *variants]))
-        if sound and "wave_rel_l2" in runs["diffusers"]:
-            waves = " / ".join(_pct(runs[k], "wave_rel_l2") for k in ["diffusers", *variants])
-            ratios = " / ".join(f"{runs[v]['wave_ratio']:.3f}" for v in variants)
-            cells.append(f"{waves} ({ratios})")
-        elif sound:
-            cells.append("—")
-        if action and "action_rel_l2" in runs["diffusers"]:
-            acts = " / ".join(_pct(runs[k], "action_rel_l2") for k in ["diffusers", *variants])
-            ratios = " / ".join(f"{runs[v]['action_ratio']:.3f}" for v in variants)
-            cells.append(f"{acts} ({ratios})")
-        elif action:
-            cells.append("—")
+        for shown, what in ((sound, "wave"), (action, "action")):  # waveform, actions: "—" where a case has none
+            if shown:
+                cells.append(_distances(runs, variants, what) if f"{what}_rel_l2" in runs["diffusers"] else "—")
         if cache:
             cells.append(" / ".join(f"{runs[k]['skip_frac']:.0%}" for k in ["diffusers", *variants]))
         cells.append("pass" if row["pass"] else "**FAIL**")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _distances(runs: dict, variants: list[str], what: str) -> str:
+    """A table cell: diffusers' and each variant's `{what}_rel_l2` (their ratios)."""
+    distances = " / ".join(_pct(runs[k], f"{what}_rel_l2") for k in ["diffusers", *variants])
+    ratios = " / ".join(f"{runs[v][what + '_ratio']:.3f}" for v in variants)
+    return f"{distances} ({ratios})"
 
 
 def summary(result: dict[str, Any]) -> str:

@@ -51,33 +51,46 @@ def test_tiny_parity_actions(tmp_path, monkeypatch):
     assert "| fd-256-8c-4s-flow | 7.000 % | 7.000 % | 1.100 | 30.0 / 30.0 | — | **FAIL** |" in table
 
 
-def test_add_action_in_place_keeps_the_rest_and_loads(tmp_path):
+@pytest.mark.parametrize("part", ["sound", "action"])
+def test_add_part_in_place_keeps_the_rest_and_loads(tmp_path, part):
+    """random_checkpoint.add_sound / add_action: the transformer's sound or action heads in a shard of their own
+    (drawn LLM-like), every earlier tensor as it was, and both loaders read the new ones."""
     from diffusers import Cosmos3OmniTransformer
 
     from cosmos3_core.model.checkpoint import Checkpoint
     from cosmos3_core.model.layers import GEN, UND
+    from cosmos3_core.model.sound import SoundSpec
+    from cosmos3_core.tools import random_checkpoint as rc
     from cosmos3_core.tools.make_tiny import make_tiny
-    from cosmos3_core.tools.random_checkpoint import ACTION_SHARD, add_action, has_action
 
+    add, has, shard = {"sound": (rc.add_sound, rc.has_sound, rc.SOUND_SHARD),
+                       "action": (rc.add_action, rc.has_action, rc.ACTION_SHARD)}[part]  # fmt: skip
     root = make_tiny(tmp_path / "ckpt", variant="edge", seed=1, shard_size=200_000)  # sharded: an index to extend
     tdir = root / "transformer"
     before = {f.name: load_file(f) for f in tdir.glob("*.safetensors")}
-    assert not has_action(root) and len(before) > 1
-    add_action(root, "tiny", seed=1)
-    cfg = json.loads((tdir / "config.json").read_text())
-    assert has_action(root) and (cfg["action_dim"], cfg["num_embodiment_domains"]) == (16, 32)
+    assert not has(root) and len(before) > 1
+    add(root, "tiny", seed=1)
+    assert has(root)
     for name, tensors in before.items():  # every earlier tensor, file and value, as it was
         assert all(torch.equal(v, load_file(tdir / name)[k]) for k, v in tensors.items())
-    action = load_file(tdir / ACTION_SHARD)
-    assert sorted(action) == ["action_modality_embed", "action_proj_in.bias.weight", "action_proj_in.fc.weight",
-                              "action_proj_out.bias.weight", "action_proj_out.fc.weight"]  # fmt: skip
-    assert action["action_proj_in.fc.weight"].shape == (32, 16 * cfg["hidden_size"])  # (in, out) per domain, flat
-    for k, v in action.items():  # every one drawn LLM-like, the zero-initialised ones included
-        assert 0.015 < v.float().std() < 0.025, k
+    added = load_file(tdir / shard)
+    cfg = json.loads((tdir / "config.json").read_text())
+    if part == "sound":
+        assert SoundSpec.open(root).sound_dim == 8
+        assert sorted(added) == ["audio_modality_embed", "audio_proj_in.bias", "audio_proj_in.weight",
+                                 "audio_proj_out.bias", "audio_proj_out.weight"]  # fmt: skip
+        assert added["audio_modality_embed"].float().std() > 0.01  # redrawn: a missing term shows
+    else:
+        assert (cfg["action_dim"], cfg["num_embodiment_domains"]) == (16, 32)
+        assert sorted(added) == ["action_modality_embed", "action_proj_in.bias.weight", "action_proj_in.fc.weight",
+                                 "action_proj_out.bias.weight", "action_proj_out.fc.weight"]  # fmt: skip
+        assert added["action_proj_in.fc.weight"].shape == (32, 16 * cfg["hidden_size"])  # (in, out) per domain
+        for k, v in added.items():  # every one drawn LLM-like, the zero-initialised ones included
+            assert 0.015 < v.float().std() < 0.025, k
     ours = Checkpoint.open(root).load_transformer({GEN, UND}, "cpu", torch.float32).state_dict()
-    assert all(torch.equal(ours[k], v.float()) for k, v in action.items())
+    assert all(torch.equal(ours[k], v.float()) for k, v in added.items())
     theirs = Cosmos3OmniTransformer.from_pretrained(tdir, torch_dtype=torch.float32).state_dict()
-    assert all(torch.equal(theirs[k], v.float()) for k, v in action.items())
+    assert all(torch.equal(theirs[k], v.float()) for k, v in added.items())
 
 
 def test_nano_action_skeleton_and_floor(tmp_path):

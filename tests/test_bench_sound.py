@@ -11,7 +11,6 @@ import json
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from bench import parity
 
@@ -56,33 +55,6 @@ def test_tiny_parity_sound_and_v2v(tmp_path, monkeypatch):
     table = parity.table({**saved, "cases": {**saved["cases"], "t2v-9f-4s-flow": video_only}})
     assert "waveform rel-L2: diffusers / sdpa (ratios)" in table and "| 0.000 % / 0.000 % (nan) | pass |" in table
     assert "| t2v-9f-4s-flow | 7.000 % | 7.000 % | 1.000 | 30.0 / 30.0 | — | pass |" in table
-
-
-def test_add_sound_in_place_keeps_the_rest_and_loads(tmp_path):
-    from diffusers import Cosmos3OmniTransformer
-
-    from cosmos3_core.model.checkpoint import Checkpoint
-    from cosmos3_core.model.layers import GEN, UND
-    from cosmos3_core.model.sound import SoundSpec
-    from cosmos3_core.tools.make_tiny import make_tiny
-    from cosmos3_core.tools.random_checkpoint import SOUND_SHARD, add_sound, has_sound
-
-    root = make_tiny(tmp_path / "ckpt", variant="edge", seed=1, shard_size=200_000)  # sharded: an index to extend
-    tdir = root / "transformer"
-    before = {f.name: load_file(f) for f in tdir.glob("*.safetensors")}
-    assert not has_sound(root) and len(before) > 1
-    add_sound(root, "tiny", seed=1)
-    assert has_sound(root) and SoundSpec.open(root).sound_dim == 8
-    for name, tensors in before.items():  # every earlier tensor, file and value, as it was
-        assert all(torch.equal(v, load_file(tdir / name)[k]) for k, v in tensors.items())
-    sound = load_file(tdir / SOUND_SHARD)
-    assert sorted(sound) == ["audio_modality_embed", "audio_proj_in.bias", "audio_proj_in.weight",
-                             "audio_proj_out.bias", "audio_proj_out.weight"]  # fmt: skip
-    assert sound["audio_modality_embed"].float().std() > 0.01  # redrawn: a missing term shows
-    ours = Checkpoint.open(root).load_transformer({GEN, UND}, "cpu", torch.float32).state_dict()
-    assert all(torch.equal(ours[k], v.float()) for k, v in sound.items())
-    theirs = Cosmos3OmniTransformer.from_pretrained(tdir, torch_dtype=torch.float32).state_dict()
-    assert all(torch.equal(theirs[k], v.float()) for k, v in sound.items())
 
 
 def test_sound_tokenizer_passes_a_change_through(tmp_path):
