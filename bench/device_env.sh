@@ -29,5 +29,8 @@ import numpy, torch, tritonclient.grpc, cosmos3_core, flashinfer
 from diffusers import AutoencoderKLWan, Cosmos3OmniPipeline, UniPCMultistepScheduler
 print('numpy', numpy.__version__, 'torch', torch.__version__, 'flashinfer', flashinfer.__version__, torch.cuda.get_device_name())"
 if [ "${1:-}" = "--tests" ]; then
-  timeout 400 /tmp/v/bin/python -m pytest -q -p no:cacheprovider tests/test_gpu*.py tests/test_decoder.py 2>&1 | grep -v Warning | tail -6 | tee $OUT/test_gpu.txt
+  # the whole log comes back in $OUT (a failure's traceback is what the next CPU session works from); the tail here
+  timeout 400 /tmp/v/bin/python -m pytest -q -rf --tb=short -p no:cacheprovider tests/test_gpu*.py tests/test_decoder.py \
+    > $OUT/test_gpu.txt 2>&1 || true
+  grep -v Warning $OUT/test_gpu.txt | tail -40
 fi

@@ -6,9 +6,9 @@
 #   edge_sea      the Edge request uncached and with SeaCache at diffusers' defaults (variants t2v, t2v+sea) on one
 #                 bf16 server: c=1 ($C1, default 3) each, c=4 ($C4, default 8) with SeaCache, then diffusers (2 each,
 #                 uncached and with its own SeaCache). ~4-5 min (startup ~70 s, diffusers ~1.5 min)
-#   edge_fp8      the same two kinds on configs/bench_edge_fp8.yaml (precision fp8, compile on), no diffusers: run
-#                 right after edge_sea, on the same machine, for the side-by-side table; then perf_analyzer on the
-#                 same server (t2v+sea at c=1 and c=4) when device_env.sh put it in /tmp/perf_analyzer. ~5-6 min
+#   edge_fp8      the same on configs/bench_edge_fp8.yaml (precision fp8, compile on), diffusers included (the
+#                 targets are FP8 + SeaCache against diffusers in one run); then perf_analyzer on the same server
+#                 (t2v+sea at c=1 and c=4) when device_env.sh put it in /tmp/perf_analyzer. ~6-7 min
 #   edge_fp8attn  edge_fp8 with fp8_attention on (FlashInfer fa3 FP8 over each segment's own tokens): reported apart.
 #                 ~4-5 min (+ minutes of FP8-module JIT unless built ahead into the AOT folder)
 #   nano_chained  Nano AR chained streams, 832x480, 45 frames (2 windows), config steps (35), c=1 and c=4
@@ -39,6 +39,7 @@ for run in "${runs[@]}"; do
     edge_sea) args=(--config configs/bench_edge.yaml --variants t2v t2v+sea --c1 ${C1:-3} --c4 ${C4:-8} --c4-variants t2v+sea
                     --diffusers ${DIFFUSERS:-2}) ;;
     edge_fp8) args=(--config configs/bench_edge_fp8.yaml --variants t2v t2v+sea --c1 ${C1:-3} --c4 ${C4:-8} --c4-variants t2v+sea
+                    --diffusers ${DIFFUSERS:-2}
                     $([ -x /tmp/perf_analyzer/bin/perf_analyzer ] && echo --perf-analyzer /tmp/perf_analyzer/bin/perf_analyzer)) ;;
     edge_fp8attn) args=(--config configs/bench_edge_fp8attn.yaml --variants t2v t2v+sea --c1 ${C1:-3} --c4 ${C4:-8} --c4-variants t2v+sea) ;;
     nano_chained) args=(--config configs/bench_nano_ar.yaml --c1 0 --c4 0 --ar 1 --ar-params '{"window_mode": "chained", "num_frames": 45}') ;;

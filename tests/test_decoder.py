@@ -94,23 +94,27 @@ def test_compiled_decoder_kernels_in_bf16_on_gpu_are_as_close_to_fp32_as_eager(n
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="asynchronous host copies: CUDA")
-def test_chunks_started_back_to_back_on_gpu_equal_the_whole_decode(nano_ckpt):
+def test_chunks_started_back_to_back_on_gpu_equal_the_same_chunks_decoded_one_by_one(nano_ckpt):
     """`StreamDecoder.start` returns before a chunk's frames reach the host. Chunks launched back to back from
-    another thread (as vae_decode's decode thread does) and waited on afterwards equal one whole decode: a wait
-    that returned before its copy would hand over stale pinned memory."""
+    another thread (as vae_decode's decode thread does) and waited on afterwards equal the same chunks decoded one
+    at a time, each waited on before the next starts: a wait that returned before its copy would hand over stale
+    pinned memory. The reference is the same chunking, not one whole decode: in bf16 on the GPU a frame's result
+    depends on the frame count of its call (other conv shapes, other kernels); the whole-decode version of this test
+    failed on the H200 on 2026-12-01 with its numbers lost, and this one separates a race from that."""
     ckpt = Checkpoint.open(nano_ckpt)
     codec = VaeCodec(ckpt.load_vae("cuda", torch.bfloat16))
     latents = torch.randn(1, ckpt.config.latent_channel, 9, 4, 6, generator=torch.Generator().manual_seed(5))
-    whole = codec.decode(latents)
+    chunks = [latents[:, :, a:b] for a, b in ((0, 1), (1, 5), (5, 9))]
+    sync = StreamDecoder(codec)
+    one_by_one = torch.cat([sync.decode(c).clone() for c in chunks])
     stream, pending = StreamDecoder(codec), []
-    launch = threading.Thread(
-        target=lambda: pending.extend(stream.start(latents[:, :, a:b]) for a, b in ((0, 1), (1, 5), (5, 9)))
-    )
+    launch = threading.Thread(target=lambda: pending.extend(stream.start(c) for c in chunks))
     launch.start()
     launch.join()
     joined = torch.cat([wait() for wait in pending])
-    assert joined.shape == whole.shape
-    assert (joined.int() - whole.int()).abs().max() <= 1
+    assert joined.shape == one_by_one.shape == (33, 64, 96, 3)
+    diff = (joined.int() - one_by_one.int()).abs()
+    assert diff.max() <= 1, f"back to back vs one by one: max |diff| {diff.max()}, mean {diff.float().mean():.3f}"
 
 
 def test_our_decoder_refuses_a_vae_other_than_wan22():  # VaeCodec then falls back (test_vae_fallback.py)
