@@ -7,16 +7,22 @@ Rows between segments are zero padding (see `rows.segments_of`); their output is
 
 Two backends with one contract, chosen by the deployment's `attention`:
 - `SdpaAttention` — torch SDPA per segment over gathered prefix pages + own K/V. Any device; the reference.
-- `FlashInferAttention` — CUDA: FlashInfer's paged prefill over the prefix pages and ragged prefill over the
-  own tokens, merged by their log-sum-exp. `plan` does all host work once per step (every layer shares it)
-  and writes only into buffers the plan owns, so a captured CUDA graph replays it with new page tables.
+- `FlashInferAttention` — CUDA: one FlashInfer ragged prefill per layer over `[prefix | own]` K/V, gathered per
+  segment into one buffer (`gather_layout`: the prefix tokens from the pool's pages, then the own rows), as SDPA
+  and diffusers attend: one softmax over every key. (A paged call over the prefix plus a ragged one over the own
+  tokens, merged by their log-sum-exp, costs the same but rounds two partial outputs to bf16 before the merge:
+  1.6x the max error at the Edge step shape, BENCHMARKS.md "Attention kernels".) `plan` does all host work once
+  per step (every layer shares it) and writes only into buffers the plan owns, so a captured CUDA graph replays
+  it with new prefixes; the gather's prefix capacity is a power of two (`prefix_capacity`), part of the layout
+  key. With `fp8` the paged + ragged + merge plan stays (`FlashInferFp8Plan`, below).
   Its modules (`flashinfer_module_specs`) are JIT-built on first use, unless built ahead for this GPU arch
   (tools/warm.py, no GPU needed) into `caches.flashinfer_aot_dir`, where they are loaded as they are.
 
 A backend makes one `Plan` per step layout (`graphs.StepLayout`); `plan.update(segments)` runs before each
 forward outside any graph, `plan(q, k, v, layer)` inside it. A backend is `bucketable` when a captured plan takes
 any segments that fit its rows and segment slots (`make_plan(rows, slots)`) — segment boundaries and prefixes are
-plan data, not shapes — so a layout may be keyed on a bucket rather than the exact mix: FlashInfer (a fixed request
+plan data, not shapes, up to what `shape_key` names (FlashInfer's gather: its prefix capacity) — so a layout may be
+keyed on a bucket rather than the exact mix: FlashInfer (a fixed request
 count, padded with empty requests); not SDPA, whose per-segment loop (host code) a capture freezes.
 Layouts: q `[rows, heads, d]`, k/v `[rows, kv_heads, d]`; output `[rows, heads * d]`.
 
@@ -24,7 +30,7 @@ FP8 attention (`fp8=True`, the deployment's `fp8_attention`): the own-token (rag
 quantized to E4M3 (`quantize_fp8`: dynamic scales per head, amax over the pack's segment rows / 448, computed on
 the device — no host sync, capturable); the prefix (text and AR context, the bf16 pool) stays bf16. FlashInfer
 runs the ragged part on FA3's FP8 kernel (Hopper only; the scales go in as per-head `scale_q/k/v`, the output stays
-in the model dtype: FA3 has no FP8 output) and merges with the bf16 paged part as before. SDPA "fake-quantizes":
+in the model dtype: FA3 has no FP8 output) and merges it with a bf16 paged call over the prefix. SDPA "fake-quantizes":
 q, k, v quantized with the same scales and dequantized (`fake_quant_fp8`) before one SDPA call over [prefix | own]
 — the reference the GPU tests hold FlashInfer FP8 to (FlashInfer differs by its own rounding: it quantizes the
 softmax probabilities to E4M3 too, and its prefix part sees the unquantized q). The scales are per head over every
@@ -36,6 +42,7 @@ mates' amax — results agree within FP8 rounding, not bit for bit, across batch
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -158,8 +165,8 @@ def flashinfer_module_specs(backend: str, dtype: torch.dtype, head_dim: int, fp8
     """FlashInfer's JIT specs of the modules `FlashInferPlan` loads → `flashinfer.jit.JitSpec`s: the batch prefill
     module (the paged and the ragged wrapper share it) with the arguments their `plan` derives from ours (q, kv and
     out in `dtype`, int32 indices, no positional encoding, sliding window, soft cap or fp16 QK reduction), with `fp8`
-    (fa3 only) also the ragged wrapper's FP8 one (q and kv E4M3, out in `dtype`), and the cascade module of
-    `merge_state`. tools/warm.py builds these ahead; keep them in step with `update`'s plans."""
+    (fa3 only) also the ragged wrapper's FP8 one (q and kv E4M3, out in `dtype`) and the cascade module of the FP8
+    plan's `merge_state`. tools/warm.py builds these ahead; keep them in step with the plans' `update`."""
     from flashinfer.jit.attention import gen_batch_prefill_module
     from flashinfer.jit.cascade import gen_cascade_module
 
@@ -168,16 +175,19 @@ def flashinfer_module_specs(backend: str, dtype: torch.dtype, head_dim: int, fp8
     if fp8 and backend == "fa3":  # fa2 has no FP8 kernel: FlashInferAttention refuses it at load
         specs.append(gen_batch_prefill_module(backend, E4M3, E4M3, dtype, torch.int32, head_dim, head_dim, 0, False,
                                               False, False))  # fmt: skip
-    return [*specs, gen_cascade_module()]
+        specs.append(gen_cascade_module())
+    return specs
 
 
 class FlashInferAttention:
-    """FlashInfer batch prefill: paged (prefix) + ragged (own tokens) + `merge_state`. fa3 on Hopper.
+    """FlashInfer batch prefill, fa3 on Hopper: one ragged call over gathered `[prefix | own]` K/V
+    (`FlashInferPlan`); with `fp8`, paged (prefix) + FP8 ragged (own tokens) + `merge_state` (`FlashInferFp8Plan`).
 
-    The paged kernel reads a request's pages in order and only the last may be partly filled, so a prefix of
-    several page lists (text + AR context frames) is laid out full lists first, the partial one last. A step
-    where some prefix has two partial lists (kv streams whose tokens per latent frame are not a multiple of
-    `page_size`) is not `supported`: `DenoiseStep` runs that layout with SDPA."""
+    The gather takes any prefix token by token. The FP8 plan's paged kernel reads a request's pages in order and
+    only the last may be partly filled, so a prefix of several page lists (text + AR context frames) is laid out
+    full lists first, the partial one last; a step where some prefix has two partial lists (kv streams whose
+    tokens per latent frame are not a multiple of `page_size`) is not `supported` there: `DenoiseStep` runs that
+    layout with SDPA."""
 
     name = "flashinfer"
     bucketable = True
@@ -235,26 +245,148 @@ class FlashInferAttention:
         torch.cuda.synchronize(dev)
 
     def supports(self, segments: list[Segment]) -> bool:
+        if not self.fp8:
+            return True
         ps = self.pool.page_size
         return all(sum(p.num_tokens % ps != 0 for p in seg.prefix) <= 1 for seg in segments)
 
     def shape_key(self, segments: list[Segment]) -> tuple:
-        return ()  # prefix lengths are plan data, not shapes
+        """Prefix lengths are plan data, not shapes; the gather's prefix capacity is a shape."""
+        return () if self.fp8 else (prefix_capacity(segments),)
 
-    def make_plan(self, rows: int, slots: int = 0) -> FlashInferPlan:
-        return FlashInferPlan(self, rows, slots)
+    def make_plan(self, rows: int, slots: int = 0) -> FlashInferPlan | FlashInferFp8Plan:
+        return FlashInferFp8Plan(self, rows, slots) if self.fp8 else FlashInferPlan(self, rows, slots)
+
+
+PREFIX_MIN_CAPACITY = 2048  # prefix tokens a gather holds at least: four t2v requests' text, both branches
+
+
+def prefix_capacity(segments: list[Segment]) -> int:
+    """The gather's prefix capacity for these segments: their prefix tokens rounded up to a power of two, at
+    least PREFIX_MIN_CAPACITY (so mixes of a few text-only requests, and the warmup's, share one layout key)."""
+    total = sum(p.num_tokens for seg in segments for p in seg.prefix)
+    return max(PREFIX_MIN_CAPACITY, 1 << max(total - 1, 0).bit_length())
+
+
+@dataclass
+class GatherLayout:
+    """Where `FlashInferPlan` puts each K/V token: kv buffer `[rows + 2 * capacity, kv_heads, d]`, request r's
+    keys at `kv_indptr[r]:kv_indptr[r + 1]` — its prefix tokens, then its own rows — and its queries at rows
+    `qo_indptr[r]:qo_indptr[r + 1]`. Requests: each segment, then its padding rows as a request of their own
+    (attending to themselves: finite, never read)."""
+
+    qo_indptr: list[int]
+    kv_indptr: list[int]
+    own_dst: torch.Tensor  # [rows] int64: row i of k/v goes to kv row own_dst[i]
+    prefix_src: torch.Tensor  # [capacity] int64: token of a layer's pages flattened to [pages * page_size, ...]
+    prefix_dst: torch.Tensor  # [capacity] int64: ... goes to kv row prefix_dst[j]; unused entries copy token 0 to
+    # the scratch rows [rows + capacity, rows + 2 * capacity), one each (no two writes to one row)
+
+
+def gather_layout(segments: list[Segment], rows: int, page_size: int, capacity: int) -> GatherLayout:
+    """The kv buffer's layout for `segments` packed in `rows` rows (host tensors; see `GatherLayout`)."""
+    qo, kv, src, own_dst = [0], [0], [], torch.empty(rows, dtype=torch.long)
+    dst = []
+    for i, seg in enumerate(segments):
+        end = segments[i + 1].start if i + 1 < len(segments) else rows
+        n = sum(p.num_tokens for p in seg.prefix)
+        for p in seg.prefix:
+            pages = torch.tensor(p.pages, dtype=torch.long)
+            src.append((pages[:, None] * page_size + torch.arange(page_size)).flatten()[: p.num_tokens])
+        dst.append(torch.arange(kv[-1], kv[-1] + n))
+        own_dst[seg.start : seg.start + seg.length] = torch.arange(kv[-1] + n, kv[-1] + n + seg.length)
+        qo.append(seg.start + seg.length)
+        kv.append(kv[-1] + n + seg.length)
+        if end > qo[-1]:
+            own_dst[qo[-1] : end] = torch.arange(kv[-1], kv[-1] + end - qo[-1])
+            kv.append(kv[-1] + end - qo[-1])
+            qo.append(end)
+    prefix_src = torch.cat([*src, torch.zeros(0, dtype=torch.long)])
+    prefix_dst = torch.cat([*dst, torch.zeros(0, dtype=torch.long)])
+    used = len(prefix_src)
+    if used > capacity:
+        raise ValueError(f"{used} prefix tokens exceed the plan's capacity of {capacity}")
+    pad = torch.arange(capacity - used)
+    return GatherLayout(qo, kv, own_dst, torch.cat([prefix_src, torch.zeros_like(pad)]),
+                        torch.cat([prefix_dst, rows + capacity + pad]))  # fmt: skip
+
+
+def _empty_requests(qo: list[int], kv: list[int], batch: int) -> None:
+    """Pad the request lists to `batch` requests with empty ones (a bucket's unused slots: no rows, no keys)."""
+    if batch and len(qo) - 1 > batch:
+        raise ValueError(f"{len(qo) - 1} requests exceed the plan's {batch} ({batch // 2} segment slots)")
+    while len(qo) - 1 < batch:
+        qo.append(qo[-1])
+        kv.append(kv[-1])
 
 
 class FlashInferPlan:
-    """`slots`: a bucketed layout's segment slots: every update plans 2·slots requests (each segment and its
-    padding rows, then empty ones), the fixed batch a captured graph needs; 0: as many as the first update's."""
+    """One ragged prefill over `[prefix | own]` K/V per layer (see `GatherLayout`). `slots`: a bucketed layout's
+    segment slots: every update plans 2·slots requests (each segment and its padding rows, then empty ones), the
+    fixed batch a captured graph needs; 0: as many as the first update's. The prefix capacity is the first
+    update's `prefix_capacity` (the layout key holds it, so later updates fit)."""
+
+    def __init__(self, attn: FlashInferAttention, rows: int, slots: int = 0):
+        self.attn = attn
+        self.rows = rows
+        self.batch = 2 * slots
+        self.capacity = 0
+        self.ragged = None
+        self.index: torch.Tensor | None = None  # [rows + 2 * capacity]: own_dst | prefix_src | prefix_dst
+        self.staged: torch.Tensor | None = None  # the pinned host copy of `index` (alive until the copy ran)
+        self.copied: torch.cuda.Event | None = None  # as FlashInferFp8Plan's
+
+    def update(self, segments: list[Segment]) -> None:
+        import flashinfer
+
+        a = self.attn
+        dev, dt = a.workspace.device, a.pool.k_pages.dtype
+        if self.copied is not None:
+            self.copied.synchronize()
+        if self.index is None:
+            self.capacity = prefix_capacity(segments)
+            self.index = torch.zeros(self.rows + 2 * self.capacity, dtype=torch.long, device=dev)
+        layout = gather_layout(segments, self.rows, a.pool.page_size, self.capacity)
+        qo, kv = layout.qo_indptr, layout.kv_indptr
+        if self.ragged is None:
+            self.batch = self.batch or len(qo) - 1
+            self.ragged = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
+                a.workspace, "NHD", use_cuda_graph=True, backend=a.backend,
+                qo_indptr_buf=torch.zeros(self.batch + 1, dtype=torch.int32, device=dev),
+                kv_indptr_buf=torch.zeros(self.batch + 1, dtype=torch.int32, device=dev),
+            )  # fmt: skip
+        _empty_requests(qo, kv, self.batch)
+        self.ragged.plan(
+            torch.tensor(qo, dtype=torch.int32), torch.tensor(kv, dtype=torch.int32), a.heads, a.kv_heads,
+            a.head_dim, causal=False, q_data_type=dt, kv_data_type=dt,
+        )  # fmt: skip
+        self.staged = torch.cat([layout.own_dst, layout.prefix_src, layout.prefix_dst]).pin_memory()
+        self.index.copy_(self.staged, non_blocking=True)
+        self.copied = torch.cuda.Event()
+        self.copied.record()
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+        pool, rows, cap = self.attn.pool, self.rows, self.capacity
+        own_dst, prefix_src, prefix_dst = self.index[:rows], self.index[rows : rows + cap], self.index[rows + cap :]
+        gathered = []
+        for own, pages in ((k, pool.k_pages[layer]), (v, pool.v_pages[layer])):
+            buf = torch.empty(rows + 2 * cap, *own.shape[1:], dtype=own.dtype, device=own.device)  # the graph's pool
+            buf.index_copy_(0, own_dst, own)
+            buf.index_copy_(0, prefix_dst, pages.flatten(0, 1).index_select(0, prefix_src))
+            gathered.append(buf)
+        return self.ragged.run(q, *gathered).flatten(-2)
+
+
+class FlashInferFp8Plan:
+    """`fp8_attention`: paged bf16 prefill over the prefix pages + FA3 FP8 ragged prefill over the own tokens,
+    merged by their log-sum-exp. `slots` as `FlashInferPlan`'s."""
 
     def __init__(self, attn: FlashInferAttention, rows: int, slots: int = 0):
         self.attn = attn
         self.rows = rows  # packed rows: the last segment's padding ends here
         self.batch = 2 * slots
         self.paged = self.ragged = None
-        self.valid: torch.Tensor | None = None  # fp8: the segments' rows (padding does not set the scales)
+        self.valid: torch.Tensor | None = None  # the segments' rows (padding does not set the scales)
         # a wrapper's plan fills its pinned host buffer, then copies it to the GPU asynchronously: the next plan waits
         # for that copy, or a host running a step ahead would rewrite the buffer before the GPU read it
         self.copied: torch.cuda.Event | None = None
@@ -326,15 +458,13 @@ class FlashInferPlan:
             torch.tensor(last_len, dtype=torch.int32),
             a.heads, a.kv_heads, a.head_dim, ps, causal=False, q_data_type=dt, kv_data_type=dt,
         )  # fmt: skip
-        own = E4M3 if a.fp8 else dt  # fp8: E4M3 q and kv, output in the model dtype (FA3 has no FP8 output)
-        self.ragged.plan(
-            qo_indptr, qo_indptr, a.heads, a.kv_heads, a.head_dim, causal=False, q_data_type=own, kv_data_type=own,
-            o_data_type=dt,
+        self.ragged.plan(  # E4M3 q and kv, output in the model dtype (FA3 has no FP8 output)
+            qo_indptr, qo_indptr, a.heads, a.kv_heads, a.head_dim, causal=False, q_data_type=E4M3,
+            kv_data_type=E4M3, o_data_type=dt,
         )  # fmt: skip
-        if a.fp8:
-            if self.valid is None:
-                self.valid = torch.zeros(self.rows, dtype=torch.bool, device=a.workspace.device)
-            self.valid.copy_(segment_rows(segments, self.rows), non_blocking=True)  # as the plans' own copies
+        if self.valid is None:
+            self.valid = torch.zeros(self.rows, dtype=torch.bool, device=a.workspace.device)
+        self.valid.copy_(segment_rows(segments, self.rows), non_blocking=True)  # as the plans' own copies
         self.copied = torch.cuda.Event()
         self.copied.record()
 
@@ -343,12 +473,10 @@ class FlashInferPlan:
 
         pool = self.attn.pool
         out_prefix, lse_prefix = self.paged.run(q, (pool.k_pages[layer], pool.v_pages[layer]), return_lse=True)
-        if self.valid is None:
-            out_own, lse_own = self.ragged.run(q, k, v, return_lse=True)
-        else:  # FA3 FP8: per-head scales as run's positional args (scale_q [heads], scale_k/v [kv_heads], fp32)
-            (q8, sq), (k8, sk), (v8, sv) = (quantize_fp8(x, self.valid) for x in (q, k, v))
-            out = torch.empty_like(q)  # run's own default for FP8 input is bf16 whatever the plan's o_data_type
-            out_own, lse_own = self.ragged.run(q8, k8, v8, sq, sk, sv, out=out, return_lse=True)
+        # FA3 FP8: per-head scales as run's positional args (scale_q [heads], scale_k/v [kv_heads], fp32)
+        (q8, sq), (k8, sk), (v8, sv) = (quantize_fp8(x, self.valid) for x in (q, k, v))
+        out = torch.empty_like(q)  # run's own default for FP8 input is bf16 whatever the plan's o_data_type
+        out_own, lse_own = self.ragged.run(q8, k8, v8, sq, sk, sv, out=out, return_lse=True)
         return flashinfer.merge_state(out_prefix, lse_prefix, out_own, lse_own)[0].flatten(-2)
 
 

@@ -17,7 +17,8 @@ Buckets (`graph_buckets`, with a `bucketable` backend: FlashInfer): a pack that 
 layout of its bucket — its rows rounded up to the next bucket size (one more row when sound or action rows need a
 padding row), segment slots for as many segments as those rows can hold (one per SEGMENT_ALIGN rows), sound and
 action rows each rounded up to a power of two — keyed on that with the FP8 split row (the whole bucket when every
-row is W8A16), the residual flag and the backend. A new size mix within a bucket reuses the layout and replays its
+row is W8A16), the residual flag, the backend and its `shape_key` (FlashInfer: the prefix tokens its gather
+holds, a power of two of at least 2,048). A new size mix within a bucket reuses the layout and replays its
 capture; padding never reaches a real row (graphs.py). A pack larger than the largest bucket, a commit pass or a
 backend that cannot bucket (SDPA, Ulysses) gets an exact layout. Captures are bounded: at most `max_captures`
 layouts hold a graph; a layout that captures beyond that releases the least recently used one's. The step keeps the
@@ -109,7 +110,7 @@ class DenoiseStep:
             if bucket is None
             else ("bucket", *bucket, a16_rows)
         )
-        key = (sizes, attention.name, attention.shape_key(segments) if bucket is None else (), residual)
+        key = (sizes, attention.name, attention.shape_key(segments), residual)  # a bucket's too (FlashInfer's gather)
         # key[1] names the backend (bench.parity and tests read it)
         layout = self.layouts.pop(key, None) or self.layout_class(
             self.model, self.kernels, attention, size, rows[0].tokens.shape[1], segments, self.graph_pool, a16_rows,

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from cosmos3_core.attention import FlashInferPlan, SdpaAttention
+from cosmos3_core.attention import FlashInferFp8Plan, SdpaAttention
 from cosmos3_core.deployment import Deployment
 from cosmos3_core.generate import Generator
 from cosmos3_core.kv_pool import KVPool, PageList
@@ -29,6 +29,9 @@ BUCKETS = (512, 1024)
 
 class BucketedSdpa(SdpaAttention):
     bucketable = True  # eager only (no graphs on the CPU): the plan re-reads the segments every update
+
+    def shape_key(self, segments: list[Segment]) -> tuple:
+        return ()  # as a bucketable backend's: prefix lengths are plan data
 
 
 @pytest.fixture(scope="module")
@@ -164,10 +167,10 @@ def test_engine_mixes_within_a_bucket_use_one_layout(nano_ckpt):
     assert exact_layouts >= 3 and len(eng.step.layouts) == 1
 
 
-def test_flashinfer_bucket_plans_a_fixed_request_count():
-    """A bucketed FlashInfer plan (host side: no GPU needed) has 2·slots requests whatever the mix — segments, their
+def test_flashinfer_fp8_bucket_plans_a_fixed_request_count():
+    """A bucketed FlashInfer FP8 plan (host side: no GPU needed) has 2·slots requests whatever the mix — segments, their
     padding, then empty ones — over all of the bucket's rows: the fixed batch and row count a captured graph needs."""
-    plan = FlashInferPlan(SimpleNamespace(pool=SimpleNamespace(page_size=4)), rows=512, slots=8)
+    plan = FlashInferFp8Plan(SimpleNamespace(pool=SimpleNamespace(page_size=4)), rows=512, slots=8)
     text = [PageList([3, 4], 6), PageList([9], 2)]
     for mix in ([(0, 64), (64, 21), (128, 100)], [(0, 40)], [(64 * i, 64) for i in range(8)]):
         segments = [Segment(start, n, (text[i % 2],), False) for i, (start, n) in enumerate(mix)]

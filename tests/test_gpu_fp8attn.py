@@ -132,14 +132,19 @@ def test_fa3_fp8_ragged_kernel_output_and_lse():
     fake quant's own-token error, LSE (same units in both: merge_state combines it with the paged bf16 LSE) within
     LSE_TOL absolute."""
     pool, segments, rows, q, k, v, real = pack(1)
-    fp8_plan = FlashInferAttention(pool, HEADS, KV_HEADS, HEAD_DIM, fp8=True).make_plan(rows)
-    bf16_plan = FlashInferAttention(pool, HEADS, KV_HEADS, HEAD_DIM).make_plan(rows)
+    import flashinfer
+
+    attn = FlashInferAttention(pool, HEADS, KV_HEADS, HEAD_DIM, fp8=True)
+    fp8_plan = attn.make_plan(rows)
     fp8_plan.update(segments)
-    bf16_plan.update(segments)
+    bf16 = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(attn.workspace, "NHD", backend="fa3")  # same requests
+    qo = torch.tensor(fp8_plan.requests(segments)[0], dtype=torch.int32)
+    bf16.plan(qo, qo, HEADS, KV_HEADS, HEAD_DIM, causal=False, q_data_type=torch.bfloat16,
+              kv_data_type=torch.bfloat16)  # fmt: skip
     (q8, sq), (k8, sk), (v8, sv) = (quantize_fp8(x, fp8_plan.valid) for x in (q, k, v))
     assert sq.shape == (HEADS,) and sk.shape == sv.shape == (KV_HEADS,)
     out8, lse8 = fp8_plan.ragged.run(q8, k8, v8, sq, sk, sv, out=torch.empty_like(q), return_lse=True)
-    out, lse = bf16_plan.ragged.run(q, k, v, return_lse=True)
+    out, lse = bf16.run(q, k, v, return_lse=True)
     torch.cuda.synchronize()
     assert out8.dtype == torch.bfloat16 and bool(out8[real].isfinite().all()), "FP8 ragged output not finite"
     err = rel_l2(out8[real].float(), out[real].float())

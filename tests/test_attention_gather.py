@@ -1,0 +1,94 @@
+"""FlashInfer's gathered `[prefix | own]` K/V layout (`attention.gather_layout`), host side, no GPU: the layout's
+index buffers applied with the same index ops the plan runs, then one SDPA per request as FlashInfer's ragged
+kernel computes it (queries `qo_indptr[r]:qo_indptr[r+1]` over keys `kv_indptr[r]:kv_indptr[r+1]`), equal the
+SDPA backend on every segment row. The kv buffer starts as NaN: a key the layout reads but never wrote fails."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cosmos3_core.attention import (
+    PREFIX_MIN_CAPACITY,
+    SdpaAttention,
+    _empty_requests,
+    gather_layout,
+    prefix_capacity,
+    sdpa,
+)
+from cosmos3_core.kv_pool import KVPool
+from cosmos3_core.rows import Segment
+
+HEADS, KV_HEADS, D, PAGE = 4, 2, 16, 4
+
+
+def ragged_over_layout(pool: KVPool, layer: int, rows: int, capacity: int, segments, q, k, v) -> torch.Tensor:
+    layout = gather_layout(segments, rows, PAGE, capacity)
+    qo, kv = layout.qo_indptr, layout.kv_indptr
+    assert kv[-1] == rows + len([t for s in segments for p in s.prefix for t in range(p.num_tokens)])
+    written = torch.cat([layout.own_dst, layout.prefix_dst])
+    assert len(set(written.tolist())) == len(written), "two writes to one kv row"
+    bufs = []
+    for own, pages in ((k, pool.k_pages[layer]), (v, pool.v_pages[layer])):
+        buf = torch.full((rows + 2 * capacity, *own.shape[1:]), float("nan"))
+        buf.index_copy_(0, layout.own_dst, own)
+        buf.index_copy_(0, layout.prefix_dst, pages.flatten(0, 1).index_select(0, layout.prefix_src))
+        bufs.append(buf)
+    out = torch.full((rows, HEADS * D), float("nan"))
+    for r in range(len(qo) - 1):
+        if qo[r + 1] > qo[r]:
+            keys = slice(kv[r], kv[r + 1])
+            out[qo[r] : qo[r + 1]] = sdpa(q[qo[r] : qo[r + 1]], bufs[0][keys], bufs[1][keys], causal=False)
+    return out
+
+
+def test_gathered_layout_attends_as_sdpa():
+    torch.manual_seed(0)
+    pool = KVPool(64, PAGE, 2, KV_HEADS, D, torch.float32, "cpu")
+    pool.k_pages.normal_()
+    pool.v_pages.normal_()
+    text = [pool.alloc(n) for n in (7, 8, 3, 5)]
+    context = [pool.alloc(n) for n in (6, 6)]  # kv stream context frames: partial pages, two lists in one prefix
+    segments = [
+        Segment(0, 50, (text[0],), False),
+        Segment(64, 64, (text[1], context[0], context[1]), False),  # no padding after it
+        Segment(128, 3, (text[2],), False),
+        Segment(192, 70, (context[0], text[3]), False),
+    ]
+    rows = 320  # the last segment's padding runs to a bucket's end
+    q = torch.randn(rows, HEADS, D)
+    k, v = torch.randn(rows, KV_HEADS, D), torch.randn(rows, KV_HEADS, D)
+    capacity = prefix_capacity(segments)
+    assert capacity == PREFIX_MIN_CAPACITY
+    plan = SdpaAttention(pool).make_plan(rows)
+    plan.update(segments)
+    for layer in (0, 1):
+        ref = plan(q, k, v, layer)
+        out = ragged_over_layout(pool, layer, rows, capacity, segments, q, k, v)
+        assert out.isfinite().all(), "padding rows must attend to something finite too"
+        for s in segments:
+            r = slice(s.start, s.start + s.length)
+            torch.testing.assert_close(out[r], ref[r], rtol=1e-5, atol=1e-5)
+
+
+def test_gathered_layout_requests_and_capacity():
+    pool = KVPool(64, PAGE, 1, KV_HEADS, D, torch.float32, "cpu")
+    text = pool.alloc(9)
+    segments = [Segment(64 * i, 40, (text,), False) for i in range(3)]
+    layout = gather_layout(segments, 512, PAGE, 32)
+    qo, kv = layout.qo_indptr, layout.kv_indptr
+    assert qo == [0, 40, 64, 104, 128, 168, 512]  # each segment, then its padding as a request of its own
+    assert kv == [0, 49, 73, 122, 146, 195, 539]  # a segment's keys: its 9 prefix tokens, then its 40 rows
+    assert layout.prefix_src[:9].tolist() == [text.pages[t // PAGE] * PAGE + t % PAGE for t in range(9)]
+    _empty_requests(qo, kv, 16)  # a bucket of 8 segment slots
+    assert len(qo) == len(kv) == 17 and qo[-1] == 512 and kv[-1] == 539
+    with pytest.raises(ValueError, match="requests exceed"):
+        _empty_requests(qo, kv, 8)
+    with pytest.raises(ValueError, match="capacity of 16"):
+        gather_layout(segments, 512, PAGE, 16)  # 27 prefix tokens
+
+
+@pytest.mark.parametrize(("tokens", "capacity"), [(1, 2048), (2048, 2048), (2049, 4096), (9000, 16384)])
+def test_prefix_capacity_is_a_power_of_two_of_at_least_the_minimum(tokens, capacity):
+    pool = KVPool(4096, PAGE, 1, KV_HEADS, D, torch.float32, "cpu")
+    assert prefix_capacity([Segment(0, 64, (pool.alloc(tokens),), False)]) == capacity
