@@ -258,7 +258,9 @@ class FlashInferAttention:
         return FlashInferFp8Plan(self, rows, slots) if self.fp8 else FlashInferPlan(self, rows, slots)
 
 
-PREFIX_MIN_CAPACITY = 2048  # prefix tokens a gather holds at least: four t2v requests' text, both branches
+# prefix tokens a gather holds at least: 8 segments (4 CFG requests) at `max_prompt_tokens` (1024), so the warmup's
+# bucket captures serve every text-only mix that size; copying a token is ~4 KB a layer, 8192 of them ~2 us
+PREFIX_MIN_CAPACITY = 8192
 
 
 def prefix_capacity(segments: list[Segment]) -> int:
@@ -270,17 +272,19 @@ def prefix_capacity(segments: list[Segment]) -> int:
 
 @dataclass
 class GatherLayout:
-    """Where `FlashInferPlan` puts each K/V token: kv buffer `[rows + 2 * capacity, kv_heads, d]`, request r's
-    keys at `kv_indptr[r]:kv_indptr[r + 1]` — its prefix tokens, then its own rows — and its queries at rows
+    """Where `FlashInferPlan` puts each K/V token: kv buffer `[rows + capacity, kv_heads, d]`, request r's keys
+    at `kv_indptr[r]:kv_indptr[r + 1]` — its prefix tokens, then its own rows — and its queries at rows
     `qo_indptr[r]:qo_indptr[r + 1]`. Requests: each segment, then its padding rows as a request of their own
-    (attending to themselves: finite, never read)."""
+    (attending to themselves, never read). Every row of the buffer is written: FA3 loads K/V by whole tiles
+    within the buffer (TMA, bounded by its length, not by a request's), masking the scores of rows past a
+    request's end but still multiplying their V by 0 — an unwritten NaN there would poison real rows."""
 
     qo_indptr: list[int]
     kv_indptr: list[int]
     own_dst: torch.Tensor  # [rows] int64: row i of k/v goes to kv row own_dst[i]
     prefix_src: torch.Tensor  # [capacity] int64: token of a layer's pages flattened to [pages * page_size, ...]
-    prefix_dst: torch.Tensor  # [capacity] int64: ... goes to kv row prefix_dst[j]; unused entries copy token 0 to
-    # the scratch rows [rows + capacity, rows + 2 * capacity), one each (no two writes to one row)
+    prefix_dst: torch.Tensor  # [capacity] int64: ... goes to kv row prefix_dst[j]; the unused entries copy token 0
+    # to the rows after the last request's keys, one each, so the whole buffer is written (no two writes to one row)
 
 
 def gather_layout(segments: list[Segment], rows: int, page_size: int, capacity: int) -> GatherLayout:
@@ -308,7 +312,7 @@ def gather_layout(segments: list[Segment], rows: int, page_size: int, capacity: 
         raise ValueError(f"{used} prefix tokens exceed the plan's capacity of {capacity}")
     pad = torch.arange(capacity - used)
     return GatherLayout(qo, kv, own_dst, torch.cat([prefix_src, torch.zeros_like(pad)]),
-                        torch.cat([prefix_dst, rows + capacity + pad]))  # fmt: skip
+                        torch.cat([prefix_dst, kv[-1] + pad]))  # fmt: skip
 
 
 def _empty_requests(qo: list[int], kv: list[int], batch: int) -> None:
@@ -370,7 +374,7 @@ class FlashInferPlan:
         own_dst, prefix_src, prefix_dst = self.index[:rows], self.index[rows : rows + cap], self.index[rows + cap :]
         gathered = []
         for own, pages in ((k, pool.k_pages[layer]), (v, pool.v_pages[layer])):
-            buf = torch.empty(rows + 2 * cap, *own.shape[1:], dtype=own.dtype, device=own.device)  # the graph's pool
+            buf = torch.empty(rows + cap, *own.shape[1:], dtype=own.dtype, device=own.device)  # the graph's pool
             buf.index_copy_(0, own_dst, own)
             buf.index_copy_(0, prefix_dst, pages.flatten(0, 1).index_select(0, prefix_src))
             gathered.append(buf)

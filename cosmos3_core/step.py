@@ -18,7 +18,7 @@ layout of its bucket — its rows rounded up to the next bucket size (one more r
 padding row), segment slots for as many segments as those rows can hold (one per SEGMENT_ALIGN rows), sound and
 action rows each rounded up to a power of two — keyed on that with the FP8 split row (the whole bucket when every
 row is W8A16), the residual flag, the backend and its `shape_key` (FlashInfer: the prefix tokens its gather
-holds, a power of two of at least 2,048). A new size mix within a bucket reuses the layout and replays its
+holds, a power of two of at least 8,192: the warmup's 1-token prefix and any mix of up to 8 segments of text). A new size mix within a bucket reuses the layout and replays its
 capture; padding never reaches a real row (graphs.py). A pack larger than the largest bucket, a commit pass or a
 backend that cannot bucket (SDPA, Ulysses) gets an exact layout. Captures are bounded: at most `max_captures`
 layouts hold a graph; a layout that captures beyond that releases the least recently used one's. The step keeps the

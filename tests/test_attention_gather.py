@@ -1,7 +1,8 @@
 """FlashInfer's gathered `[prefix | own]` K/V layout (`attention.gather_layout`), host side, no GPU: the layout's
 index buffers applied with the same index ops the plan runs, then one SDPA per request as FlashInfer's ragged
 kernel computes it (queries `qo_indptr[r]:qo_indptr[r+1]` over keys `kv_indptr[r]:kv_indptr[r+1]`), equal the
-SDPA backend on every segment row. The kv buffer starts as NaN: a key the layout reads but never wrote fails."""
+SDPA backend on every segment row. The kv buffer starts as NaN and must end finite: FA3 loads K/V by whole tiles
+bounded by the buffer's length, not a request's, and multiplies the masked rows' V by 0 (NaN · 0 = NaN)."""
 
 from __future__ import annotations
 
@@ -26,13 +27,14 @@ def ragged_over_layout(pool: KVPool, layer: int, rows: int, capacity: int, segme
     layout = gather_layout(segments, rows, PAGE, capacity)
     qo, kv = layout.qo_indptr, layout.kv_indptr
     assert kv[-1] == rows + len([t for s in segments for p in s.prefix for t in range(p.num_tokens)])
-    written = torch.cat([layout.own_dst, layout.prefix_dst])
-    assert len(set(written.tolist())) == len(written), "two writes to one kv row"
+    written = torch.cat([layout.own_dst, layout.prefix_dst]).sort().values
+    assert torch.equal(written, torch.arange(rows + capacity)), "each kv row written exactly once"
     bufs = []
     for own, pages in ((k, pool.k_pages[layer]), (v, pool.v_pages[layer])):
-        buf = torch.full((rows + 2 * capacity, *own.shape[1:]), float("nan"))
+        buf = torch.full((rows + capacity, *own.shape[1:]), float("nan"))
         buf.index_copy_(0, layout.own_dst, own)
         buf.index_copy_(0, layout.prefix_dst, pages.flatten(0, 1).index_select(0, layout.prefix_src))
+        assert buf.isfinite().all(), "a kv row the kernel's tiles may load was never written"
         bufs.append(buf)
     out = torch.full((rows, HEADS * D), float("nan"))
     for r in range(len(qo) - 1):
@@ -80,6 +82,7 @@ def test_gathered_layout_requests_and_capacity():
     assert qo == [0, 40, 64, 104, 128, 168, 512]  # each segment, then its padding as a request of its own
     assert kv == [0, 49, 73, 122, 146, 195, 539]  # a segment's keys: its 9 prefix tokens, then its 40 rows
     assert layout.prefix_src[:9].tolist() == [text.pages[t // PAGE] * PAGE + t % PAGE for t in range(9)]
+    assert layout.prefix_dst[27:].tolist() == [539, 540, 541, 542, 543]  # unused: the rows after the last keys
     _empty_requests(qo, kv, 16)  # a bucket of 8 segment slots
     assert len(qo) == len(kv) == 17 and qo[-1] == 512 and kv[-1] == 539
     with pytest.raises(ValueError, match="requests exceed"):
@@ -88,7 +91,7 @@ def test_gathered_layout_requests_and_capacity():
         gather_layout(segments, 512, PAGE, 16)  # 27 prefix tokens
 
 
-@pytest.mark.parametrize(("tokens", "capacity"), [(1, 2048), (2048, 2048), (2049, 4096), (9000, 16384)])
+@pytest.mark.parametrize(("tokens", "capacity"), [(1, 8192), (8192, 8192), (8193, 16384), (20000, 32768)])
 def test_prefix_capacity_is_a_power_of_two_of_at_least_the_minimum(tokens, capacity):
-    pool = KVPool(4096, PAGE, 1, KV_HEADS, D, torch.float32, "cpu")
+    pool = KVPool(8192, PAGE, 1, KV_HEADS, D, torch.float32, "cpu")
     assert prefix_capacity([Segment(0, 64, (pool.alloc(tokens),), False)]) == capacity
