@@ -84,6 +84,19 @@ def test_report_and_markdown(tiny_run, tmp_path):
     assert json.loads(saved.read_text())["cases"].keys() == result["cases"].keys()
 
 
+def test_a_second_run_reuses_the_fp32_reference(tiny_run, monkeypatch):
+    """The fp32 references are kept under the checkpoint: a second run on one of the cases skips the fp32 phase
+    and gets the same numbers; a case not run before still runs it."""
+    result, _, tmp = tiny_run
+    monkeypatch.setenv("COSMOS3_CACHE", str(tmp / "cache"))
+    again = parity.main(["--preset", "tiny", "--device", "cpu", "--cases", "t2v-5f-4s-native"])
+    assert again["timings"]["diffusers_fp32_s"] == 0.0
+    first, second = result["cases"]["t2v-5f-4s-native"]["runs"], again["cases"]["t2v-5f-4s-native"]["runs"]
+    assert second["sdpa"]["rel_l2"] == first["sdpa"]["rel_l2"] and second["diffusers"]["rel_l2"] == 0.0
+    new = parity.main(["--preset", "tiny", "--device", "cpu", "--cases", "t2v-5f-4s-native", "t2v-5f-8s-native"])
+    assert new["timings"]["diffusers_fp32_s"] > 0 and new["cases"]["t2v-5f-8s-native"]["pass"]
+
+
 def test_weights_are_llm_like_and_load_in_both(tiny_run):
     from cosmos3_core.model.checkpoint import Checkpoint
     from cosmos3_core.model.layers import GEN, UND
