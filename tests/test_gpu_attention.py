@@ -17,7 +17,7 @@ import torch
 from cosmos3_core.attention import FlashInferAttention, SdpaAttention
 from cosmos3_core.kv_pool import KVPool
 from cosmos3_core.rows import Segment
-from tests.conftest import rel_l2
+from tests.conftest import capture_plan, rel_l2
 
 pytestmark = [
     pytest.mark.gpu,
@@ -84,14 +84,7 @@ def test_gathered_plan_captured_and_replayed_with_another_mix(pool):
     segments, rows, q, k, v, real = pack(1, pool)
     plan = FlashInferAttention(pool, HEADS, KV_HEADS, HEAD_DIM).make_plan(rows, 8)
     plan.update(segments)
-    bufs = [x.clone() for x in (q, k, v)]
-    plan(*bufs, 0)  # warm
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = plan(*bufs, 0)
-    graph.replay()
-    torch.cuda.synchronize()
+    graph, bufs, out = capture_plan(plan, q, k, v)
     first = rel_l2(out[real].float(), exact(pool, rows, segments, q, k, v, 0)[real])
     assert first < BF16_TOL, f"replay, the captured mix: {first:.3e}"
     text = [pool.alloc(48), pool.alloc(7)]

@@ -41,7 +41,7 @@ from cosmos3_core.kv_pool import KVPool
 from cosmos3_core.model.fp8 import E4M3
 from cosmos3_core.rows import Segment
 from cosmos3_core.tools.make_tiny import make_tiny
-from tests.conftest import rel_l2
+from tests.conftest import capture_plan, rel_l2
 
 HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -231,14 +231,7 @@ def test_fp8_plan_captured_equals_eager():
     attn = FlashInferAttention(pool, HEADS, KV_HEADS, HEAD_DIM, fp8=True)
     plan = attn.make_plan(rows, 4)
     plan.update(segments)
-    bufs = [x.clone() for x in (q, k, v)]
-    plan(*bufs, 0)  # warm (module load) before capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = plan(*bufs, 0)
-    graph.replay()
-    torch.cuda.synchronize()
+    graph, bufs, out = capture_plan(plan, q, k, v)
     eager = run_plan(attn, rows, segments, q, k, v, 4, layer=0)
     first = rel_l2(out[real].float(), eager[real].float())
     assert first < 1e-2, f"replay vs eager, the captured mix: rel-L2 {first:.3e}"
