@@ -34,7 +34,9 @@ serve() {  # a new server on the cache: startup (launch → ready) and one reque
     --json $OUT/coldstart_$1.json > $OUT/coldstart_$1.txt 2>&1
   grep -e "server startup" -e "^c1" -e Error $OUT/coldstart_$1.txt | tail -4
   echo "flashinfer modules JIT-built by it: $(ls $FI/.cache/flashinfer/*/*/cached_ops/*/*.so 2>/dev/null | wc -l)"
-  grep -h -e "attention auto" -e "flashinfer modules in" "$(ls -td /tmp/cosmos3-bench-*/ | head -1)tritonserver.log" | head -3
+  # startup's parts: each model's ready / engine-built / warmup lines (the models load in parallel)
+  grep -h -e "attention auto" -e "flashinfer modules in" -e "ready in" -e "built in" -e "warmup of" \
+    "$(ls -td /tmp/cosmos3-bench-*/ | head -1)tritonserver.log" | head -8
 }
 cases=("$@"); [ ${#cases[@]} -gt 0 ] || cases=(aot warm)
 for c in "${cases[@]}"; do

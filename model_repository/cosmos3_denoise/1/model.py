@@ -5,6 +5,8 @@ progress events and, in the final response, the finished latents. Thin adaptor o
 `cosmos3_core.engine.DenoiseEngine`; threads and metrics live in `cosmos3_core/triton/glue.py`.
 """
 
+import time
+
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
@@ -27,9 +29,11 @@ from cosmos3_core.wire import PrefillResult, RequestMeta
 
 class TritonPythonModel:
     def initialize(self, args):
+        t0 = time.perf_counter()
         d, device = deployment_from_args(args)
         ckpt = d.open_checkpoint()
         self.engine = DenoiseEngine.from_deployment(ckpt, d, device)
+        pb_utils.Logger.log_info(f"cosmos3_denoise: engine built in {time.perf_counter() - t0:.1f}s")  # startup's parts
         cfg, shift = ckpt.config, checkpoint_shift(ckpt.scheduler_config)
         sizes = (d.defaults, d.limits, cfg.pixel_alignment, cfg.vae_scale_temporal, shift)
         warmup = []

@@ -24,8 +24,10 @@ from cosmos3_core.wire import RequestMeta
 
 class TritonPythonModel:
     def initialize(self, args):
+        t0 = time.perf_counter()
         d, device = deployment_from_args(args)
         self.stage = PrefillStage(d.open_checkpoint(), device, d.torch_dtype, d.defaults, d.limits)
+        pb_utils.Logger.log_info(f"cosmos3_prefill: ready in {time.perf_counter() - t0:.1f}s")  # startup's parts
 
     def execute(self, requests):
         return [self._one(r) for r in requests]

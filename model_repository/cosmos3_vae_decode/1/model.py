@@ -6,6 +6,10 @@ Thin adaptor over `cosmos3_core.stages.DecodeStage`. `execute` only queues; the 
 the chunk's frames on the host and sends them, while the GPU decodes the next chunk.
 """
 
+import time
+
+import triton_python_backend_utils as pb_utils
+
 from cosmos3_core.model.checkpoint import Checkpoint
 from cosmos3_core.stages import DecodeStage
 from cosmos3_core.triton.cancel import CancelMarks
@@ -14,10 +18,12 @@ from cosmos3_core.triton.glue import DecodeLoop, DecodeMetrics, deployment_from_
 
 class TritonPythonModel:
     def initialize(self, args):
+        t0 = time.perf_counter()
         d, device = deployment_from_args(args)
         stage = DecodeStage.from_deployment(Checkpoint.open(d.checkpoint), d, device)  # parallel.vae: over a group
         metrics = DecodeMetrics({"model": args["model_name"], "instance": args["model_instance_name"]})
         self.loop = DecodeLoop(stage, CancelMarks(d.cancel_dir), metrics, device)
+        pb_utils.Logger.log_info(f"cosmos3_vae_decode: ready in {time.perf_counter() - t0:.1f}s")  # startup's parts
 
     def execute(self, requests):
         for request in requests:
