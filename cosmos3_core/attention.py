@@ -10,8 +10,9 @@ Two backends with one contract, chosen by the deployment's `attention`:
 - `FlashInferAttention` — CUDA: one FlashInfer ragged prefill per layer over `[prefix | own]` K/V, gathered per
   segment into one buffer (`gather_layout`: the prefix tokens from the pool's pages, then the own rows), as SDPA
   and diffusers attend: one softmax over every key. (A paged call over the prefix plus a ragged one over the own
-  tokens, merged by their log-sum-exp, costs the same but rounds two partial outputs to bf16 before the merge:
-  1.6x the max error at the Edge step shape, BENCHMARKS.md "Attention kernels".) `plan` does all host work once
+  tokens, merged by their log-sum-exp, rounds two partial outputs to bf16 before the merge: 1.6x the max error at
+  the Edge step shape, while one ragged call with a 300-token prefix copied ran as fast, BENCHMARKS.md "Attention
+  kernels"; the gather padded to its capacity is not timed yet.) `plan` does all host work once
   per step (every layer shares it) and writes only into buffers the plan owns, so a captured CUDA graph replays
   it with new prefixes; the gather's prefix capacity is a power of two (`prefix_capacity`), part of the layout
   key. With `fp8` the paged + ragged + merge plan stays (`FlashInferFp8Plan`, below).
@@ -162,11 +163,11 @@ def flashinfer_backend(major: int, head_dim: int) -> str:
 
 
 def flashinfer_module_specs(backend: str, dtype: torch.dtype, head_dim: int, fp8: bool = False) -> list:
-    """FlashInfer's JIT specs of the modules `FlashInferPlan` loads → `flashinfer.jit.JitSpec`s: the batch prefill
-    module (the paged and the ragged wrapper share it) with the arguments their `plan` derives from ours (q, kv and
-    out in `dtype`, int32 indices, no positional encoding, sliding window, soft cap or fp16 QK reduction), with `fp8`
-    (fa3 only) also the ragged wrapper's FP8 one (q and kv E4M3, out in `dtype`) and the cascade module of the FP8
-    plan's `merge_state`. tools/warm.py builds these ahead; keep them in step with the plans' `update`."""
+    """FlashInfer's JIT specs of the modules the plans load → `flashinfer.jit.JitSpec`s: the batch prefill module
+    (`FlashInferPlan`'s ragged wrapper, `FlashInferFp8Plan`'s paged one) with the arguments their `plan` derives
+    from ours (q, kv and out in `dtype`, int32 indices, no positional encoding, sliding window, soft cap or fp16 QK
+    reduction), with `fp8` (fa3 only) also the FP8 plan's ragged one (q and kv E4M3, out in `dtype`) and the
+    cascade module of its `merge_state`. tools/warm.py builds these ahead; keep them in step with the plans' `update`."""
     from flashinfer.jit.attention import gen_batch_prefill_module
     from flashinfer.jit.cascade import gen_cascade_module
 
@@ -259,7 +260,8 @@ class FlashInferAttention:
 
 
 # prefix tokens a gather holds at least: 8 segments (4 CFG requests) at `max_prompt_tokens` (1024), so the warmup's
-# bucket captures serve every text-only mix that size; copying a token is ~4 KB a layer, 8192 of them ~2 us
+# bucket captures serve every text-only mix that size. Every entry is copied each layer, used or not: at Edge's 8 KV
+# heads × 128 a token's K and V are 4 KB, so 32 MiB written a layer (~10 us at the H200's bandwidth)
 PREFIX_MIN_CAPACITY = 8192
 
 
@@ -285,6 +287,27 @@ class GatherLayout:
     prefix_src: torch.Tensor  # [capacity] int64: token of a layer's pages flattened to [pages * page_size, ...]
     prefix_dst: torch.Tensor  # [capacity] int64: ... goes to kv row prefix_dst[j]; the unused entries copy token 0
     # to the rows after the last request's keys, one each, so the whole buffer is written (no two writes to one row)
+
+    def packed(self) -> torch.Tensor:
+        """The three index tensors in one [rows + 2 * capacity] (one host-to-device copy); `unpack_index` splits it."""
+        return torch.cat([self.own_dst, self.prefix_src, self.prefix_dst])
+
+
+def unpack_index(index: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`GatherLayout.packed()` (or its device copy) → (own_dst, prefix_src, prefix_dst), views."""
+    capacity = (index.shape[0] - rows) // 2
+    return index[:rows], index[rows : rows + capacity], index[rows + capacity :]
+
+
+def gather_kv(
+    own: torch.Tensor, pages: torch.Tensor, own_dst: torch.Tensor, prefix_src: torch.Tensor, prefix_dst: torch.Tensor
+) -> torch.Tensor:
+    """One layer's K (or V) in `GatherLayout`'s order: own [rows, kv_heads, d] and the pool's pages [num_pages,
+    page_size, kv_heads, d] → [rows + capacity, kv_heads, d]. Capturable (device index ops only)."""
+    buf = torch.empty(len(own_dst) + len(prefix_dst), *own.shape[1:], dtype=own.dtype, device=own.device)
+    buf.index_copy_(0, own_dst, own)
+    buf.index_copy_(0, prefix_dst, pages.flatten(0, 1).index_select(0, prefix_src))
+    return buf
 
 
 def gather_layout(segments: list[Segment], rows: int, page_size: int, capacity: int) -> GatherLayout:
@@ -364,21 +387,15 @@ class FlashInferPlan:
             torch.tensor(qo, dtype=torch.int32), torch.tensor(kv, dtype=torch.int32), a.heads, a.kv_heads,
             a.head_dim, causal=False, q_data_type=dt, kv_data_type=dt,
         )  # fmt: skip
-        self.staged = torch.cat([layout.own_dst, layout.prefix_src, layout.prefix_dst]).pin_memory()
+        self.staged = layout.packed().pin_memory()
         self.index.copy_(self.staged, non_blocking=True)
         self.copied = torch.cuda.Event()
         self.copied.record()
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
-        pool, rows, cap = self.attn.pool, self.rows, self.capacity
-        own_dst, prefix_src, prefix_dst = self.index[:rows], self.index[rows : rows + cap], self.index[rows + cap :]
-        gathered = []
-        for own, pages in ((k, pool.k_pages[layer]), (v, pool.v_pages[layer])):
-            buf = torch.empty(rows + cap, *own.shape[1:], dtype=own.dtype, device=own.device)  # the graph's pool
-            buf.index_copy_(0, own_dst, own)
-            buf.index_copy_(0, prefix_dst, pages.flatten(0, 1).index_select(0, prefix_src))
-            gathered.append(buf)
-        return self.ragged.run(q, *gathered).flatten(-2)
+        pool, index = self.attn.pool, unpack_index(self.index, self.rows)
+        k_all, v_all = gather_kv(k, pool.k_pages[layer], *index), gather_kv(v, pool.v_pages[layer], *index)
+        return self.ragged.run(q, k_all, v_all).flatten(-2)  # the buffers: the graph's pool when captured
 
 
 class FlashInferFp8Plan:

@@ -24,7 +24,8 @@ backend that cannot bucket (SDPA, Ulysses) gets an exact layout. Captures are bo
 layouts hold a graph; a layout that captures beyond that releases the least recently used one's. The step keeps the
 most recently used layouts (max(MAX_LAYOUTS, max_captures); an evicted layout's graph goes with it); the warmup
 (`capture_buckets`) captures every bucket first. A bucket's key still holds the FP8 split row, the residual flag
-(a cached request in the pack) and the sound / action capacities: the warmup captures the no-sound, no-action,
+(a cached request in the pack), the sound / action capacities and the backend's shape key (FlashInfer's gather
+capacity: above 8,192 prefix tokens, e.g. an AR stream's long context, another key): the warmup captures the no-sound, no-action,
 no-residual layouts, all W8A16 and all W8A8; other keys capture on their second use while serving.
 """
 

@@ -1,8 +1,9 @@
 """FlashInfer's gathered `[prefix | own]` K/V layout (`attention.gather_layout`), host side, no GPU: the layout's
 index buffers applied with the same index ops the plan runs, then one SDPA per request as FlashInfer's ragged
 kernel computes it (queries `qo_indptr[r]:qo_indptr[r+1]` over keys `kv_indptr[r]:kv_indptr[r+1]`), equal the
-SDPA backend on every segment row. The kv buffer starts as NaN and must end finite: FA3 loads K/V by whole tiles
-bounded by the buffer's length, not a request's, and multiplies the masked rows' V by 0 (NaN · 0 = NaN)."""
+SDPA backend on every segment row. The layout goes through the same packing, unpacking and gather the plan runs.
+Every kv row must be written exactly once: FA3 loads K/V by whole tiles bounded by the buffer's length, not a
+request's, and multiplies the masked rows' V by 0 (an unwritten NaN · 0 = NaN)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ from cosmos3_core.attention import (
     PREFIX_MIN_CAPACITY,
     SdpaAttention,
     _empty_requests,
+    gather_kv,
     gather_layout,
     prefix_capacity,
     sdpa,
+    unpack_index,
 )
 from cosmos3_core.kv_pool import KVPool
 from cosmos3_core.rows import Segment
@@ -27,15 +30,12 @@ def ragged_over_layout(pool: KVPool, layer: int, rows: int, capacity: int, segme
     layout = gather_layout(segments, rows, PAGE, capacity)
     qo, kv = layout.qo_indptr, layout.kv_indptr
     assert kv[-1] == rows + len([t for s in segments for p in s.prefix for t in range(p.num_tokens)])
-    written = torch.cat([layout.own_dst, layout.prefix_dst]).sort().values
+    own_dst, prefix_src, prefix_dst = index = unpack_index(layout.packed(), rows)
+    assert torch.equal(own_dst, layout.own_dst) and torch.equal(prefix_src, layout.prefix_src)
+    written = torch.cat([own_dst, prefix_dst]).sort().values
     assert torch.equal(written, torch.arange(rows + capacity)), "each kv row written exactly once"
-    bufs = []
-    for own, pages in ((k, pool.k_pages[layer]), (v, pool.v_pages[layer])):
-        buf = torch.full((rows + capacity, *own.shape[1:]), float("nan"))
-        buf.index_copy_(0, layout.own_dst, own)
-        buf.index_copy_(0, layout.prefix_dst, pages.flatten(0, 1).index_select(0, layout.prefix_src))
-        assert buf.isfinite().all(), "a kv row the kernel's tiles may load was never written"
-        bufs.append(buf)
+    bufs = [gather_kv(k, pool.k_pages[layer], *index), gather_kv(v, pool.v_pages[layer], *index)]
+    assert len(bufs[0]) == rows + capacity and all(b.isfinite().all() for b in bufs)
     out = torch.full((rows, HEADS * D), float("nan"))
     for r in range(len(qo) - 1):
         if qo[r + 1] > qo[r]:

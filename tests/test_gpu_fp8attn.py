@@ -109,25 +109,33 @@ def sdpa_nhd(q, k, v) -> torch.Tensor:
     return out[0].transpose(0, 1)
 
 
-def test_warm_builds_exactly_the_modules_plan_loads(monkeypatch):
-    """The batch prefill modules FlashInfer's plan() loads (its get_batch_prefill_module arguments) must be the
-    ones flashinfer_module_specs lists (tools/warm.py builds those ahead; the AOT lookup is by name)."""
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16_plan", "fp8_plan"])
+def test_warm_builds_exactly_the_modules_plan_loads(monkeypatch, fp8):
+    """The FlashInfer modules a plan loads (get_batch_prefill_module's and get_cascade_module's) are exactly the
+    ones flashinfer_module_specs lists (tools/warm.py builds those ahead; the AOT lookup is by name): the bf16
+    plan's one prefill module; the FP8 plan's bf16 (paged) and FP8 (ragged) prefill modules and the cascade."""
+    import flashinfer.cascade as fc
     import flashinfer.prefill as fp
     from flashinfer.jit.attention import gen_batch_prefill_module
+    from flashinfer.jit.cascade import gen_cascade_module
 
     asked = []
-    real = fp.get_batch_prefill_module
+    real_prefill, real_cascade = fp.get_batch_prefill_module, fc.get_cascade_module
 
-    def spy(backend, *args):
+    def spy_prefill(backend, *args):
         asked.append(gen_batch_prefill_module(backend, *args).name)
-        return real(backend, *args)
+        return real_prefill(backend, *args)
 
-    monkeypatch.setattr(fp, "get_batch_prefill_module", spy)
+    def spy_cascade():
+        asked.append(gen_cascade_module().name)
+        return real_cascade()
+
+    monkeypatch.setattr(fp, "get_batch_prefill_module", spy_prefill)
+    monkeypatch.setattr(fc, "get_cascade_module", spy_cascade)
     pool, segments, rows, q, k, v, _ = pack(0)
-    run_plan(FlashInferAttention(pool, HEADS, KV_HEADS, HEAD_DIM, fp8=True), rows, segments, q, k, v)
-    specs = {s.name for s in flashinfer_module_specs("fa3", torch.bfloat16, HEAD_DIM, fp8=True)}
-    assert set(asked) <= specs, f"plan loaded {sorted(set(asked) - specs)}, not in flashinfer_module_specs {specs}"
-    assert len(set(asked)) == 2, f"expected the bf16 (paged) and the FP8 (ragged) prefill modules; got {asked}"
+    run_plan(FlashInferAttention(pool, HEADS, KV_HEADS, HEAD_DIM, fp8=fp8), rows, segments, q, k, v)
+    specs = {s.name for s in flashinfer_module_specs("fa3", torch.bfloat16, HEAD_DIM, fp8=fp8)}
+    assert set(asked) == specs and len(specs) == (3 if fp8 else 1), f"plan loaded {sorted(set(asked))}, specs {specs}"
 
 
 def test_fa3_fp8_ragged_kernel_output_and_lse():

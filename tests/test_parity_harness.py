@@ -97,6 +97,21 @@ def test_a_second_run_reuses_the_fp32_reference(tiny_run, monkeypatch):
     assert new["timings"]["diffusers_fp32_s"] > 0 and new["cases"]["t2v-5f-8s-native"]["pass"]
 
 
+def test_reference_path_is_keyed_on_everything_the_reference_depends_on(tmp_path):
+    (tmp_path / "transformer").mkdir()
+    (tmp_path / "model_index.json").write_text("{}")
+    (tmp_path / "transformer" / "config.json").write_text('{"num_layers": 2}')
+    case, other = parity.select("tiny", ["t2v-5f-4s-native", "t2v-5f-8s-native"])
+    p = parity.params_of(case, "tiny", 0)
+    path = parity.reference_path(tmp_path, case, p, "cpu")
+    assert path == parity.reference_path(tmp_path, case, dict(p), "cpu")
+    others = {parity.reference_path(tmp_path, other, p, "cpu"), parity.reference_path(tmp_path, case, p, "cuda"),
+              parity.reference_path(tmp_path, case, p | {"seed": 1}, "cpu")}  # fmt: skip
+    (tmp_path / "transformer" / "config.json").write_text('{"num_layers": 2, "action_gen": true}')  # a part added
+    others.add(parity.reference_path(tmp_path, case, p, "cpu"))
+    assert path not in others and len(others) == 4
+
+
 def test_weights_are_llm_like_and_load_in_both(tiny_run):
     from cosmos3_core.model.checkpoint import Checkpoint
     from cosmos3_core.model.layers import GEN, UND
