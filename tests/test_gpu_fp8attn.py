@@ -192,13 +192,18 @@ def test_fa3_fp8_ragged_kernel_matrix(kv_heads, lengths, out_dtype):
     indptr = torch.tensor([0, lengths[0], rows], dtype=torch.int32, device="cuda")
     valid = torch.ones(rows, dtype=torch.bool, device="cuda")
     (q8, sq), (k8, sk), (v8, sv) = (quantize_fp8(x, valid) for x in (q, k, v))
-    w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
-        torch.empty(128 << 20, dtype=torch.uint8, device="cuda"), "NHD", backend="fa3"
-    )
+    workspace = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+    w, w16 = (flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD", backend="fa3") for _ in range(2))
     w.plan(indptr, indptr, HEADS, kv_heads, HEAD_DIM, causal=False, q_data_type=E4M3, kv_data_type=E4M3,
            o_data_type=out_dtype)  # fmt: skip
-    out8 = w.run(q8, k8, v8, sq, sk, sv, out=torch.empty_like(q))
+    w16.plan(indptr, indptr, HEADS, kv_heads, HEAD_DIM, causal=False, q_data_type=torch.bfloat16,
+             kv_data_type=torch.bfloat16)  # fmt: skip
+    out8, lse8 = w.run(q8, k8, v8, sq, sk, sv, out=torch.empty_like(q), return_lse=True)
+    # the bf16 kernel's LSE (the FP8 plan's merge combines the two in these units); bf16 whatever out_dtype: its
+    # module is the served one, no other JIT
+    _, lse16 = w16.run(q.bfloat16(), k.bfloat16(), v.bfloat16(), return_lse=True)
     torch.cuda.synchronize()
+    lse_err = (lse8 - lse16).abs().max().item()
     exact, fake = torch.empty(rows, HEADS, HEAD_DIM, device="cuda"), torch.empty(rows, HEADS, HEAD_DIM, device="cuda")
     deq = [x8.float() * s[:, None] for x8, s in ((q8, sq), (k8, sk), (v8, sv))]
     for a, b in ((0, lengths[0]), (lengths[0], rows)):
@@ -206,8 +211,10 @@ def test_fa3_fp8_ragged_kernel_matrix(kv_heads, lengths, out_dtype):
         fake[a:b] = sdpa_nhd(*(x[a:b] for x in deq))
     err, fake_err = rel_l2(out8.float(), exact), rel_l2(fake, exact)
     per_head = [f"{rel_l2(out8[:, h].float(), exact[:, h]):.2e}" for h in range(HEADS)]
-    msg = f"FP8 kernel vs exact {err:.3e}, fake quant vs exact {fake_err:.3e}; per head {per_head}"
+    msg = (f"FP8 kernel vs exact {err:.3e}, fake quant vs exact {fake_err:.3e}, LSE vs the 16-bit kernel's max "
+           f"|diff| {lse_err:.3e}; per head {per_head}")  # fmt: skip
     assert bool(out8.isfinite().all()) and err < RATIO * fake_err, msg
+    assert lse_err < LSE_TOL, msg
     print(msg)
 
 
