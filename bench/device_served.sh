@@ -9,7 +9,7 @@
 #   edge_fp8      the same on configs/bench_edge_fp8.yaml (precision fp8, compile on), diffusers included (the
 #                 targets are FP8 + SeaCache against diffusers in one run); then perf_analyzer on the same server
 #                 (t2v+sea at c=1 and c=4) when device_env.sh put it in /tmp/perf_analyzer. ~6-7 min
-#   edge_fp8attn  edge_fp8 with fp8_attention on, without diffusers (FlashInfer fa3 FP8 over each segment's own tokens): reported apart.
+#   edge_fp8attn  edge_fp8 with fp8_attention on, without diffusers (FlashInfer fa3 FP8 over [prefix | own]): reported apart.
 #                 ~4-5 min (+ minutes of FP8-module JIT unless built ahead into the AOT folder)
 #   nano_chained  Nano AR chained streams, 832x480, 45 frames (2 windows), config steps (35), c=1 and c=4
 #   nano_kv       the same with kv windows (context K/V kept in the pool)

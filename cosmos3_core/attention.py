@@ -15,7 +15,7 @@ Two backends with one contract, chosen by the deployment's `attention`:
   kernels"; the gather padded to its capacity is not timed yet.) `plan` does all host work once
   per step (every layer shares it) and writes only into buffers the plan owns, so a captured CUDA graph replays
   it with new prefixes; the gather's prefix capacity is a power of two (`prefix_capacity`), part of the layout
-  key. With `fp8` the paged + ragged + merge plan stays (`FlashInferFp8Plan`, below).
+  key. With `fp8` the same call runs on FA3's FP8 kernel.
   Its modules (`flashinfer_module_specs`) are JIT-built on first use, unless built ahead for this GPU arch
   (tools/warm.py, no GPU needed) into `caches.flashinfer_aot_dir`, where they are loaded as they are.
 
@@ -27,17 +27,17 @@ keyed on a bucket rather than the exact mix: FlashInfer (a fixed request
 count, padded with empty requests); not SDPA, whose per-segment loop (host code) a capture freezes.
 Layouts: q `[rows, heads, d]`, k/v `[rows, kv_heads, d]`; output `[rows, heads * d]`.
 
-FP8 attention (`fp8=True`, the deployment's `fp8_attention`): the own-token (ragged) attention's q, k and v are
-quantized to E4M3 (`quantize_fp8`: dynamic scales per head, amax over the pack's segment rows / 448, computed on
-the device — no host sync, capturable); the prefix (text and AR context, the bf16 pool) stays bf16. FlashInfer
-runs the ragged part on FA3's FP8 kernel (Hopper only; the scales go in as per-head `scale_q/k/v`, the output stays
-in the model dtype: FA3 has no FP8 output) and merges it with a bf16 paged call over the prefix. SDPA "fake-quantizes":
-q, k, v quantized with the same scales and dequantized (`fake_quant_fp8`) before one SDPA call over [prefix | own]
-— the reference the GPU tests hold FlashInfer FP8 to (FlashInfer differs by its own rounding: it quantizes the
-softmax probabilities to E4M3 too, and its prefix part sees the unquantized q). The scales are per head over every
-segment of the pack (FA3 takes one scale per head per call), so a request's FP8 rounding depends on its batch
-mates' amax — results agree within FP8 rounding, not bit for bit, across batch mixes. Every row and every step
-(the FP8 linears' W8A16 step policy does not apply: the switch is separate).
+FP8 attention (`fp8=True`, the deployment's `fp8_attention`): q, and the K/V of `[prefix | own]` (the prefix —
+text and AR context — included), are quantized to E4M3 (`quantize_fp8`: dynamic scales per head, q's amax over
+the pack's segment rows, K's and V's over every segment's prefix tokens and own rows, / 448, computed on the device
+— no host sync, capturable). FlashInfer runs the one ragged call on FA3's FP8 kernel (Hopper only; the scales go in
+as per-head `scale_q/k/v`, the output stays in the model dtype: FA3 has no FP8 output). SDPA "fake-quantizes": the
+same values quantized with the same scales and dequantized before its SDPA calls — the reference the GPU tests
+hold FlashInfer FP8 to (FlashInfer differs by its own rounding: it quantizes the softmax probabilities to E4M3
+too). The scales are per head over every segment of the pack (FA3 takes one scale per head per call), so a
+request's FP8 rounding depends on its batch mates' amax — results agree within FP8 rounding, not bit for bit,
+across batch mixes. Every row and every step (the FP8 linears' W8A16 step policy does not apply: the switch is
+separate).
 """
 
 from __future__ import annotations
@@ -64,19 +64,28 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> tor
     return out[0].transpose(0, 1).flatten(-2)
 
 
-def quantize_fp8(x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [rows, heads, d], valid [rows] bool (the segments' rows; padding rows do not set the scale) → (E4M3
-    [rows, heads, d], fp32 scale [heads]) with x ≈ e4m3 · scale: per head, scale = amax over the valid rows / 448
-    (an all-zero head: a tiny scale, no division by zero); padding rows clamp to ±448."""
-    row_amax = x.abs().amax(dim=2).float()  # [rows, heads]: exact in x's dtype, one read of x
-    amax = torch.where(valid[:, None], row_amax, 0.0).amax(dim=0)
+def fp8_amax(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """x [rows, heads, d], valid [rows] bool → fp32 [heads]: per head, max |x| over the valid rows (exact)."""
+    row_amax = x.abs().amax(dim=2).float()  # [rows, heads]: one read of x
+    return torch.where(valid[:, None], row_amax, 0.0).amax(dim=0)
+
+
+def to_fp8(x: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, heads, d] with per-head amax [heads] → (E4M3 [rows, heads, d], fp32 scale [heads]), x ≈ e4m3 ·
+    scale, scale = amax / 448 (an all-zero head: a tiny scale, no division by zero); rows beyond amax (padding)
+    clamp to ±448."""
     scale = amax.clamp_min(1e-12) / FP8_MAX
     return (x / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(E4M3), scale  # x / scale in fp32 (type promotion)
 
 
-def fake_quant_fp8(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """`quantize_fp8` then back to x's dtype: what FP8 attention's kernel sees, in x's dtype (SDPA's FP8 path)."""
-    x8, scale = quantize_fp8(x, valid)
+def quantize_fp8(x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, heads, d], valid [rows] bool (the rows that set the scale; padding does not) → `to_fp8`'s."""
+    return to_fp8(x, fp8_amax(x, valid))
+
+
+def fake_quant_fp8(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """`to_fp8` then back to x's dtype: what FP8 attention's kernel sees, in x's dtype (SDPA's FP8 path)."""
+    x8, scale = to_fp8(x, amax)
     return (x8.float() * scale[:, None]).to(x.dtype)
 
 
@@ -98,7 +107,6 @@ class Backend(Protocol):
     pool: KVPool
     bucketable: bool
 
-    def supports(self, segments: list[Segment]) -> bool: ...
     def shape_key(self, segments: list[Segment]) -> tuple: ...
     def make_plan(self, rows: int, slots: int = 0) -> Plan: ...
 
@@ -110,9 +118,6 @@ class SdpaAttention:
     def __init__(self, pool: KVPool, fp8: bool = False):
         self.pool = pool
         self.fp8 = fp8  # own-token q/k/v fake-quantized to E4M3 (see the module docstring)
-
-    def supports(self, segments: list[Segment]) -> bool:
-        return True
 
     def shape_key(self, segments: list[Segment]) -> tuple:
         """What besides the segment lengths fixes this backend's tensor shapes: the prefix token counts."""
@@ -145,14 +150,24 @@ class SdpaPlan:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         pool = self.pool
         out = torch.zeros(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
-        if self.fp8:
+        prefix_k = [[pool.k_pages[layer, i].flatten(0, 1)[:n] for i, n in zip(index, counts)]
+                    for (_, counts), index in zip(self.spans, self.page_index)]  # fmt: skip
+        prefix_v = [[pool.v_pages[layer, i].flatten(0, 1)[:n] for i, n in zip(index, counts)]
+                    for (_, counts), index in zip(self.spans, self.page_index)]  # fmt: skip
+        if self.fp8:  # q's scales over the segments' rows; K's and V's over theirs and every prefix token
             valid = torch.zeros(q.shape[0], dtype=torch.bool, device=q.device)
             for rows, _ in self.spans:
                 valid[rows] = True
-            q, k, v = fake_quant_fp8(q, valid), fake_quant_fp8(k, valid), fake_quant_fp8(v, valid)
-        for (rows, counts), index in zip(self.spans, self.page_index):
-            keys = [pool.k_pages[layer, i].flatten(0, 1)[:n] for i, n in zip(index, counts)]
-            values = [pool.v_pages[layer, i].flatten(0, 1)[:n] for i, n in zip(index, counts)]
+            q = fake_quant_fp8(q, fp8_amax(q, valid))
+            quantized = []
+            for own, prefixes in ((k, prefix_k), (v, prefix_v)):
+                flat = torch.cat([p for seg in prefixes for p in seg])
+                every = torch.ones(len(flat), dtype=torch.bool, device=flat.device)
+                amax = torch.maximum(fp8_amax(own, valid), fp8_amax(flat, every))
+                quantized.append((fake_quant_fp8(own, amax), [[fake_quant_fp8(p, amax) for p in seg]
+                                                                for seg in prefixes]))  # fmt: skip
+            (k, prefix_k), (v, prefix_v) = quantized
+        for (rows, _), keys, values in zip(self.spans, prefix_k, prefix_v):
             out[rows] = sdpa(q[rows], torch.cat([*keys, k[rows]]), torch.cat([*values, v[rows]]), causal=False)
         return out
 
@@ -163,32 +178,20 @@ def flashinfer_backend(major: int, head_dim: int) -> str:
 
 
 def flashinfer_module_specs(backend: str, dtype: torch.dtype, head_dim: int, fp8: bool = False) -> list:
-    """FlashInfer's JIT specs of the modules the plans load → `flashinfer.jit.JitSpec`s: the batch prefill module
-    (`FlashInferPlan`'s ragged wrapper, `FlashInferFp8Plan`'s paged one) with the arguments their `plan` derives
-    from ours (q, kv and out in `dtype`, int32 indices, no positional encoding, sliding window, soft cap or fp16 QK
-    reduction), with `fp8` (fa3 only) also the FP8 plan's ragged one (q and kv E4M3, out in `dtype`) and the
-    cascade module of its `merge_state`. tools/warm.py builds these ahead; keep them in step with the plans' `update`."""
+    """FlashInfer's JIT specs of the module `FlashInferPlan` loads → `flashinfer.jit.JitSpec`s: the batch prefill
+    module with the arguments its ragged wrapper's `plan` derives from ours (q and kv in `dtype` — with `fp8`, fa3
+    only, E4M3 —, out in `dtype`, int32 indices, no positional encoding, sliding window, soft cap or fp16 QK
+    reduction). tools/warm.py builds it ahead; keep this in step with the plan's `update`."""
     from flashinfer.jit.attention import gen_batch_prefill_module
-    from flashinfer.jit.cascade import gen_cascade_module
 
-    specs = [gen_batch_prefill_module(backend, dtype, dtype, dtype, torch.int32, head_dim, head_dim, 0, False, False,
-                                      False)]  # fmt: skip
-    if fp8 and backend == "fa3":  # fa2 has no FP8 kernel: FlashInferAttention refuses it at load
-        specs.append(gen_batch_prefill_module(backend, E4M3, E4M3, dtype, torch.int32, head_dim, head_dim, 0, False,
-                                              False, False))  # fmt: skip
-        specs.append(gen_cascade_module())
-    return specs
+    qkv = E4M3 if fp8 and backend == "fa3" else dtype  # fa2 has no FP8 kernel: FlashInferAttention refuses it
+    return [gen_batch_prefill_module(backend, qkv, qkv, dtype, torch.int32, head_dim, head_dim, 0, False, False,
+                                     False)]  # fmt: skip
 
 
 class FlashInferAttention:
     """FlashInfer batch prefill, fa3 on Hopper: one ragged call over gathered `[prefix | own]` K/V
-    (`FlashInferPlan`); with `fp8`, paged (prefix) + FP8 ragged (own tokens) + `merge_state` (`FlashInferFp8Plan`).
-
-    The gather takes any prefix token by token. The FP8 plan's paged kernel reads a request's pages in order and
-    only the last may be partly filled, so a prefix of several page lists (text + AR context frames) is laid out
-    full lists first, the partial one last; a step where some prefix has two partial lists (kv streams whose
-    tokens per latent frame are not a multiple of `page_size`) is not `supported` there: `DenoiseStep` runs that
-    layout with SDPA."""
+    (`FlashInferPlan`), on FA3's FP8 kernel with `fp8`. The gather takes any prefix token by token."""
 
     name = "flashinfer"
     bucketable = True
@@ -228,11 +231,9 @@ class FlashInferAttention:
             print(f"cosmos3: flashinfer modules in {self.aot} do not run here ({str(e)[:300]}); JIT-building them",
                   file=sys.stderr)  # fmt: skip
             self.aot = use_flashinfer_aot(None)
-            import flashinfer.cascade
             import flashinfer.prefill
 
-            flashinfer.prefill.get_batch_prefill_module.cache_clear()  # they hold the modules that failed
-            flashinfer.cascade.get_cascade_module.cache_clear()
+            flashinfer.prefill.get_batch_prefill_module.cache_clear()  # it holds the modules that failed
             self._check()
 
     def _check(self) -> None:
@@ -245,18 +246,12 @@ class FlashInferAttention:
         plan(q, kv, kv, 0)
         torch.cuda.synchronize(dev)
 
-    def supports(self, segments: list[Segment]) -> bool:
-        if not self.fp8:
-            return True
-        ps = self.pool.page_size
-        return all(sum(p.num_tokens % ps != 0 for p in seg.prefix) <= 1 for seg in segments)
-
     def shape_key(self, segments: list[Segment]) -> tuple:
         """Prefix lengths are plan data, not shapes; the gather's prefix capacity is a shape."""
-        return () if self.fp8 else (prefix_capacity(segments),)
+        return (prefix_capacity(segments),)
 
-    def make_plan(self, rows: int, slots: int = 0) -> FlashInferPlan | FlashInferFp8Plan:
-        return FlashInferFp8Plan(self, rows, slots) if self.fp8 else FlashInferPlan(self, rows, slots)
+    def make_plan(self, rows: int, slots: int = 0) -> FlashInferPlan:
+        return FlashInferPlan(self, rows, slots)
 
 
 # prefix tokens a gather holds at least: 8 segments (4 CFG requests) at `max_prompt_tokens` (1024), so the warmup's
@@ -287,6 +282,8 @@ class GatherLayout:
     prefix_src: torch.Tensor  # [capacity] int64: token of a layer's pages flattened to [pages * page_size, ...]
     prefix_dst: torch.Tensor  # [capacity] int64: ... goes to kv row prefix_dst[j]; the unused entries copy token 0
     # to the rows after the last request's keys, one each, so the whole buffer is written (no two writes to one row)
+    segment_keys: torch.Tensor  # [rows + capacity] bool: the segments' kv rows (prefix and own; not the padding
+    # requests' nor the unused entries'): FP8's K and V scales are over these
 
     def packed(self) -> torch.Tensor:
         """The three index tensors in one [rows + 2 * capacity] (one host-to-device copy); `unpack_index` splits it."""
@@ -313,7 +310,7 @@ def gather_kv(
 def gather_layout(segments: list[Segment], rows: int, page_size: int, capacity: int) -> GatherLayout:
     """The kv buffer's layout for `segments` packed in `rows` rows (host tensors; see `GatherLayout`)."""
     qo, kv, src, own_dst = [0], [0], [], torch.empty(rows, dtype=torch.long)
-    dst = []
+    dst, segment_keys = [], torch.zeros(rows + capacity, dtype=torch.bool)
     for i, seg in enumerate(segments):
         end = segments[i + 1].start if i + 1 < len(segments) else rows
         n = sum(p.num_tokens for p in seg.prefix)
@@ -322,6 +319,7 @@ def gather_layout(segments: list[Segment], rows: int, page_size: int, capacity: 
             src.append((pages[:, None] * page_size + torch.arange(page_size)).flatten()[: p.num_tokens])
         dst.append(torch.arange(kv[-1], kv[-1] + n))
         own_dst[seg.start : seg.start + seg.length] = torch.arange(kv[-1] + n, kv[-1] + n + seg.length)
+        segment_keys[kv[-1] : kv[-1] + n + seg.length] = True
         qo.append(seg.start + seg.length)
         kv.append(kv[-1] + n + seg.length)
         if end > qo[-1]:
@@ -335,7 +333,7 @@ def gather_layout(segments: list[Segment], rows: int, page_size: int, capacity: 
         raise ValueError(f"{used} prefix tokens exceed the plan's capacity of {capacity}")
     pad = torch.arange(capacity - used)
     return GatherLayout(qo, kv, own_dst, torch.cat([prefix_src, torch.zeros_like(pad)]),
-                        torch.cat([prefix_dst, kv[-1] + pad]))  # fmt: skip
+                        torch.cat([prefix_dst, kv[-1] + pad]), segment_keys)  # fmt: skip
 
 
 def _empty_requests(qo: list[int], kv: list[int], batch: int) -> None:
@@ -348,10 +346,11 @@ def _empty_requests(qo: list[int], kv: list[int], batch: int) -> None:
 
 
 class FlashInferPlan:
-    """One ragged prefill over `[prefix | own]` K/V per layer (see `GatherLayout`). `slots`: a bucketed layout's
-    segment slots: every update plans 2·slots requests (each segment and its padding rows, then empty ones), the
-    fixed batch a captured graph needs; 0: as many as the first update's. The prefix capacity is the first
-    update's `prefix_capacity` (the layout key holds it, so later updates fit)."""
+    """One ragged prefill over `[prefix | own]` K/V per layer (see `GatherLayout`); with the backend's `fp8`, q and
+    the gathered K/V quantized to E4M3 first (the module docstring). `slots`: a bucketed layout's segment slots:
+    every update plans 2·slots requests (each segment and its padding rows, then empty ones), the fixed batch a
+    captured graph needs; 0: as many as the first update's. The prefix capacity is the first update's
+    `prefix_capacity` (the layout key holds it, so later updates fit)."""
 
     def __init__(self, attn: FlashInferAttention, rows: int, slots: int = 0):
         self.attn = attn
@@ -360,8 +359,11 @@ class FlashInferPlan:
         self.capacity = 0
         self.ragged = None
         self.index: torch.Tensor | None = None  # [rows + 2 * capacity]: own_dst | prefix_src | prefix_dst
-        self.staged: torch.Tensor | None = None  # the pinned host copy of `index` (alive until the copy ran)
-        self.copied: torch.cuda.Event | None = None  # as FlashInferFp8Plan's
+        self.valid: torch.Tensor | None = None  # fp8, [2 * rows + capacity] bool: segment rows | segment_keys
+        self.staged: tuple[torch.Tensor, ...] = ()  # the pinned host copies (alive until their copies ran)
+        # a plan fills pinned host buffers, then copies them to the GPU asynchronously: the next update waits for
+        # those copies, or a host running a step ahead would rewrite them before the GPU read them
+        self.copied: torch.cuda.Event | None = None
 
     def update(self, segments: list[Segment]) -> None:
         import flashinfer
@@ -373,6 +375,8 @@ class FlashInferPlan:
         if self.index is None:
             self.capacity = prefix_capacity(segments)
             self.index = torch.zeros(self.rows + 2 * self.capacity, dtype=torch.long, device=dev)
+            if a.fp8:
+                self.valid = torch.zeros(2 * self.rows + self.capacity, dtype=torch.bool, device=dev)
         layout = gather_layout(segments, self.rows, a.pool.page_size, self.capacity)
         qo, kv = layout.qo_indptr, layout.kv_indptr
         if self.ragged is None:
@@ -383,122 +387,29 @@ class FlashInferPlan:
                 kv_indptr_buf=torch.zeros(self.batch + 1, dtype=torch.int32, device=dev),
             )  # fmt: skip
         _empty_requests(qo, kv, self.batch)
+        qkv = E4M3 if a.fp8 else dt  # FP8: E4M3 q and kv, output in the model dtype (FA3 has no FP8 output)
         self.ragged.plan(
             torch.tensor(qo, dtype=torch.int32), torch.tensor(kv, dtype=torch.int32), a.heads, a.kv_heads,
-            a.head_dim, causal=False, q_data_type=dt, kv_data_type=dt,
+            a.head_dim, causal=False, q_data_type=qkv, kv_data_type=qkv, o_data_type=dt,
         )  # fmt: skip
-        self.staged = layout.packed().pin_memory()
-        self.index.copy_(self.staged, non_blocking=True)
+        self.staged = (layout.packed().pin_memory(),)
+        self.index.copy_(self.staged[0], non_blocking=True)
+        if self.valid is not None:
+            self.staged += (torch.cat([segment_rows(segments, self.rows), layout.segment_keys]).pin_memory(),)
+            self.valid.copy_(self.staged[1], non_blocking=True)
         self.copied = torch.cuda.Event()
         self.copied.record()
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         pool, index = self.attn.pool, unpack_index(self.index, self.rows)
         k_all, v_all = gather_kv(k, pool.k_pages[layer], *index), gather_kv(v, pool.v_pages[layer], *index)
-        return self.ragged.run(q, k_all, v_all).flatten(-2)  # the buffers: the graph's pool when captured
-
-
-class FlashInferFp8Plan:
-    """`fp8_attention`: paged bf16 prefill over the prefix pages + FA3 FP8 ragged prefill over the own tokens,
-    merged by their log-sum-exp. `slots` as `FlashInferPlan`'s."""
-
-    def __init__(self, attn: FlashInferAttention, rows: int, slots: int = 0):
-        self.attn = attn
-        self.rows = rows  # packed rows: the last segment's padding ends here
-        self.batch = 2 * slots
-        self.paged = self.ragged = None
-        self.valid: torch.Tensor | None = None  # the segments' rows (padding does not set the scales)
-        # a wrapper's plan fills its pinned host buffer, then copies it to the GPU asynchronously: the next plan waits
-        # for that copy, or a host running a step ahead would rewrite the buffer before the GPU read it
-        self.copied: torch.cuda.Event | None = None
-
-    def _wrappers(self, batch: int) -> None:
-        import flashinfer
-
-        a, dev = self.attn, self.attn.workspace.device
-
-        def ints(n: int) -> torch.Tensor:
-            return torch.zeros(n, dtype=torch.int32, device=dev)
-
-        self.paged = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            a.workspace,
-            "NHD",
-            use_cuda_graph=True,  # fixed batch, plan writes into these buffers: capturable, replayable
-            qo_indptr_buf=ints(batch + 1),
-            paged_kv_indptr_buf=ints(batch + 1),
-            paged_kv_indices_buf=ints(a.pool.num_pages + batch),
-            paged_kv_last_page_len_buf=ints(batch),
-            backend=a.backend,
-        )
-        self.ragged = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
-            a.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=ints(batch + 1), kv_indptr_buf=ints(batch + 1),
-            backend=a.backend,
-        )  # fmt: skip
-
-    def requests(self, segments: list[Segment]) -> tuple[list[int], list[int], list[int], list[int]]:
-        """The plan's requests (host lists): (qo_indptr, paged kv_indptr, page indices, last page lengths)."""
-        ps = self.attn.pool.page_size
-        # requests: each segment, then its padding rows as a request of their own (ragged ranges are contiguous)
-        qo, pages_indptr, indices, last_len = [0], [0], [], []
-        for i, seg in enumerate(segments):
-            end = segments[i + 1].start if i + 1 < len(segments) else None
-            lists = sorted(seg.prefix, key=lambda p: p.num_tokens % ps != 0)  # full lists first (see `supports`)
-            ids = [page for p in lists for page in p.pages]
-            qo.append(seg.start + seg.length)
-            indices += ids
-            pages_indptr.append(len(indices))
-            last_len.append(lists[-1].num_tokens - (len(lists[-1].pages) - 1) * ps)
-            pad_end = end if end is not None else self.rows
-            if pad_end > qo[-1]:  # padding rows: attend to one page of this segment (finite, never read)
-                qo.append(pad_end)
-                indices.append(ids[0])
-                pages_indptr.append(len(indices))
-                last_len.append(1)
-        if self.batch and len(qo) - 1 > self.batch:
-            raise ValueError(f"{len(segments)} segments exceed the plan's {self.batch // 2} slots")
-        while len(qo) - 1 < self.batch:  # a bucket's unused slots: empty requests (no rows, one page: never read)
-            qo.append(qo[-1])
-            indices.append(indices[0])
-            pages_indptr.append(len(indices))
-            last_len.append(1)
-        return qo, pages_indptr, indices, last_len
-
-    def update(self, segments: list[Segment]) -> None:
-        a, ps = self.attn, self.attn.pool.page_size
-        qo, pages_indptr, indices, last_len = self.requests(segments)
-        if self.copied is not None:
-            self.copied.synchronize()
-        if self.paged is None:
-            self._wrappers(len(qo) - 1)
-        qo_indptr = torch.tensor(qo, dtype=torch.int32)
-        dt = a.pool.k_pages.dtype
-        self.paged.plan(
-            qo_indptr,
-            torch.tensor(pages_indptr, dtype=torch.int32),
-            torch.tensor(indices, dtype=torch.int32),
-            torch.tensor(last_len, dtype=torch.int32),
-            a.heads, a.kv_heads, a.head_dim, ps, causal=False, q_data_type=dt, kv_data_type=dt,
-        )  # fmt: skip
-        self.ragged.plan(  # E4M3 q and kv, output in the model dtype (FA3 has no FP8 output)
-            qo_indptr, qo_indptr, a.heads, a.kv_heads, a.head_dim, causal=False, q_data_type=E4M3,
-            kv_data_type=E4M3, o_data_type=dt,
-        )  # fmt: skip
         if self.valid is None:
-            self.valid = torch.zeros(self.rows, dtype=torch.bool, device=a.workspace.device)
-        self.valid.copy_(segment_rows(segments, self.rows), non_blocking=True)  # as the plans' own copies
-        self.copied = torch.cuda.Event()
-        self.copied.record()
-
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
-        import flashinfer
-
-        pool = self.attn.pool
-        out_prefix, lse_prefix = self.paged.run(q, (pool.k_pages[layer], pool.v_pages[layer]), return_lse=True)
+            return self.ragged.run(q, k_all, v_all).flatten(-2)  # the buffers: the graph's pool when captured
+        rows, keys = self.valid[: self.rows], self.valid[self.rows :]
         # FA3 FP8: per-head scales as run's positional args (scale_q [heads], scale_k/v [kv_heads], fp32)
-        (q8, sq), (k8, sk), (v8, sv) = (quantize_fp8(x, self.valid) for x in (q, k, v))
+        (q8, sq), (k8, sk), (v8, sv) = quantize_fp8(q, rows), quantize_fp8(k_all, keys), quantize_fp8(v_all, keys)
         out = torch.empty_like(q)  # run's own default for FP8 input is bf16 whatever the plan's o_data_type
-        out_own, lse_own = self.ragged.run(q8, k8, v8, sq, sk, sv, out=out, return_lse=True)
-        return flashinfer.merge_state(out_prefix, lse_prefix, out_own, lse_own)[0].flatten(-2)
+        return self.ragged.run(q8, k8, v8, sq, sk, sv, out=out).flatten(-2)
 
 
 def make_attention(

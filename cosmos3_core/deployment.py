@@ -42,8 +42,8 @@ class Deployment:
     # torch.compile the GEN layer stack and (on CUDA) the VAE decoder's fused kernels; dynamic shapes
     compile: bool = False
     attention: str = "auto"  # sdpa | flashinfer | auto (flashinfer on CUDA when installed, else sdpa)
-    # the GEN attention over a segment's own tokens in FP8 (E4M3 q/k/v, per-head dynamic scales; the text prefix
-    # stays bf16), every step and row whatever the precision. CUDA: FlashInfer's FA3 FP8 kernel (Hopper; else the
+    # the GEN attention in FP8 (E4M3 q and [prefix | own] K/V, per-head dynamic scales), every step and row
+    # whatever the precision. CUDA: FlashInfer's FA3 FP8 kernel (Hopper; else the
     # load fails); attention sdpa (or the CPU): the same quantization simulated (fake quant), the reference.
     # A single-GPU denoise only. See attention.py
     fp8_attention: bool = False

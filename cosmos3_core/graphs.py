@@ -3,8 +3,7 @@
 A layout is fixed by the packed rows' sizes, branches that run (not reused: cache.py), commit flags and FP8
 precisions (W8A16 rows are packed first: `PackedStep.a16_rows` is where W8A8 starts), whether the forward returns
 the block stack's residual (a cached request is in the pack), plus whatever the attention backend's shapes depend
-on (its `shape_key`: SDPA's prefix lengths; FlashInfer's gather capacity, its prefixes being plan data; nothing
-for FlashInfer's FP8 plan, whose page tables are plan data) — or, bucketed (`capacity`,
+on (its `shape_key`: SDPA's prefix lengths; FlashInfer's gather capacity, its prefixes being plan data) — or, bucketed (`capacity`,
 chosen by `DenoiseStep` for a backend whose segment boundaries are plan data), by a bucket: its rows, segment slots,
 sound and action rows are capacities, and the packs of any size mix that fits run in it, their geometry (each
 row's segment `token_segment`, `sound_rows`, `action_rows`) being buffer content. It owns:
@@ -15,7 +14,7 @@ row's segment `token_segment`, `sound_rows`, `action_rows`) being buffer content
   the segments' geometry differs from the last step's: never for an exact layout. Padding of a bucket: rows after
   the last segment (and between segments) are in no segment's attention (`token_segment` says 0, so they take
   segment 0's timestep, masked off by `noisy_mask`; FlashInfer gives them a request of their own over their own
-  rows (the FP8 plan: over one prefix page), so no real row attends to them and their outputs are never read), and unused `sound_rows` / `action_rows` entries name the pack's
+  rows, so no real row attends to them and their outputs are never read), and unused `sound_rows` / `action_rows` entries name the pack's
   last row, always a padding row then (`DenoiseStep` sizes the bucket so): their embeddings land there and their
   predictions are never read;
 - the attention plan, updated by `fill` outside the graph (host work, buffer copies) when the segments' pages (or,

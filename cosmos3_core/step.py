@@ -35,7 +35,7 @@ from collections import OrderedDict
 
 import torch
 
-from .attention import Backend, SdpaAttention, make_attention
+from .attention import Backend, make_attention
 from .graphs import StepLayout
 from .kv_pool import KVPool
 from .model.layers import Cosmos3Transformer
@@ -73,8 +73,6 @@ class DenoiseStep:
             if isinstance(attention, str)
             else attention  # a backend made by the caller (parallel/ulysses.py: over a head-sharded pool)
         )
-        fp8 = getattr(self.attention, "fp8", False)  # the SDPA fallback layouts quantize as the backend does
-        self.sdpa = self.attention if isinstance(self.attention, SdpaAttention) else SdpaAttention(pool, fp8)
         self.cuda_graphs = cuda_graphs and pool.k_pages.is_cuda
         self.graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None  # shared: replays are serial
         if any(b <= 0 or b % SEGMENT_ALIGN for b in graph_buckets):
@@ -98,7 +96,7 @@ class DenoiseStep:
     def layout(self, rows: list[Row]) -> tuple[StepLayout, list[Segment]]:
         """`rows`: W8A16 rows first (see `__call__`)."""
         segments, total = segments_of(rows)
-        attention = self.attention if self.attention.supports(segments) else self.sdpa
+        attention = self.attention
         running = [(r, sum(x is None for x in r.reuse)) for r in rows]
         running = [(r, n) for r, n in running if n]  # a row whose branches all reuse is not in the pack
         residual = any(r.record for r, _ in running)

@@ -8,15 +8,13 @@ exact (unbucketed) layout's. The GPU test (test_gpu.py) checks that a new mix re
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
-from cosmos3_core.attention import FlashInferFp8Plan, SdpaAttention
+from cosmos3_core.attention import SdpaAttention
 from cosmos3_core.deployment import Deployment
 from cosmos3_core.generate import Generator
-from cosmos3_core.kv_pool import KVPool, PageList
+from cosmos3_core.kv_pool import KVPool
 from cosmos3_core.model.checkpoint import Checkpoint
 from cosmos3_core.model.layers import GEN
 from cosmos3_core.rows import ActionBand, Branch, Segment, denoise_step_row
@@ -165,22 +163,6 @@ def test_engine_mixes_within_a_bucket_use_one_layout(nano_ckpt):
     for a, b in zip(run(), exact):
         assert rel_l2(a, b) <= TOL
     assert exact_layouts >= 3 and len(eng.step.layouts) == 1
-
-
-def test_flashinfer_fp8_bucket_plans_a_fixed_request_count():
-    """A bucketed FlashInfer FP8 plan (host side: no GPU needed) has 2·slots requests whatever the mix — segments, their
-    padding, then empty ones — over all of the bucket's rows: the fixed batch and row count a captured graph needs."""
-    plan = FlashInferFp8Plan(SimpleNamespace(pool=SimpleNamespace(page_size=4)), rows=512, slots=8)
-    text = [PageList([3, 4], 6), PageList([9], 2)]
-    for mix in ([(0, 64), (64, 21), (128, 100)], [(0, 40)], [(64 * i, 64) for i in range(8)]):
-        segments = [Segment(start, n, (text[i % 2],), False) for i, (start, n) in enumerate(mix)]
-        qo, pages, indices, last = plan.requests(segments)
-        assert len(qo) == len(pages) == 17 and len(last) == 16 and qo[-1] == 512 and pages[-1] == len(indices)
-        for seg in segments:  # each segment's rows are one request, on its text pages
-            i = qo.index(seg.start)
-            assert qo[i + 1] == seg.start + seg.length and indices[pages[i] : pages[i + 1]] == seg.prefix[0].pages
-    with pytest.raises(ValueError, match="slots"):
-        plan.requests([Segment(64 * i, 10, (text[0],), False) for i in range(8)] + [Segment(512, 0, (text[0],), False)])
 
 
 @pytest.mark.parametrize("buckets", [[100], [128, 64], [0], [64, 64]])

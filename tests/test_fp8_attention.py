@@ -1,6 +1,6 @@
-"""`fp8_attention` on the CPU: the SDPA backend's fake quant (attention.py) — E4M3 own-token q/k/v with per-head
-dynamic scales over the pack's segment rows, the bf16 prefix as it is — checked against a hand-written reference of
-one attention call (exactly), through the real step on a tiny checkpoint (near the unquantized result, not equal to
+"""`fp8_attention` on the CPU: the SDPA backend's fake quant (attention.py) — E4M3 q (per-head dynamic scales over the
+pack's segment rows) and [prefix | own] K/V (scales over the segments' rows and every prefix token) — checked
+against a hand-written reference of one attention call (exactly), through the real step on a tiny checkpoint (near the unquantized result, not equal to
 it), and the deployment field's validation. FlashInfer's FA3 FP8 kernel against this reference: test_gpu_fp8attn.py.
 """
 
@@ -29,13 +29,13 @@ T2V = {"num_frames": 9, "height": 64, "width": 96, "steps": 4, "seed": 1, "guida
 FP8_ATTN_TOL = 3e-2
 
 
-def fake_quant_reference(x: torch.Tensor, rows: list[slice]) -> torch.Tensor:
-    """Written out: per head h, s_h = max |x[r, h, :]| over the segments' rows / 448; x → e4m3(x / s_h) · s_h."""
-    real = torch.cat([x[r] for r in rows])
-    out = torch.empty_like(x)
-    for h in range(x.shape[1]):
-        s = real[:, h].abs().max().item() / 448.0
-        out[:, h] = (x[:, h] / s).clamp(-448, 448).to(torch.float8_e4m3fn).to(torch.float32) * s
+def fake_quant_reference(parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Written out: per head h, s_h = max |t[:, h, :]| over all the parts / 448; each t → e4m3(t / s_h) · s_h."""
+    out = [torch.empty_like(t) for t in parts]
+    for h in range(parts[0].shape[1]):
+        s = max(t[:, h].abs().max().item() for t in parts) / 448.0
+        for t, o in zip(parts, out):
+            o[:, h] = (t[:, h] / s).clamp(-448, 448).to(torch.float8_e4m3fn).to(torch.float32) * s
     return out
 
 
@@ -56,8 +56,9 @@ def test_quantize_fp8_scales_per_head_over_the_segment_rows_only():
 
 
 def test_sdpa_fp8_plan_equals_the_hand_written_fake_quant_reference():
-    """One attention call of the SDPA backend with fp8: two segments with their own prefix pages, padding rows
-    between and after (excluded from the scales), GQA — equal, element for element, to the reference."""
+    """One attention call of the SDPA backend with fp8: two segments with their own prefix pages (quantized with
+    the own K/V: one scale per head over both), padding rows between and after (excluded from the scales), GQA —
+    equal, element for element, to the reference."""
     torch.manual_seed(1)
     heads, kv_heads, d, ps = 4, 2, 16, 4
     pool = KVPool(16, ps, 2, kv_heads, d, torch.float32, "cpu")
@@ -75,12 +76,15 @@ def test_sdpa_fp8_plan_equals_the_hand_written_fake_quant_reference():
     ours = plan(q, k, v, layer)
 
     rows = [slice(s.start, s.start + s.length) for s in segments]
-    qd, kd, vd = (fake_quant_reference(x, rows) for x in (q, k, v))
-    for seg, r in zip(segments, rows):
-        kp, vp = pool.gather(layer, seg.prefix[0])  # the prefix: bf16 pool (here fp32), not quantized
-        keys, values = torch.cat([kp, kd[r]]), torch.cat([vp, vd[r]])
+    prefixes = [pool.gather(layer, seg.prefix[0]) for seg in segments]  # (k, v) each
+    qd = fake_quant_reference([q[r] for r in rows])
+    kd = fake_quant_reference([k[r] for r in rows] + [kp for kp, _ in prefixes])
+    vd = fake_quant_reference([v[r] for r in rows] + [vp for _, vp in prefixes])
+    n_seg = len(segments)
+    for i, (seg, r) in enumerate(zip(segments, rows)):
+        keys, values = torch.cat([kd[n_seg + i], kd[i]]), torch.cat([vd[n_seg + i], vd[i]])  # [prefix | own]
         ref = F.scaled_dot_product_attention(
-            qd[r].transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None], enable_gqa=True
+            qd[i].transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None], enable_gqa=True
         )[0].transpose(0, 1)
         assert torch.equal(ours[r], ref.flatten(-2)), seg
     plain = SdpaAttention(pool).make_plan(n)
@@ -92,11 +96,11 @@ def test_sdpa_fp8_plan_equals_the_hand_written_fake_quant_reference():
 def test_fp8_attention_through_the_real_step_is_near_the_unquantized_result(nano_ckpt):
     """A full request (CFG, 4 steps) on the tiny nano checkpoint, fp32 on the CPU: fp8_attention (SDPA fake quant)
     differs from plain attention by FP8 rounding — within FP8_ATTN_TOL, and not zero (the switch reaches every
-    step). The step's SDPA fallback quantizes too."""
+    step)."""
     base = Deployment(checkpoint=str(nano_ckpt), device="cpu", dtype="float32")
     plain = Generator(base).latents(PROMPT, dict(T2V))
     gen = Generator(replace(base, fp8_attention=True))
-    assert gen.engine.step.attention.fp8 and gen.engine.step.sdpa.fp8
+    assert gen.engine.step.attention.fp8
     fp8 = gen.latents(PROMPT, dict(T2V))
     again = gen.latents(PROMPT, dict(T2V))
     err = rel_l2(fp8, plain)

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..attention import Backend, SdpaAttention, make_attention
+from ..attention import Backend, make_attention
 from ..graphs import PackedStep, StepLayout
 from ..kv_pool import KVPool
 from ..model.layers import Cosmos3Transformer
@@ -110,9 +110,6 @@ class UlyssesBackend:
         self.name = f"ulysses-{inner.name}"
         self.pool = inner.pool
 
-    def supports(self, segments: list[Segment]) -> bool:
-        return self.inner.supports(segments)
-
     def shape_key(self, segments: list[Segment]) -> tuple:
         return self.inner.shape_key(segments)
 
@@ -188,5 +185,3 @@ class UlyssesStep(DenoiseStep):
         inner = make_attention(attention, pool, h // u, hi - lo, cfg.head_dim)
         backend = UlyssesBackend(inner, comm, h, kv)
         super().__init__(model, pool, kernels, backend, cuda_graphs, max_captures=max_captures)
-        sdpa = inner if isinstance(inner, SdpaAttention) else SdpaAttention(pool)
-        self.sdpa = backend if sdpa is inner else UlyssesBackend(sdpa, comm, h, kv)

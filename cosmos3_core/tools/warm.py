@@ -4,8 +4,8 @@ Two parts, both into the kernel caches of `caches.py`:
 
 - FlashInfer's modules (`--kernels-only`: only these; `make warm-kernels`). The modules the deployment's FlashInfer
   attention loads (`attention.flashinfer_module_specs`: the batch prefill module, fa3 on Hopper at head_dim
-  64/128/256 else fa2, at the checkpoint's head_dim and the deployment's dtype, with `fp8_attention` on fa3 also
-  the FP8 (E4M3 q/kv) one and the cascade module) are compiled with nvcc for each GPU arch of `--cuda-arch`
+  64/128/256 else fa2, at the checkpoint's head_dim and the deployment's dtype; with `fp8_attention` on fa3 the
+  FP8 (E4M3 q/kv) one instead) are compiled with nvcc for each GPU arch of `--cuda-arch`
   (default: $FLASHINFER_CUDA_ARCH_LIST, else this machine's GPUs) into `caches.flashinfer_aot_dir(arch)`, where a
   server's FlashInfer loads them without a JIT. No GPU or driver is needed, only the CUDA toolkit (nvcc, its
   headers and libcuda stub): docker/Dockerfile runs it at build time.
