@@ -509,7 +509,7 @@ def run_ours(
     out = gen.generate(PROMPT, p, image, video=clip, raw_actions=raw)
     latents, sound = out.latents, out.sound
     frames = gen.decode.run(latents)
-    try:  # the backend this request's last step ran (an SDPA fallback shows)
+    try:  # the backend this request's last step ran (`attention: auto` falling back to SDPA shows)
         backend = next(reversed(gen.engine.step.layouts))[1]
     except (AttributeError, StopIteration, TypeError):
         backend = "?"

@@ -117,7 +117,7 @@ class SdpaAttention:
 
     def __init__(self, pool: KVPool, fp8: bool = False):
         self.pool = pool
-        self.fp8 = fp8  # own-token q/k/v fake-quantized to E4M3 (see the module docstring)
+        self.fp8 = fp8  # q and [prefix | own] K/V fake-quantized to E4M3 (see the module docstring)
 
     def shape_key(self, segments: list[Segment]) -> tuple:
         """What besides the segment lengths fixes this backend's tensor shapes: the prefix token counts."""
@@ -208,7 +208,7 @@ class FlashInferAttention:
         major, minor = torch.cuda.get_device_capability(device)
         self.aot = use_flashinfer_aot(cuda_arch(major, minor))  # modules built ahead (tools/warm.py): no JIT
         self.backend = flashinfer_backend(major, head_dim)
-        self.fp8 = fp8  # own-token attention on FA3's FP8 kernel (see the module docstring)
+        self.fp8 = fp8  # the gathered attention on FA3's FP8 kernel (see the module docstring)
         if fp8 and self.backend != "fa3":
             raise ValueError(
                 f"fp8_attention: FlashInfer's FP8 attention is its fa3 backend's (Hopper, head_dim 64/128/256); this "

@@ -17,7 +17,9 @@ from cosmos3_core.attention import (
     gather_kv,
     gather_layout,
     prefix_capacity,
+    quantize_fp8,
     sdpa,
+    segment_rows,
     unpack_index,
 )
 from cosmos3_core.kv_pool import KVPool
@@ -71,6 +73,40 @@ def test_gathered_layout_attends_as_sdpa():
         for s in segments:
             r = slice(s.start, s.start + s.length)
             torch.testing.assert_close(out[r], ref[r], rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_scales_over_the_gather_equal_the_sdpa_fake_quant():
+    """FlashInfer's FP8 path on the gather (q's scales over the segment rows, K's and V's over `segment_keys`:
+    every segment's prefix tokens and own rows, not the padding requests' nor the unused capacity entries'), with
+    the kernel's per-request attention done by SDPA over the dequantized values, equals the SDPA backend's fake
+    quant exactly — outliers in the padding rows and in pool token 0 (what unused entries copy) must not count."""
+    torch.manual_seed(3)
+    pool = KVPool(32, PAGE, 1, KV_HEADS, D, torch.float32, "cpu")
+    pool.k_pages.normal_()
+    pool.v_pages.normal_()
+    pool.alloc(1)  # token 0's page: not in any prefix
+    pool.k_pages[0, 0, 0] = pool.v_pages[0, 0, 0] = 1e3
+    text, frames = pool.alloc(7), [pool.alloc(6), pool.alloc(6)]
+    segments = [Segment(0, 50, (text, frames[0], frames[1]), False), Segment(64, 30, (frames[0],), False)]
+    rows, capacity = 128, PREFIX_MIN_CAPACITY
+    q, k, v = torch.randn(rows, HEADS, D), torch.randn(rows, KV_HEADS, D), torch.randn(rows, KV_HEADS, D)
+    q[50:64], k[94:], v[94:] = 1e3, -1e3, 1e3  # padding rows
+    layout = gather_layout(segments, rows, PAGE, capacity)
+    index = unpack_index(layout.packed(), rows)
+    (q8, sq), (k8, sk), (v8, sv) = (
+        quantize_fp8(q, segment_rows(segments, rows)),
+        quantize_fp8(gather_kv(k, pool.k_pages[0], *index), layout.segment_keys),
+        quantize_fp8(gather_kv(v, pool.v_pages[0], *index), layout.segment_keys),
+    )
+    qd, kd, vd = ((x8.float() * s[:, None]) for x8, s in ((q8, sq), (k8, sk), (v8, sv)))
+    plan = SdpaAttention(pool, fp8=True).make_plan(rows)
+    plan.update(segments)
+    ref = plan(q, k, v, 0)
+    qo, kv = layout.qo_indptr, layout.kv_indptr
+    for r, seg in zip((0, 2), segments):  # requests 0 and 2: the segments (1 and 3: their padding)
+        assert qo[r] == seg.start and qo[r + 1] == seg.start + seg.length
+        out = sdpa(qd[qo[r] : qo[r + 1]], kd[kv[r] : kv[r + 1]], vd[kv[r] : kv[r + 1]], causal=False)
+        assert torch.equal(out, ref[qo[r] : qo[r + 1]]), seg
 
 
 def test_gathered_layout_requests_and_capacity():

@@ -139,5 +139,5 @@ def test_the_fp8attn_bench_config_is_the_fp8_one_with_fp8_attention():
     assert ours.fp8_attention and not fp8.fp8_attention
     assert {**fp8.__dict__, "fp8_attention": True} == ours.__dict__
     assert not Deployment.load(CONFIGS / "bench_edge.yaml").fp8_attention  # off by default
-    # warm builds the FP8 module too (attention.flashinfer_module_specs: fa3 only)
+    # warm builds the FP8 module (attention.flashinfer_module_specs: fa3 only)
     assert flashinfer_kernels(ours, 128, "9.0a") == [("fa3", torch.bfloat16, 128, True)]

@@ -38,7 +38,7 @@ from ..deployment import DEFAULT_CONFIG, DTYPES, Deployment
 
 def flashinfer_kernels(d: Deployment, head_dim: int, arch: str) -> list[tuple[str, torch.dtype, int, bool]]:
     """(backend, dtype, head_dim, fp8) of each FlashInfer prefill module set the deployment loads on a GPU of `arch`
-    ("9.0a"), fp8 its `fp8_attention` (with fa3, the FP8 ragged module too); none when it never runs FlashInfer
+    ("9.0a"), fp8 its `fp8_attention` (with fa3, the FP8 module instead of the 16-bit one); none when it never runs FlashInfer
     (attention sdpa, a CPU device, float32: FlashInfer's prefill is 16-bit only, `attention: auto` falls back to
     SDPA). `device: auto` and `dtype: auto` are taken as a GPU's (bfloat16)."""
     dtype = torch.bfloat16 if d.dtype == "auto" else DTYPES[d.dtype]
