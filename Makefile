@@ -83,7 +83,8 @@ device-wheels:
 	pip download -q $(WHEEL_PLATFORMS) -d .whl/env numpy==1.26.4 tritonclient==2.73.0 python-rapidjson==1.25
 	pip download -q $(WHEEL_PLATFORMS) -d .whl/pytriton nvidia-pytriton==0.7.0
 	pip download -q $(WHEEL_PLATFORMS) -d .whl/fp8 nvidia-modelopt==0.47.0 pulp==3.3.2 omegaconf==2.4.0 \
-		nvidia-ml-py==13.615.71
+		nvidia-ml-py==13.615.71 pydantic==2.11.9 pydantic-core==2.33.2 annotated-types==0.7.0 \
+		typing-inspection==0.4.1 rich==14.1.0 markdown-it-py==4.0.0 mdurl==0.1.2 pygments==2.19.2 regex==2025.9.1
 	bash bench/perf_analyzer/fetch.sh .whl/perf_analyzer
 
 docker:

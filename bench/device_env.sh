@@ -30,7 +30,7 @@ from diffusers import AutoencoderKLWan, Cosmos3OmniPipeline, UniPCMultistepSched
 print('numpy', numpy.__version__, 'torch', torch.__version__, 'flashinfer', flashinfer.__version__, torch.cuda.get_device_name())"
 if [ "${1:-}" = "--tests" ]; then
   # the whole log comes back in $OUT (a failure's traceback is what the next CPU session works from); the tail here
-  timeout 540 /tmp/v/bin/python -m pytest -q -rf --tb=short -p no:cacheprovider tests/test_gpu*.py tests/test_decoder.py \
+  timeout 540 /tmp/v/bin/python -m pytest -q -rfxX --tb=short -p no:cacheprovider tests/test_gpu*.py tests/test_decoder.py \
     > $OUT/test_gpu.txt 2>&1 || true
   grep -v Warning $OUT/test_gpu.txt | tail -40
 fi

@@ -37,12 +37,15 @@ hold FlashInfer FP8 to (FlashInfer differs by its own rounding: it quantizes the
 too). The scales are per head over every segment of the pack (FA3 takes one scale per head per call), so a
 request's FP8 rounding depends on its batch mates' amax — results agree within FP8 rounding, not bit for bit,
 across batch mixes. Every row and every step (the FP8 linears' W8A16 step policy does not apply: the switch is
-separate).
+separate). FA3's FP8 kernel must pass a load check first (`fp8_kernel_check`: two sequences of random q/k/v held to
+the E4M3 rounding's own error): FlashInfer 0.6.1's fails it (wrong on batches of more than one sequence, measured
+on the H200), so fp8_attention on FlashInfer is refused at load with that reason until a FlashInfer that passes.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -87,6 +90,43 @@ def fake_quant_fp8(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     """`to_fp8` then back to x's dtype: what FP8 attention's kernel sees, in x's dtype (SDPA's FP8 path)."""
     x8, scale = to_fp8(x, amax)
     return (x8.float() * scale[:, None]).to(x.dtype)
+
+
+# The FP8 kernel's load check: two sequences of random q/k/v (FlashInfer 0.6.1's FA3 FP8 kernel is wrong on a batch of
+# more than one sequence, MHA and GQA alike, and right on one: BENCHMARKS.md, 10th session), held to RATIO x the error
+# of E4M3 rounding alone (measured: one sequence 1.0x, two 3.8x)
+FP8_CHECK_LENGTHS = (128, 256)
+FP8_CHECK_RATIO = 2.0
+
+Fp8Kernel = Callable[..., torch.Tensor]  # (q8, k8, v8, scale_q, scale_k, scale_v, indptr [batch + 1]) → out
+
+
+class Fp8KernelDefect(RuntimeError):
+    """The FP8 attention kernel fails `fp8_kernel_check` here: fp8_attention is refused (no retry will fix it)."""
+
+
+def fp8_kernel_check(kernel: Fp8Kernel, heads: int, kv_heads: int, head_dim: int, device) -> tuple[float, float]:
+    """Run `kernel` on FP8_CHECK_LENGTHS sequences of random q/k/v (per-head scales as `quantize_fp8` makes them)
+    → (its rel-L2 to exact fp32 attention, the rel-L2 of exact attention over the dequantized inputs: the E4M3
+    rounding's own). A correct kernel is within a small factor of the second (it also rounds P to E4M3)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    rows = sum(FP8_CHECK_LENGTHS)
+    q = torch.randn(rows, heads, head_dim, device=device, generator=g)
+    k, v = (torch.randn(rows, kv_heads, head_dim, device=device, generator=g) for _ in range(2))
+    every = torch.ones(rows, dtype=torch.bool, device=device)
+    (q8, sq), (k8, sk), (v8, sv) = (quantize_fp8(x, every) for x in (q, k, v))
+    indptr = torch.tensor([0, *torch.tensor(FP8_CHECK_LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+    out = kernel(q8, k8, v8, sq, sk, sv, indptr).float().reshape(rows, -1)
+    deq = [x8.float() * s[:, None] for x8, s in ((q8, sq), (k8, sk), (v8, sv))]
+    exact, rounded = torch.empty_like(out), torch.empty_like(out)
+    for a, b in zip(indptr[:-1].tolist(), indptr[1:].tolist()):
+        exact[a:b] = sdpa(q[a:b], k[a:b], v[a:b], False)
+        rounded[a:b] = sdpa(*(x[a:b] for x in deq), False)
+
+    def rel(x: torch.Tensor) -> float:
+        return ((x - exact).norm() / exact.norm()).item()
+
+    return rel(out), rel(rounded)
 
 
 def segment_rows(segments: list[Segment], rows: int) -> torch.Tensor:
@@ -220,13 +260,14 @@ class FlashInferAttention:
     def check(self) -> None:
         """One tiny plan and call: JIT-compiles the kernels now (minutes the first time, then cached) so a
         deployment that cannot build them (no nvcc, an unsupported GPU) fails at load, not on a request. Modules
-        built ahead that do not load here (another CUDA major or flashinfer build) are JIT-built instead."""
+        built ahead that do not load here (another CUDA major or flashinfer build) are JIT-built instead. With
+        `fp8`, the FP8 kernel must also pass `fp8_kernel_check` (else Fp8KernelDefect: fp8_attention refused)."""
         from .caches import use_flashinfer_aot
 
         try:
             self._check()
         except Exception as e:
-            if self.aot is None:
+            if self.aot is None or isinstance(e, Fp8KernelDefect):
                 raise
             print(f"cosmos3: flashinfer modules in {self.aot} do not run here ({str(e)[:300]}); JIT-building them",
                   file=sys.stderr)  # fmt: skip
@@ -236,7 +277,29 @@ class FlashInferAttention:
             flashinfer.prefill.get_batch_prefill_module.cache_clear()  # it holds the modules that failed
             self._check()
 
+    def check_fp8_kernel(self) -> None:
+        """`fp8_kernel_check` on FA3's FP8 ragged kernel → Fp8KernelDefect when it is off (see FP8_CHECK_LENGTHS)."""
+        import flashinfer
+
+        def fa3_fp8(q8, k8, v8, sq, sk, sv, indptr):
+            ragged = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD", backend=self.backend)
+            dt = self.pool.k_pages.dtype
+            ragged.plan(indptr, indptr, self.heads, self.kv_heads, self.head_dim, causal=False, q_data_type=E4M3,
+                        kv_data_type=E4M3, o_data_type=dt)  # fmt: skip
+            return ragged.run(q8, k8, v8, sq, sk, sv, out=torch.empty(q8.shape, dtype=dt, device=q8.device))
+
+        err, rounding = fp8_kernel_check(fa3_fp8, self.heads, self.kv_heads, self.head_dim, self.workspace.device)
+        if not err <= FP8_CHECK_RATIO * rounding:
+            raise Fp8KernelDefect(
+                f"fp8_attention: FlashInfer {flashinfer.__version__}'s FA3 FP8 kernel fails its load check here: "
+                f"rel-L2 {err:.3f} to exact attention on {len(FP8_CHECK_LENGTHS)} sequences of random q/k/v, against "
+                f"{rounding:.3f} from E4M3 rounding alone (allowed {FP8_CHECK_RATIO:g}x). FlashInfer 0.6.1's kernel is "
+                "wrong on batches of more than one sequence (BENCHMARKS.md); serve without fp8_attention"
+            )
+
     def _check(self) -> None:
+        if self.fp8:
+            self.check_fp8_kernel()
         dev, dt, rows = self.workspace.device, self.pool.k_pages.dtype, 64
         prefix = PageList([0], 1, torch.zeros(1, dtype=torch.long, device=dev))
         plan = self.make_plan(rows)
@@ -430,6 +493,8 @@ def make_attention(
         attention = FlashInferAttention(pool, num_heads, num_kv_heads, head_dim, fp8)
         attention.check()
         return attention
+    except Fp8KernelDefect:
+        raise
     except Exception as e:
         if name == "flashinfer" or fp8:
             what = "fp8_attention" if fp8 else "attention"

@@ -13,7 +13,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cosmos3_core.attention import SdpaAttention, make_attention, quantize_fp8
+from cosmos3_core.attention import (
+    FP8_CHECK_RATIO,
+    SdpaAttention,
+    fp8_kernel_check,
+    make_attention,
+    quantize_fp8,
+    sdpa,
+)
 from cosmos3_core.deployment import Deployment
 from cosmos3_core.generate import Generator
 from cosmos3_core.kv_pool import KVPool
@@ -116,6 +123,30 @@ def test_make_attention_with_fp8_on_the_cpu():
     assert not make_attention("sdpa", pool, 4, 2, 16).fp8
     with pytest.raises(ValueError, match="flashinfer needs a CUDA device"):
         make_attention("flashinfer", pool, 4, 2, 16, fp8=True)
+
+
+def dequantized_kernel(across: bool = False):
+    """A stand-in for FA3's FP8 kernel: exact attention over the dequantized E4M3 inputs, per sequence of `indptr`
+    (a correct kernel, but for its own rounding of P); `across`: every query attends every key of the batch, as a
+    kernel that loses the sequence boundaries would."""
+
+    def kernel(q8, k8, v8, sq, sk, sv, indptr):
+        q, k, v = (x8.float() * s[:, None] for x8, s in ((q8, sq), (k8, sk), (v8, sv)))
+        bounds = [0, indptr[-1].item()] if across else indptr.tolist()
+        return torch.cat([sdpa(q[a:b], k[a:b], v[a:b], False) for a, b in zip(bounds[:-1], bounds[1:])])
+
+    return kernel
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(8, 8), (8, 2)], ids=["mha", "gqa"])
+def test_the_fp8_load_check_passes_a_right_kernel_and_refuses_a_wrong_one(heads, kv_heads):
+    """`fp8_kernel_check` (FlashInfer's FP8 kernel at load, GPU-tested in test_gpu_fp8attn.py) on the CPU: a kernel
+    that attends each sequence over the E4M3 inputs is at the rounding's own error; one that attends across the
+    batch's sequences is far outside FP8_CHECK_RATIO."""
+    err, rounding = fp8_kernel_check(dequantized_kernel(), heads, kv_heads, 128, "cpu")
+    assert 1e-2 < rounding < 0.1 and err == pytest.approx(rounding, rel=1e-6), (err, rounding)
+    err, rounding = fp8_kernel_check(dequantized_kernel(across=True), heads, kv_heads, 128, "cpu")
+    assert err > 3 * FP8_CHECK_RATIO * rounding, (err, rounding)
 
 
 @pytest.mark.parametrize(

@@ -10,14 +10,21 @@ Every assertion message carries the measured numbers. What each test isolates, i
 1. test_warm_builds_exactly_the_modules_plan_loads — flashinfer_module_specs (tools/warm.py) = the modules the
    wrappers' plan() asks for (else the AOT lookup misses and the server JIT-builds at load).
 2. test_fa3_fp8_ragged_kernel_matrix — the ragged FP8 kernel alone (run's positional per-head scales) against
-   exact attention, over MHA / GQA, 128-aligned / unaligned segments, bf16 / fp16 output (the cases FlashInfer's
-   own FP8 tests do and do not cover; the fp16 module JIT-builds, ~90 s).
+   exact attention, over MHA / GQA, one sequence / two (128-aligned, unaligned, long), bf16 / fp16 output (the
+   cases FlashInfer's own FP8 tests do and do not cover; the fp16 module JIT-builds, ~90 s).
+
+FlashInfer 0.6.1's FP8 kernel is wrong on a batch of more than one sequence (BENCHMARKS.md, 10th session), and the
+server refuses fp8_attention at load when the kernel fails `attention.fp8_kernel_check` (test 0 below). While it
+does, the multi-sequence cells and the plan / engine tests xfail with their measured numbers in the reason (read
+them with -rx); when a FlashInfer passes the check, they must pass.
 3. test_fa3_fp8_attention_matches_the_sdpa_fake_quant_reference — the whole plan (gathered [prefix | own], FP8),
    exact and bucketed plans, against SDPA fake quant on the same inputs; also that FP8 is really engaged.
 4. test_fp8_plan_captured_equals_eager — the plan inside a CUDA graph, replayed with new segments and inputs.
 5. test_fp8_attention_engine_requests — full requests through the engine (CUDA graphs, buckets): FP8 attention vs
    bf16 FlashInfer and vs the SDPA fake-quant engine, captured vs eager, batched vs alone.
 6. test_fp8_attention_is_refused_where_fa3_cannot_run_it — a load error naming fp8_attention, not a silent fallback.
+0. test_the_load_check_refuses_fp8_attention_when_the_kernel_fails_it — the load check's verdict here, and a
+   refusal (not a silent fallback) through make_attention when it fails.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import torch
 
 from cosmos3_core.attention import (
     FlashInferAttention,
+    Fp8KernelDefect,
     SdpaAttention,
     flashinfer_module_specs,
     make_attention,
@@ -61,6 +69,37 @@ HEADS, KV_HEADS, HEAD_DIM, PAGE = 8, 2, 128, 16  # GQA 4:1, Edge's head_dim
 RATIO, FP8_TOL = 2.0, 0.1
 BF16_TOL = 1e-2  # FlashInfer bf16 vs SDPA bf16, one attention call (the harness's own noise)
 ENGINE_FP8_TOL = 0.1  # final latents, FP8 attention vs bf16 (a few steps: bf16 noise 3e-2 + FP8 rounding ~1e-2)
+
+
+@pytest.fixture(scope="module")
+def fp8_defect() -> str | None:
+    """The load check's refusal message for FA3's FP8 kernel here, or None when it passes."""
+    pool = KVPool(8, PAGE, 1, KV_HEADS, HEAD_DIM, torch.bfloat16, "cuda")
+    try:
+        FlashInferAttention(pool, HEADS, KV_HEADS, HEAD_DIM, fp8=True).check_fp8_kernel()
+    except Fp8KernelDefect as e:
+        return str(e)
+    return None
+
+
+def expect(ok: bool, msg: str, defect: str | None) -> None:
+    """Assert `ok`, or xfail with the numbers when the load check refuses this kernel (its known defect)."""
+    if not ok and defect is not None:
+        pytest.xfail(f"{msg} [the load check refuses this kernel: {defect[:160]}]")
+    assert ok, msg
+
+
+def test_the_load_check_refuses_fp8_attention_when_the_kernel_fails_it(fp8_defect):
+    pool = KVPool(8, PAGE, 1, KV_HEADS, HEAD_DIM, torch.bfloat16, "cuda")
+    if fp8_defect is None:
+        assert make_attention("flashinfer", pool, HEADS, KV_HEADS, HEAD_DIM, fp8=True).fp8
+        return
+    assert "fails its load check" in fp8_defect and "fp8_attention" in fp8_defect, fp8_defect
+    for name in ("auto", "flashinfer"):  # refused, not a silent SDPA or bf16 fallback
+        with pytest.raises(Fp8KernelDefect, match="fails its load check"):
+            make_attention(name, pool, HEADS, KV_HEADS, HEAD_DIM, fp8=True)
+    assert make_attention("flashinfer", pool, HEADS, KV_HEADS, HEAD_DIM).name == "flashinfer"  # bf16 unaffected
+    print(fp8_defect)
 
 
 def pack(seed: int, heads: int = HEADS):
@@ -130,9 +169,13 @@ def test_warm_builds_exactly_the_modules_plan_loads(monkeypatch, fp8):
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=["bf16_out", "fp16_out"])
-@pytest.mark.parametrize("lengths", [(128, 256), (100, 300)], ids=["aligned", "unaligned"])
+@pytest.mark.parametrize(
+    "lengths",
+    [(384,), (300,), (128, 256), (100, 300), (1500, 2600)],
+    ids=["one", "one_unaligned", "two_aligned", "two_unaligned", "two_long"],
+)
 @pytest.mark.parametrize("kv_heads", [HEADS, KV_HEADS], ids=["mha", "gqa"])
-def test_fa3_fp8_ragged_kernel_matrix(kv_heads, lengths, out_dtype):
+def test_fa3_fp8_ragged_kernel_matrix(kv_heads, lengths, out_dtype, fp8_defect):
     """FlashInfer's own FP8 tests cover MHA, lengths in multiples of 128 and fp16 output at a loose MSE bar; ours
     run GQA 4:1, unaligned segments and bf16 output. This matrix localizes a failure of the tests below to one of
     those: each cell holds the FP8 ragged kernel (own tokens only, per-head scales as `quantize_fp8` makes them)
@@ -145,7 +188,7 @@ def test_fa3_fp8_ragged_kernel_matrix(kv_heads, lengths, out_dtype):
     q = (torch.randn(rows, HEADS, HEAD_DIM, device="cuda", generator=g) * head_scale).to(out_dtype)
     k = (torch.randn(rows, kv_heads, HEAD_DIM, device="cuda", generator=g) * head_scale[:kv_heads]).to(out_dtype)
     v = torch.randn(rows, kv_heads, HEAD_DIM, device="cuda", generator=g).to(out_dtype)
-    indptr = torch.tensor([0, lengths[0], rows], dtype=torch.int32, device="cuda")
+    indptr = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     valid = torch.ones(rows, dtype=torch.bool, device="cuda")
     (q8, sq), (k8, sk), (v8, sv) = (quantize_fp8(x, valid) for x in (q, k, v))
     w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
@@ -157,18 +200,21 @@ def test_fa3_fp8_ragged_kernel_matrix(kv_heads, lengths, out_dtype):
     torch.cuda.synchronize()
     exact, fake = torch.empty(rows, HEADS, HEAD_DIM, device="cuda"), torch.empty(rows, HEADS, HEAD_DIM, device="cuda")
     deq = [x8.float() * s[:, None] for x8, s in ((q8, sq), (k8, sk), (v8, sv))]
-    for a, b in ((0, lengths[0]), (lengths[0], rows)):
+    for a, b in zip(indptr[:-1].tolist(), indptr[1:].tolist()):
         exact[a:b] = sdpa_nhd(q[a:b].float(), k[a:b].float(), v[a:b].float())
         fake[a:b] = sdpa_nhd(*(x[a:b] for x in deq))
     err, fake_err = rel_l2(out8.float(), exact), rel_l2(fake, exact)
     per_head = [f"{rel_l2(out8[:, h].float(), exact[:, h]):.2e}" for h in range(HEADS)]
     msg = f"FP8 kernel vs exact {err:.3e}, fake quant vs exact {fake_err:.3e}; per head {per_head}"
-    assert bool(out8.isfinite().all()) and err < RATIO * fake_err, msg
+    assert bool(out8.isfinite().all()), msg
+    if len(lengths) == 1:  # one sequence: right even with the multi-sequence defect
+        assert err < RATIO * fake_err, msg
+    expect(err < RATIO * fake_err, msg, fp8_defect)
     print(msg)
 
 
 @pytest.mark.parametrize("slots", [0, 4], ids=["exact", "bucketed"])
-def test_fa3_fp8_attention_matches_the_sdpa_fake_quant_reference(slots):
+def test_fa3_fp8_attention_matches_the_sdpa_fake_quant_reference(slots, fp8_defect):
     pool, segments, rows, q, k, v, real = pack(2)
     fi8 = run_plan(FlashInferAttention(pool, HEADS, KV_HEADS, HEAD_DIM, fp8=True), rows, segments, q, k, v, slots)
     fi16 = run_plan(FlashInferAttention(pool, HEADS, KV_HEADS, HEAD_DIM), rows, segments, q, k, v, slots)
@@ -181,7 +227,8 @@ def test_fa3_fp8_attention_matches_the_sdpa_fake_quant_reference(slots):
     summary = ", ".join(f"{n} {x:.3e}" for n, x in e.items())
     assert bool(fi8[real].isfinite().all()), f"FA3 FP8 output not finite ({summary})"
     assert e["fi16~sd16"] < BF16_TOL, f"harness: FlashInfer bf16 vs SDPA bf16 off ({summary})"
-    assert e["fi8~exact"] < RATIO * e["sd8~exact"], f"FA3 FP8 error > {RATIO}x the fake quant's ({summary})"
+    expect(e["fi8~exact"] < RATIO * e["sd8~exact"], f"FA3 FP8 error > {RATIO}x the fake quant's ({summary})",
+           fp8_defect)  # fmt: skip
     assert e["fi8~sd8"] < FP8_TOL, f"FA3 FP8 vs SDPA fake quant > {FP8_TOL} ({summary})"
     assert e["fi8~fi16"] > 1e-3, f"FA3 FP8 equals bf16: FP8 not engaged ({summary})"
     print(summary)
@@ -221,13 +268,19 @@ REQUESTS = [
 ]
 
 
-def test_fp8_attention_engine_requests(tmp_path):
-    """Tiny Nano at head_dim 128 (4 heads, 2 KV heads), bf16 on the GPU, FlashInfer with CUDA graphs and buckets."""
+def test_fp8_attention_engine_requests(tmp_path, fp8_defect):
+    """Tiny Nano at head_dim 128 (4 heads, 2 KV heads), bf16 on the GPU, FlashInfer with CUDA graphs and buckets.
+    While the load check refuses the kernel, the engine's load is refused naming it (then xfail)."""
     ckpt = make_tiny(tmp_path / "nano", variant="nano", seed=7, head_dim=128)
 
     def gen(attention: str, fp8: bool, graphs: bool, **kw) -> Generator:
         return Generator(Deployment(checkpoint=str(ckpt), device="cuda", dtype="bfloat16", attention=attention,
                                     cuda_graphs=graphs, fp8_attention=fp8, **kw))  # fmt: skip
+
+    if fp8_defect is not None:
+        with pytest.raises(Fp8KernelDefect, match="fails its load check"):
+            gen("flashinfer", True, True)
+        pytest.xfail(f"fp8_attention refused at load: {fp8_defect[:160]}")
 
     fp8 = gen("flashinfer", True, True, graph_buckets=[256, 512], max_captures=4)
     step = fp8.engine.step
