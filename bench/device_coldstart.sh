@@ -35,8 +35,11 @@ serve() {  # a new server on the cache: startup (launch → ready) and one reque
   grep -e "server startup" -e "^c1" -e Error $OUT/coldstart_$1.txt | tail -4
   echo "flashinfer modules JIT-built by it: $(ls $FI/.cache/flashinfer/*/*/cached_ops/*/*.so 2>/dev/null | wc -l)"
   # startup's parts: each model's ready / engine-built / warmup lines (the models load in parallel)
-  grep -h -e "attention auto" -e "flashinfer modules in" -e "ready in" -e "built in" -e "warmup of" \
-    "$(ls -td /tmp/cosmos3-bench-*/ | head -1)tritonserver.log" | head -8
+  # (each with its parts: the vae_decode's vae / sound tokenizer / decoder / compile warmup, the denoise warmup's bucket
+  # captures / requests); the whole log (its timestamps: when each model's load began) comes back in $OUT
+  local log; log="$(ls -td /tmp/cosmos3-bench-*/ | head -1)tritonserver.log"
+  grep -h -e "attention auto" -e "flashinfer modules in" -e "ready in" -e "built in" -e "warmup of" "$log" | head -8
+  cp "$log" "$OUT/tritonserver_$1.log"
 }
 cases=("$@"); [ ${#cases[@]} -gt 0 ] || cases=(aot warm)
 for c in "${cases[@]}"; do

@@ -75,6 +75,7 @@ class DenoiseEngine:
     ):
         cfg = self.cfg = ckpt.config
         self.device, self.dtype = device, dtype
+        self.warmup_parts: dict[str, float] = {}  # seconds per part of the last warmup (the server logs them)
         self.model = ckpt.load_transformer({GEN}, device, dtype)
         self.fp8_policy = ckpt.fp8.policy if ckpt.fp8 is not None else None
         kernels = GenKernels.compiled() if compile else EAGER
@@ -195,7 +196,7 @@ class DenoiseEngine:
         autotuning happen before serving; an action request with zero clean latents
         (forward dynamics: zero actions). Served in FP8, a 1-step request (W8A8 by the policy's 1-step rule) runs
         beside the first one's W8A16 step, then alone: the W8A16, W8A8 and mixed paths of the linears are all
-        compiled before serving. Returns seconds spent."""
+        compiled before serving. Returns seconds spent; `warmup_parts`: the bucket captures' and the requests'."""
         t0 = time.perf_counter()
         if isinstance(self.step, DenoiseStep):  # first, so the requests' layouts cannot use up max_captures
             a16 = (True, False) if self.fp8_policy is not None else (True,)
@@ -205,6 +206,9 @@ class DenoiseEngine:
             if held < want:
                 print(f"cosmos3: warmup holds {held} of {want} graph buckets' captures (max_captures "
                       f"{self.step.max_captures})", file=sys.stderr)  # fmt: skip
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        t_captures = time.perf_counter() - t0
         cfg = self.cfg
         g = torch.Generator().manual_seed(0)
         for p in requests:
@@ -227,7 +231,9 @@ class DenoiseEngine:
         if self.device.startswith("cuda"):
             torch.cuda.synchronize()
         self.scheduler.stats = EngineStats()  # serving counts start after warmup
-        return time.perf_counter() - t0
+        total = time.perf_counter() - t0
+        self.warmup_parts = {"bucket captures": t_captures, "requests": total - t_captures}
+        return total
 
     def run_until_idle(self) -> None:
         while self.has_work():

@@ -145,25 +145,39 @@ class DecodeStage:
     def __init__(
         self, ckpt: Checkpoint, device: str, dtype: torch.dtype, compile: bool = False, group: Group | None = None
     ):
-        """`group`: decode each chunk split by rows over its decode ranks (parallel/vae.py)."""
+        """`group`: decode each chunk split by rows over its decode ranks (parallel/vae.py). `startup`: seconds
+        per part of this load (the server logs them)."""
+        t = time.perf_counter()
+        self.startup: dict[str, float] = {}
+
+        def lap(part: str) -> None:
+            nonlocal t
+            now = time.perf_counter()
+            self.startup[part] = now - t
+            t = now
+
         cuda = str(device).startswith("cuda")
         if cuda:
             torch.backends.cudnn.benchmark = True  # the Wan decoder's conv3d shapes repeat every chunk
         compile = compile and cuda  # the fused kernels save memory traffic on the GPU; on CPU, only compile time
         wrap = None if group is None else (lambda decoder: PatchDecoder(decoder, group))
         self.codec = VaeCodec(ckpt.load_vae(device, dtype), compile, wrap)
+        lap("vae")
         try:  # the sound tokenizer in the deployment's dtype, as the pipeline loads its components
             self.sound_tokenizer = load_sound_tokenizer(ckpt.root, device, dtype)
         except (ValueError, OSError):
             self.sound_tokenizer = None  # prefill refuses sound requests for this checkpoint
+        lap("sound tokenizer")
         self.temporal = ckpt.config.vae_scale_temporal
         # stream id → (its decoder, last chunk's time); decoder None: a chunk of it failed, and its later chunks
         # fail too rather than decode as a new stream's start
         self.streams: dict[str, tuple[StreamDecoder | None, float]] = {}
         _ = self.codec.decoder  # prepared and checked at load, not on the first request
+        lap("decoder")
         if compile:  # compile the fused kernels now, not mid-stream: 1 + 4 + 1 latent frames (size-1 dims compile
             # apart from the dynamic ones) at distinct sizes (no duck-sized guards) cover every later size
             self.run(torch.zeros(1, ckpt.config.latent_channel, 6, 5, 7))
+            lap("compile warmup")
 
     @classmethod
     def from_deployment(cls, ckpt: Checkpoint, d: Deployment, device: str, group: Group | None = None) -> DecodeStage:

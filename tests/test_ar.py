@@ -192,6 +192,7 @@ def test_a_stream_whose_chunk_failed_fails_its_later_chunks(setup):
     instead of decoding as a new stream's start, and other streams decode as usual."""
     ckpt, _, _ = setup
     decode = DecodeStage(ckpt, "cpu", torch.float32)
+    assert list(decode.startup) == ["vae", "sound tokenizer", "decoder"]  # no compile on the CPU; the server logs them
     good = torch.randn(1, ckpt.config.latent_channel, 2, H // 16, W // 16, generator=torch.Generator().manual_seed(0))
     decode.start_chunk("s", good[:, :, :1], last=False)().numpy()
     with pytest.raises(RuntimeError):

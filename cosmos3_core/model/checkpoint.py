@@ -241,14 +241,11 @@ class Checkpoint:
     def load_vae(self, device: str | torch.device, dtype: torch.dtype):  # -> AutoencoderKLWan
         from diffusers import AutoencoderKLWan
 
-        if self.random_weights:
+        if self.random_weights:  # drawn on the target device, as the transformer is (on the host: ~10 s for Wan2.2)
             torch.manual_seed(0)
-            return (
-                AutoencoderKLWan.from_config(read_json(self.root / "vae" / "config.json"))
-                .to(device, dtype)
-                .eval()
-                .requires_grad_(False)
-            )
+            with torch.device(device):
+                vae = AutoencoderKLWan.from_config(read_json(self.root / "vae" / "config.json"))
+            return vae.to(device, dtype).eval().requires_grad_(False)
 
         try:
             vae = AutoencoderKLWan.from_pretrained(self.root / "vae", torch_dtype=dtype)

@@ -40,9 +40,9 @@ class TritonPythonModel:
         for r in d.warmup_requests:  # an action request: a blank image (clip) at the default size (warmup_inputs)
             image, video, raw = warmup_inputs(r, d.defaults)
             warmup.append(validate("warmup", r, image, *sizes, video, raw))
-        pb_utils.Logger.log_info(
-            f"cosmos3_denoise: warmup of {len(warmup)} shapes took {self.engine.warmup(warmup):.1f}s"
-        )
+        took = self.engine.warmup(warmup)
+        parts = ", ".join(f"{k} {v:.1f}s" for k, v in self.engine.warmup_parts.items())
+        pb_utils.Logger.log_info(f"cosmos3_denoise: warmup of {len(warmup)} shapes took {took:.1f}s ({parts})")
         self.metrics = EngineMetrics(
             self.engine, {"model": args["model_name"], "instance": args["model_instance_name"]}
         )

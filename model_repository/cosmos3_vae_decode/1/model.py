@@ -23,7 +23,8 @@ class TritonPythonModel:
         stage = DecodeStage.from_deployment(Checkpoint.open(d.checkpoint), d, device)  # parallel.vae: over a group
         metrics = DecodeMetrics({"model": args["model_name"], "instance": args["model_instance_name"]})
         self.loop = DecodeLoop(stage, CancelMarks(d.cancel_dir), metrics, device)
-        pb_utils.Logger.log_info(f"cosmos3_vae_decode: ready in {time.perf_counter() - t0:.1f}s")  # startup's parts
+        parts = ", ".join(f"{k} {v:.1f}s" for k, v in stage.startup.items())
+        pb_utils.Logger.log_info(f"cosmos3_vae_decode: ready in {time.perf_counter() - t0:.1f}s ({parts})")
 
     def execute(self, requests):
         for request in requests:
