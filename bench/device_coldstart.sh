@@ -11,6 +11,8 @@
 #   warm  `make warm`'s command first (timed: FlashInfer's modules, kept from $FI_AOT when given, else built here;
 #         torch.compile's caches), then a new server on those caches
 #   cold  nothing built ahead (the 113 s reference: fa3 JIT and compile at startup)
+#   decode  bench.decode_startup: the vae_decode stage's load steps one by one, cuDNN benchmark vs heuristics vs
+#         eager, each in a fresh process on the caches the cases before it left (~3 min)
 # After each server: the FlashInfer modules it JIT-built (none when the carried ones loaded) and its attention.
 # out/fi_aot (4.4 MB), here, without a GPU: make warm-kernels CONFIG=configs/bench_edge.yaml CUDA_ARCH=9.0a &&
 #   cp -r ~/.cache/cosmos3/kernels/flashinfer/aot/sm90a out/fi_aot
@@ -52,6 +54,8 @@ for c in "${cases[@]}"; do
           echo "make warm wall $((SECONDS - t0)) s"
           du -sh /tmp/coldstart/kernels/* 2>/dev/null; serve warm ;;
     cold) fresh none; serve cold ;;
+    decode) /tmp/v/bin/python -m bench.decode_startup --config $CONFIG --json $OUT/decode_startup.json 2>&1 \
+              | grep -v -e Warning -e float32 ;;  # on the caches the cases before it left (after warm: warm ones)
     *) echo "unknown case $c"; exit 2 ;;
   esac
 done
