@@ -10,8 +10,8 @@ Every assertion message carries the measured numbers. What each test isolates, i
 1. test_warm_builds_exactly_the_modules_plan_loads — flashinfer_module_specs (tools/warm.py) = the modules the
    wrappers' plan() asks for (else the AOT lookup misses and the server JIT-builds at load).
 2. test_fa3_fp8_ragged_kernel_matrix — the ragged FP8 kernel alone (run's positional per-head scales) against
-   exact attention, over MHA / GQA, one sequence / two (128-aligned, unaligned, long), bf16 / fp16 output (the
-   cases FlashInfer's own FP8 tests do and do not cover; the fp16 module JIT-builds, ~90 s).
+   exact attention, over MHA / GQA, one sequence / two (128-aligned, unaligned, long), bf16 output (the cases
+   FlashInfer's own FP8 tests do and do not cover; fp16 output, which they use, failed alike on the 10th session).
 
 FlashInfer 0.6.1's FP8 kernel is wrong on a batch of more than one sequence (BENCHMARKS.md, 10th session), and the
 server refuses fp8_attention at load when the kernel fails `attention.fp8_kernel_check` (test 0 below). While it
@@ -168,14 +168,13 @@ def test_warm_builds_exactly_the_modules_plan_loads(monkeypatch, fp8):
     assert set(asked) == specs and len(specs) == 1, f"plan loaded {sorted(set(asked))}, specs {specs}"
 
 
-@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=["bf16_out", "fp16_out"])
 @pytest.mark.parametrize(
     "lengths",
     [(384,), (300,), (128, 256), (100, 300), (1500, 2600)],
     ids=["one", "one_unaligned", "two_aligned", "two_unaligned", "two_long"],
 )
 @pytest.mark.parametrize("kv_heads", [HEADS, KV_HEADS], ids=["mha", "gqa"])
-def test_fa3_fp8_ragged_kernel_matrix(kv_heads, lengths, out_dtype, fp8_defect):
+def test_fa3_fp8_ragged_kernel_matrix(kv_heads, lengths, fp8_defect):
     """FlashInfer's own FP8 tests cover MHA, lengths in multiples of 128 and fp16 output at a loose MSE bar; ours
     run GQA 4:1, unaligned segments and bf16 output. This matrix localizes a failure of the tests below to one of
     those: each cell holds the FP8 ragged kernel (own tokens only, per-head scales as `quantize_fp8` makes them)
@@ -185,9 +184,9 @@ def test_fa3_fp8_ragged_kernel_matrix(kv_heads, lengths, out_dtype, fp8_defect):
     g = torch.Generator(device="cuda").manual_seed(11)
     rows = sum(lengths)
     head_scale = torch.linspace(0.5, 2.0, HEADS, device="cuda")[:, None]
-    q = (torch.randn(rows, HEADS, HEAD_DIM, device="cuda", generator=g) * head_scale).to(out_dtype)
-    k = (torch.randn(rows, kv_heads, HEAD_DIM, device="cuda", generator=g) * head_scale[:kv_heads]).to(out_dtype)
-    v = torch.randn(rows, kv_heads, HEAD_DIM, device="cuda", generator=g).to(out_dtype)
+    q = (torch.randn(rows, HEADS, HEAD_DIM, device="cuda", generator=g) * head_scale).bfloat16()
+    k = (torch.randn(rows, kv_heads, HEAD_DIM, device="cuda", generator=g) * head_scale[:kv_heads]).bfloat16()
+    v = torch.randn(rows, kv_heads, HEAD_DIM, device="cuda", generator=g).bfloat16()
     indptr = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     valid = torch.ones(rows, dtype=torch.bool, device="cuda")
     (q8, sq), (k8, sk), (v8, sv) = (quantize_fp8(x, valid) for x in (q, k, v))
@@ -195,7 +194,7 @@ def test_fa3_fp8_ragged_kernel_matrix(kv_heads, lengths, out_dtype, fp8_defect):
         torch.empty(128 << 20, dtype=torch.uint8, device="cuda"), "NHD", backend="fa3"
     )
     w.plan(indptr, indptr, HEADS, kv_heads, HEAD_DIM, causal=False, q_data_type=E4M3, kv_data_type=E4M3,
-           o_data_type=out_dtype)  # fmt: skip
+           o_data_type=torch.bfloat16)  # fmt: skip
     out8 = w.run(q8, k8, v8, sq, sk, sv, out=torch.empty_like(q))
     torch.cuda.synchronize()
     exact, fake = torch.empty(rows, HEADS, HEAD_DIM, device="cuda"), torch.empty(rows, HEADS, HEAD_DIM, device="cuda")
