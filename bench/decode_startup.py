@@ -29,6 +29,8 @@ VARIANTS = ("benchmark", "heuristics", "eager")
 
 
 def child(config: str, variant: str) -> dict[str, float]:
+    """One variant in this process → seconds per part ("steady video": the mean of three). Sets this process's
+    `torch.backends.cudnn.benchmark` (run it in a process of its own, as `main` does)."""
     from cosmos3_core.deployment import Deployment
     from cosmos3_core.model.conditioning import VaeCodec
 

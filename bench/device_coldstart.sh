@@ -14,7 +14,7 @@
 #   decode  bench.decode_startup: the vae_decode stage's load steps one by one, cuDNN benchmark vs heuristics vs
 #         eager, each in a fresh process on the caches the cases before it left (~3 min)
 # After each server: the FlashInfer modules it JIT-built (none when the carried ones loaded) and its attention.
-# out/fi_aot (4.4 MB), here, without a GPU: make warm-kernels CONFIG=configs/bench_edge.yaml CUDA_ARCH=9.0a &&
+# out/fi_aot (8.2 MB: fa3 bf16 and E4M3), here, without a GPU: make warm-kernels CONFIG=configs/bench_edge.yaml CUDA_ARCH=9.0a &&
 #   cp -r ~/.cache/cosmos3/kernels/flashinfer/aot/sm90a out/fi_aot
 #   device run, carry [.whl/pytriton, out/fi_aot]: FI_AOT=out/fi_aot bash bench/device_coldstart.sh aot warm
 set -uo pipefail

@@ -152,6 +152,8 @@ class DecodeStage:
 
         def lap(part: str) -> None:
             nonlocal t
+            if cuda:  # the part's queued GPU work counts as its own
+                torch.cuda.synchronize(device)
             now = time.perf_counter()
             self.startup[part] = now - t
             t = now

@@ -23,8 +23,10 @@ them with -rx); when a FlashInfer passes the check, they must pass.
 5. test_fp8_attention_engine_requests — full requests through the engine (CUDA graphs, buckets): FP8 attention vs
    bf16 FlashInfer and vs the SDPA fake-quant engine, captured vs eager, batched vs alone.
 6. test_fp8_attention_is_refused_where_fa3_cannot_run_it — a load error naming fp8_attention, not a silent fallback.
-0. test_the_load_check_refuses_fp8_attention_when_the_kernel_fails_it — the load check's verdict here, and a
-   refusal (not a silent fallback) through make_attention when it fails.
+
+And first, the load check: test_the_load_check_refuses_fp8_attention_when_the_kernel_fails_it (its verdict here,
+and a refusal, not a silent fallback or a JIT retry, through make_attention when it fails), and
+test_the_load_check_passes_the_kernel_on_one_sequence (the check's wiring, on the case the kernel gets right).
 """
 
 from __future__ import annotations
@@ -89,7 +91,7 @@ def expect(ok: bool, msg: str, defect: str | None) -> None:
     assert ok, msg
 
 
-def test_the_load_check_refuses_fp8_attention_when_the_kernel_fails_it(fp8_defect):
+def test_the_load_check_refuses_fp8_attention_when_the_kernel_fails_it(fp8_defect, capfd):
     pool = KVPool(8, PAGE, 1, KV_HEADS, HEAD_DIM, torch.bfloat16, "cuda")
     if fp8_defect is None:
         assert make_attention("flashinfer", pool, HEADS, KV_HEADS, HEAD_DIM, fp8=True).fp8
@@ -98,8 +100,20 @@ def test_the_load_check_refuses_fp8_attention_when_the_kernel_fails_it(fp8_defec
     for name in ("auto", "flashinfer"):  # refused, not a silent SDPA or bf16 fallback
         with pytest.raises(Fp8KernelDefect, match="fails its load check"):
             make_attention(name, pool, HEADS, KV_HEADS, HEAD_DIM, fp8=True)
+    assert "JIT-building" not in capfd.readouterr().err  # a defect is not retried with a rebuilt module
     assert make_attention("flashinfer", pool, HEADS, KV_HEADS, HEAD_DIM).name == "flashinfer"  # bf16 unaffected
     print(fp8_defect)
+
+
+def test_the_load_check_passes_the_kernel_on_one_sequence(monkeypatch):
+    """The check's own wiring (scales, layouts, the output's dtype), on the case the kernel gets right (one
+    sequence: measured at the E4M3 rounding's error): within a small factor of it, so a refusal above is the
+    kernel's, not the check's."""
+    import cosmos3_core.attention as attention
+
+    monkeypatch.setattr(attention, "FP8_CHECK_LENGTHS", (384,))
+    pool = KVPool(8, PAGE, 1, KV_HEADS, HEAD_DIM, torch.bfloat16, "cuda")
+    FlashInferAttention(pool, HEADS, KV_HEADS, HEAD_DIM, fp8=True).check_fp8_kernel()  # no Fp8KernelDefect
 
 
 def pack(seed: int, heads: int = HEADS):
