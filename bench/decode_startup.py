@@ -5,7 +5,8 @@ torch.compile's in-memory state do not carry over; the inductor / Triton caches 
 
     python -m bench.decode_startup --config configs/bench_edge.yaml [--variants benchmark heuristics eager]
 
-- benchmark: as served — `torch.backends.cudnn.benchmark = True`, the decoder's kernels compiled
+- benchmark: as served — `torch.backends.cudnn.benchmark = True` (off during the compile warmup, as the stage does),
+  the decoder's kernels compiled
 - heuristics: compiled, cuDNN's heuristics instead of its benchmark
 - eager: benchmark, nothing compiled
 
@@ -33,6 +34,7 @@ def child(config: str, variant: str) -> dict[str, float]:
     `torch.backends.cudnn.benchmark` (run it in a process of its own, as `main` does)."""
     from cosmos3_core.deployment import Deployment
     from cosmos3_core.model.conditioning import VaeCodec
+    from cosmos3_core.stages import warm_decoder
 
     d = Deployment.load(config)
     ckpt = d.open_checkpoint()
@@ -53,7 +55,7 @@ def child(config: str, variant: str) -> dict[str, float]:
     lap("decoder")
     cfg = ckpt.config
     if codec.compile:
-        codec.decode(torch.zeros(1, cfg.latent_channel, 6, 5, 7))
+        warm_decoder(codec, cfg.latent_channel)
         lap("compile warmup")
     frames = (d.defaults.num_frames - 1) // cfg.vae_scale_temporal + 1
     z = torch.randn(1, cfg.latent_channel, frames, *cfg.latent_hw(d.defaults.height, d.defaults.width))

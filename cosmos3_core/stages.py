@@ -137,6 +137,14 @@ class PrefillStage:
         return cond, condition_actions(torch.from_numpy(raw), p.chunk_size, self.cfg.action_dim)  # type: ignore[arg-type]
 
 
+def warm_decoder(codec: VaeCodec, latent_channel: int) -> None:
+    """Compile the decoder's fused kernels now, not mid-stream: 1 + 4 + 1 latent frames (size-1 dims compile apart
+    from the dynamic ones) at distinct sizes (no duck-sized guards) cover every later size. Without cuDNN's
+    benchmark: these 5×7-latent convolutions never serve, so timing their algorithms would only lengthen the load."""
+    with torch.backends.cudnn.flags(enabled=True, benchmark=False):
+        codec.decode(torch.zeros(1, latent_channel, 6, 5, 7))
+
+
 class DecodeStage:
     """Whole videos, or AR streams chunk by chunk (decoder cache kept per stream id between chunks)."""
 
@@ -176,9 +184,8 @@ class DecodeStage:
         self.streams: dict[str, tuple[StreamDecoder | None, float]] = {}
         _ = self.codec.decoder  # prepared and checked at load, not on the first request
         lap("decoder")
-        if compile:  # compile the fused kernels now, not mid-stream: 1 + 4 + 1 latent frames (size-1 dims compile
-            # apart from the dynamic ones) at distinct sizes (no duck-sized guards) cover every later size
-            self.run(torch.zeros(1, ckpt.config.latent_channel, 6, 5, 7))
+        if compile:
+            warm_decoder(self.codec, ckpt.config.latent_channel)
             lap("compile warmup")
 
     @classmethod
