@@ -183,16 +183,37 @@ def test_warm_builds_exactly_the_modules_plan_loads(monkeypatch, fp8):
 
 
 @pytest.mark.parametrize(
-    "lengths",
-    [(384,), (300,), (128, 256), (100, 300), (1500, 2600)],
-    ids=["one", "one_unaligned", "two_aligned", "two_unaligned", "two_long"],
+    "lengths, per_call",
+    [
+        ((384,), False),
+        ((300,), False),
+        ((128, 256), False),
+        ((100, 300), False),
+        ((1500, 2600), False),
+        ((128, 256), True),
+        ((100, 300), True),
+        ((1500, 2600), True),
+    ],
+    ids=[
+        "one",
+        "one_unaligned",
+        "two_aligned",
+        "two_unaligned",
+        "two_long",
+        "two_aligned_per_call",
+        "two_unaligned_per_call",
+        "two_long_per_call",
+    ],
 )
 @pytest.mark.parametrize("kv_heads", [HEADS, KV_HEADS], ids=["mha", "gqa"])
-def test_fa3_fp8_ragged_kernel_matrix(kv_heads, lengths, fp8_defect):
+def test_fa3_fp8_ragged_kernel_matrix(kv_heads, lengths, per_call, fp8_defect):
     """FlashInfer's own FP8 tests cover MHA, lengths in multiples of 128 and fp16 output at a loose MSE bar; ours
     run GQA 4:1, unaligned segments and bf16 output. This matrix localizes a failure of the tests below to one of
     those: each cell holds the FP8 ragged kernel (own tokens only, per-head scales as `quantize_fp8` makes them)
-    to the fp32 exact attention, within RATIO x the fake quant's own error (E4M3 q/k/v, exact softmax)."""
+    to the fp32 exact attention, within RATIO x the fake quant's own error (E4M3 q/k/v, exact softmax).
+    One sequence, or two in one call (short / unaligned / long: does the defect need a short sequence?), or
+    `per_call`: one call per sequence on the same buffers, each planned with its own offsets in them (the way
+    around a multi-sequence defect that needs no copies)."""
     import flashinfer
 
     g = torch.Generator(device="cuda").manual_seed(11)
@@ -204,13 +225,14 @@ def test_fa3_fp8_ragged_kernel_matrix(kv_heads, lengths, fp8_defect):
     indptr = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     valid = torch.ones(rows, dtype=torch.bool, device="cuda")
     (q8, sq), (k8, sk), (v8, sv) = (quantize_fp8(x, valid) for x in (q, k, v))
-    w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
-        torch.empty(128 << 20, dtype=torch.uint8, device="cuda"), "NHD", backend="fa3"
-    )
-    w.plan(indptr, indptr, HEADS, kv_heads, HEAD_DIM, causal=False, q_data_type=E4M3, kv_data_type=E4M3,
-           o_data_type=torch.bfloat16)  # fmt: skip
-    out8 = w.run(q8, k8, v8, sq, sk, sv, out=torch.empty_like(q))
-    torch.cuda.synchronize()
+    workspace = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+    out8 = torch.zeros_like(q)
+    for bounds in [indptr[r : r + 2] for r in range(len(lengths))] if per_call else [indptr]:
+        w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD", backend="fa3")
+        w.plan(bounds, bounds, HEADS, kv_heads, HEAD_DIM, causal=False, q_data_type=E4M3, kv_data_type=E4M3,
+               o_data_type=torch.bfloat16)  # fmt: skip
+        w.run(q8, k8, v8, sq, sk, sv, out=out8)
+        torch.cuda.synchronize()
     exact, fake = torch.empty(rows, HEADS, HEAD_DIM, device="cuda"), torch.empty(rows, HEADS, HEAD_DIM, device="cuda")
     deq = [x8.float() * s[:, None] for x8, s in ((q8, sq), (k8, sk), (v8, sv))]
     for a, b in zip(indptr[:-1].tolist(), indptr[1:].tolist()):
