@@ -15,7 +15,7 @@ Two backends with one contract, chosen by the deployment's `attention`:
   kernels"; the gather padded to its capacity is not timed yet.) `plan` does all host work once
   per step (every layer shares it) and writes only into buffers the plan owns, so a captured CUDA graph replays
   it with new prefixes; the gather's prefix capacity is a power of two (`prefix_capacity`), part of the layout
-  key. With `fp8`, FA3's FP8 kernel runs it, one call per request (below).
+  key. With `fp8` the same call runs on FA3's FP8 kernel.
   Its modules (`flashinfer_module_specs`) are JIT-built on first use, unless built ahead for this GPU arch
   (tools/warm.py, no GPU needed) into `caches.flashinfer_aot_dir`, where they are loaded as they are.
 
@@ -30,20 +30,17 @@ Layouts: q `[rows, heads, d]`, k/v `[rows, kv_heads, d]`; output `[rows, heads *
 FP8 attention (`fp8=True`, the deployment's `fp8_attention`): q, and the K/V of `[prefix | own]` (the prefix —
 text and AR context — included), are quantized to E4M3 (`quantize_fp8`: dynamic scales per head, q's amax over
 the pack's segment rows, K's and V's over every segment's prefix tokens and own rows, / 448, computed on the device
-— no host sync, capturable). FlashInfer runs the ragged attention on FA3's FP8 kernel (Hopper only; the scales go
-in as per-head `scale_q/k/v`, the output stays in the model dtype: FA3 has no FP8 output), one call per request of
-the gather (each planned with its request's bounds in the shared buffers, no copies): FlashInfer 0.6.1's FP8
-kernel is wrong on a batch of more than one sequence (measured on the H200, BENCHMARKS.md), and a pack almost
-always has several (cond and uncond, padding rows, batched requests). SDPA "fake-quantizes": the
+— no host sync, capturable). FlashInfer runs the one ragged call on FA3's FP8 kernel (Hopper only; the scales go in
+as per-head `scale_q/k/v`, the output stays in the model dtype: FA3 has no FP8 output). SDPA "fake-quantizes": the
 same values quantized with the same scales and dequantized before its SDPA calls — the reference the GPU tests
 hold FlashInfer FP8 to (FlashInfer differs by its own rounding: it quantizes the softmax probabilities to E4M3
 too). The scales are per head over every segment of the pack (FA3 takes one scale per head per call), so a
 request's FP8 rounding depends on its batch mates' amax — results agree within FP8 rounding, not bit for bit,
 across batch mixes. Every row and every step (the FP8 linears' W8A16 step policy does not apply: the switch is
-separate). FA3's FP8 kernel must pass a load check first (`fp8_kernel_check`: two sequences of random q/k/v, called
-as the plan calls it, held to the E4M3 rounding's own error); where it fails, fp8_attention on FlashInfer is
-refused at load with the measured error. (Whether one call per request is right on the H200 is not yet measured:
-the GPU tests' per-call kernel cells and this check say.)
+separate). FA3's FP8 kernel must pass a load check first (`fp8_kernel_check`: two sequences of random q/k/v held to
+the E4M3 rounding's own error): FlashInfer 0.6.1's kernel is wrong on batches of more than one sequence (measured
+on the H200), and a pack almost always has several (cond and uncond, padding requests, batched requests), so
+fp8_attention on FlashInfer is refused at load with the measured error until a FlashInfer that passes.
 """
 
 from __future__ import annotations
@@ -98,7 +95,7 @@ def fake_quant_fp8(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
 
 # The FP8 kernel's load check: two sequences of random q/k/v (FlashInfer 0.6.1's FA3 FP8 kernel is wrong on a batch of
 # more than one sequence, MHA and GQA alike, and right on one: BENCHMARKS.md, 10th session), held to RATIO x the error
-# of E4M3 rounding alone (measured: one sequence 1.0x, two in one call 3.8x)
+# of E4M3 rounding alone (measured: one sequence 1.0x, two 3.8x)
 FP8_CHECK_LENGTHS = (128, 256)
 FP8_CHECK_RATIO = 2.0
 
@@ -284,19 +281,15 @@ class FlashInferAttention:
             self._check()
 
     def check_fp8_kernel(self) -> None:
-        """`fp8_kernel_check` on FA3's FP8 ragged kernel, called once per sequence as `FlashInferPlan` calls it →
-        Fp8KernelDefect when it is off (see FP8_CHECK_LENGTHS)."""
+        """`fp8_kernel_check` on FA3's FP8 ragged kernel → Fp8KernelDefect when it is off (see FP8_CHECK_LENGTHS)."""
         import flashinfer
 
-        def fa3_fp8(q8, k8, v8, sq, sk, sv, indptr):  # as FlashInferPlan calls it: once per sequence, its bounds
+        def fa3_fp8(q8, k8, v8, sq, sk, sv, indptr):
+            ragged = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD", backend=self.backend)
             dt = self.pool.k_pages.dtype
-            out = torch.empty(q8.shape, dtype=dt, device=q8.device)
-            for r in range(len(indptr) - 1):
-                ragged = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD", backend=self.backend)
-                ragged.plan(indptr[r : r + 2], indptr[r : r + 2], self.heads, self.kv_heads, self.head_dim,
-                            causal=False, q_data_type=E4M3, kv_data_type=E4M3, o_data_type=dt)  # fmt: skip
-                ragged.run(q8, k8, v8, sq, sk, sv, out=out)
-            return out
+            ragged.plan(indptr, indptr, self.heads, self.kv_heads, self.head_dim, causal=False, q_data_type=E4M3,
+                        kv_data_type=E4M3, o_data_type=dt)  # fmt: skip
+            return ragged.run(q8, k8, v8, sq, sk, sv, out=torch.empty(q8.shape, dtype=dt, device=q8.device))
 
         err, rounding = fp8_kernel_check(fa3_fp8, self.heads, self.kv_heads, self.head_dim, self.workspace.device)
         if not err <= FP8_CHECK_RATIO * rounding:  # (NaN refuses too)
@@ -421,21 +414,17 @@ def _empty_requests(qo: list[int], kv: list[int], batch: int) -> None:
 
 class FlashInferPlan:
     """One ragged prefill over `[prefix | own]` K/V per layer (see `GatherLayout`); with the backend's `fp8`, q and
-    the gathered K/V quantized to E4M3 first (the module docstring), and one FA3 FP8 call per request, each planned
-    with its request's bounds in the shared buffers (FA3's FP8 kernel is wrong on a batch of several sequences:
-    `fp8_kernel_check`, which runs this way too). `slots`: a bucketed layout's segment slots: every update plans
-    2·slots requests (each segment and its padding rows, then empty ones), the fixed batch a captured graph needs;
-    0: as many as the first update's. The prefix capacity is the first update's `prefix_capacity` (the layout key
-    holds it, so later updates fit)."""
+    the gathered K/V quantized to E4M3 first (the module docstring). `slots`: a bucketed layout's segment slots:
+    every update plans 2·slots requests (each segment and its padding rows, then empty ones), the fixed batch a
+    captured graph needs; 0: as many as the first update's. The prefix capacity is the first update's
+    `prefix_capacity` (the layout key holds it, so later updates fit)."""
 
     def __init__(self, attn: FlashInferAttention, rows: int, slots: int = 0):
         self.attn = attn
         self.rows = rows
         self.batch = 2 * slots
         self.capacity = 0
-        self.ragged = None  # the one call over every request (bf16)
-        # fp8: one call per request (each wrapper holds FlashInfer's 8 MB int workspace on the GPU and pinned)
-        self.per_request: list = []
+        self.ragged = None
         self.index: torch.Tensor | None = None  # [rows + 2 * capacity]: own_dst | prefix_src | prefix_dst
         self.valid: torch.Tensor | None = None  # fp8, [2 * rows + capacity] bool: segment rows | segment_keys
         self.staged: tuple[torch.Tensor, ...] = ()  # the pinned host copies (alive until their copies ran)
@@ -457,33 +446,19 @@ class FlashInferPlan:
                 self.valid = torch.zeros(2 * self.rows + self.capacity, dtype=torch.bool, device=dev)
         layout = gather_layout(segments, self.rows, a.pool.page_size, self.capacity)
         qo, kv = layout.qo_indptr, layout.kv_indptr
-        qkv = E4M3 if a.fp8 else dt  # FP8: E4M3 q and kv, output in the model dtype (FA3 has no FP8 output)
-
-        def wrapper(batch: int):
-            return flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
-                a.workspace, "NHD", use_cuda_graph=True, backend=a.backend,
-                qo_indptr_buf=torch.zeros(batch + 1, dtype=torch.int32, device=dev),
-                kv_indptr_buf=torch.zeros(batch + 1, dtype=torch.int32, device=dev),
-            )  # fmt: skip
-
-        def plan(ragged, qo_bounds: list[int], kv_bounds: list[int]) -> None:
-            ragged.plan(torch.tensor(qo_bounds, dtype=torch.int32), torch.tensor(kv_bounds, dtype=torch.int32),
-                        a.heads, a.kv_heads, a.head_dim, causal=False, q_data_type=qkv, kv_data_type=qkv,
-                        o_data_type=dt)  # fmt: skip
-
-        if self.ragged is None and not self.per_request:
+        if self.ragged is None:
             self.batch = self.batch or len(qo) - 1
-            if not a.fp8:
-                self.ragged = wrapper(self.batch)
-            else:
-                self.per_request = [wrapper(1) for _ in range(self.batch)]
-                for ragged in self.per_request:  # a captured wrapper sizes its work lists by its first plan's rows
-                    plan(ragged, [0, self.rows], [0, self.rows + self.capacity])  # (its end): the whole buffer
+            self.ragged = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
+                a.workspace, "NHD", use_cuda_graph=True, backend=a.backend,
+                qo_indptr_buf=torch.zeros(self.batch + 1, dtype=torch.int32, device=dev),
+                kv_indptr_buf=torch.zeros(self.batch + 1, dtype=torch.int32, device=dev),
+            )  # fmt: skip
         _empty_requests(qo, kv, self.batch)
-        if self.ragged is not None:
-            plan(self.ragged, qo, kv)
-        for r, ragged in enumerate(self.per_request):
-            plan(ragged, qo[r : r + 2], kv[r : r + 2])
+        qkv = E4M3 if a.fp8 else dt  # FP8: E4M3 q and kv, output in the model dtype (FA3 has no FP8 output)
+        self.ragged.plan(
+            torch.tensor(qo, dtype=torch.int32), torch.tensor(kv, dtype=torch.int32), a.heads, a.kv_heads,
+            a.head_dim, causal=False, q_data_type=qkv, kv_data_type=qkv, o_data_type=dt,
+        )  # fmt: skip
         self.staged = (layout.packed().pin_memory(),)
         self.index.copy_(self.staged[0], non_blocking=True)
         if self.valid is not None:
@@ -501,9 +476,7 @@ class FlashInferPlan:
         # FA3 FP8: per-head scales as run's positional args (scale_q [heads], scale_k/v [kv_heads], fp32)
         (q8, sq), (k8, sk), (v8, sv) = quantize_fp8(q, rows), quantize_fp8(k_all, keys), quantize_fp8(v_all, keys)
         out = torch.empty_like(q)  # run's own default for FP8 input is bf16 whatever the plan's o_data_type
-        for ragged in self.per_request:  # each writes its request's rows of `out`; together they cover every row
-            ragged.run(q8, k8, v8, sq, sk, sv, out=out)
-        return out.flatten(-2)
+        return self.ragged.run(q8, k8, v8, sq, sk, sv, out=out).flatten(-2)
 
 
 def make_attention(

@@ -13,11 +13,10 @@ Every assertion message carries the measured numbers. What each test isolates, i
    exact attention, over MHA / GQA, one sequence / two (128-aligned, unaligned, long), bf16 output (the cases
    FlashInfer's own FP8 tests do and do not cover; fp16 output, which they use, failed alike on the 10th session).
 
-FlashInfer 0.6.1's FP8 kernel is wrong on a batch of more than one sequence (BENCHMARKS.md, 10th session), so the
-plan calls it once per request, and the server refuses fp8_attention at load when that fails
-`attention.fp8_kernel_check` (the first two tests below). While it does, the per-call cells and the plan / engine
-tests xfail with their measured numbers in the reason (read them with -rx); when the check passes, they must pass.
-The batched two-sequence cells xfail whenever they are off (the defect itself, kept in view until it is fixed).
+FlashInfer 0.6.1's FP8 kernel is wrong on a batch of more than one sequence (BENCHMARKS.md, 10th session), and the
+server refuses fp8_attention at load when the kernel fails `attention.fp8_kernel_check` (test 0 below). While it
+does, the multi-sequence cells and the plan / engine tests xfail with their measured numbers in the reason (read
+them with -rx); when a FlashInfer passes the check, they must pass.
 3. test_fa3_fp8_attention_matches_the_sdpa_fake_quant_reference — the whole plan (gathered [prefix | own], FP8),
    exact and bucketed plans, against SDPA fake quant on the same inputs; also that FP8 is really engaged.
 4. test_fp8_plan_captured_equals_eager — the plan inside a CUDA graph, replayed with new segments and inputs.
@@ -245,10 +244,7 @@ def test_fa3_fp8_ragged_kernel_matrix(kv_heads, lengths, per_call, fp8_defect):
     assert bool(out8.isfinite().all()), msg
     if len(lengths) == 1:  # one sequence: right even with the multi-sequence defect
         assert err < RATIO * fake_err, msg
-    elif not per_call:  # the batched call the plan no longer makes: FlashInfer 0.6.1's defect, xfail until fixed
-        expect(err < RATIO * fake_err, msg, "FA3's FP8 kernel on a batch of several sequences (BENCHMARKS.md)")
-    else:  # the plan's way: must hold unless the load check refuses it too
-        expect(err < RATIO * fake_err, msg, fp8_defect)
+    expect(err < RATIO * fake_err, msg, fp8_defect)
     print(msg)
 
 
