@@ -1,7 +1,8 @@
 """What the vae_decode stage's load spends, and what cuDNN's benchmark buys (GPU). The stage is the cold start's
 critical path (BENCHMARKS.md, 10th session: ready at 64-73 s of a server's 79-86 s, with or without make warm's
 caches). Each variant runs in a fresh process, as a server's stage does (cuDNN's benchmark results and
-torch.compile's in-memory state do not carry over; the inductor / Triton caches on disk do):
+torch.compile's in-memory state do not carry over; the inductor / Triton caches on disk do: `$COSMOS3_CACHE`'s, as a
+server's):
 
     python -m bench.decode_startup --config configs/bench_edge.yaml [--variants benchmark heuristics eager]
 
@@ -78,6 +79,9 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args.config, args.child)))
         return
+    from cosmos3_core.caches import use_kernel_caches
+
+    use_kernel_caches()  # the children compile into (and load from) the kernel caches a server uses
     results = {}
     for v in args.variants:
         t0 = time.perf_counter()
