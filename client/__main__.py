@@ -64,7 +64,6 @@ def main(argv: list[str] | None = None) -> int:
 
     bar = tqdm(desc="denoise", unit="step", file=sys.stderr)
     out = Path(args.out)
-    fps = params.get("fps") or 16.0
     chunks_written: list[str] = []
 
     def on_event(event: dict, frames) -> None:
@@ -75,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             bar.refresh()
         elif frames is not None and args.command == "stream":
             path = out.with_name(f"{out.stem}.chunk{len(chunks_written):03d}.mp4")
-            write_frames(path, frames, fps)
+            write_frames(path, frames, event["fps"])  # the server's resolved rate (its default unless sent)
             chunks_written.append(str(path))
             bar.write(
                 f"window {event['window'] + 1}/{event['windows']}: frames {event['frame_offset']}.. ({frames.shape[0]}) → {path}"
@@ -90,9 +89,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     bar.close()
-    done = next((e for e in result.events if e["type"] == "done"), {})
+    done = next((e for e in result.events if e["type"] == "done"), None)
+    if done is None:
+        print("error: the server's last response carried no done event", file=sys.stderr)
+        return 1
     video = result.video
-    write_frames(out, video, fps, result.audio)  # .mp4 carries the audio track
+    write_frames(out, video, done["fps"], result.audio)  # .mp4 carries the audio track, at the server's rate
     print(f"wrote {out}: {video.shape[0]} frames {video.shape[2]}x{video.shape[1]}", file=sys.stderr)
     if args.audio_out and result.audio is not None:
         from cosmos3_core.media import write_audio
@@ -109,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if gaps:
         print("chunk gaps " + " ".join(f"{g:.2f}s" for g in gaps), file=sys.stderr)
-    print(f"server timings {done.get('timings', {})}", file=sys.stderr)
+    print(f"server timings {done['timings']}", file=sys.stderr)
     return 0
 
 

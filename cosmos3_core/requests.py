@@ -216,6 +216,9 @@ class GenerationParams:
             hidden |= {"condition_frame_indexes", "condition_video_keep"}
         if self.action_mode:
             hidden |= set(NOT_WITH_ACTION)
+        # a window field the mode does not read is refused when sent (`_validate_windows`): not echoed either
+        hidden |= {"none": {"window_frames", "overlap_frames", "context_frames"}, "chained": {"context_frames"},
+                   "kv": {"overlap_frames"}}[self.window_mode]  # fmt: skip
         out = {k: v for k, v in asdict(self).items() if k not in hidden}
         if self.action_mode:
             out["action"] = dict(zip(ACTION_KEYS, (getattr(self, f) for f in ACTION_FIELDS), strict=True))

@@ -56,6 +56,7 @@ class ChunkEvent(ChunkInfo, total=False):
     t0: float  # request arrival (epoch s), server-internal: decode measures TTFC and e2e from it
     frames: int  # decode: pixel frames in this response's video
     frame_offset: int  # decode: the first one's index in the whole video
+    fps: float  # the video's frame rate (every piece: a client writes each as it arrives)
     seed: int  # done only
     params: dict[str, Any]  # done only: GenerationParams.resolved()
 
@@ -106,6 +107,7 @@ class RequestMeta:
 
     def chunk(self, info: ChunkInfo, final: bool) -> ChunkEvent:
         event: ChunkEvent = {"type": "done" if final else "chunk", "id": self.id, "t0": self.t0, **info}  # type: ignore[typeddict-item]
+        event["fps"] = self.params.fps
         if final:
             event["timings"] = {"prefill_s": self.prefill_s, **info["timings"]}
             event["params"] = self.params.resolved()

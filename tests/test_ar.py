@@ -217,3 +217,21 @@ def test_stream_decode_joins_like_one_decode(setup):
     print(f"stream decode vs one decode: PSNR {psnr} dB (mse {mse})")
     assert psnr >= 40.0
     assert "s1" not in decode.streams
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"num_frames": 9},
+        {"num_frames": 33, "window_mode": "chained"},
+        {"num_frames": 33, "window_mode": "kv"},
+        {"num_frames": 1},
+    ],  # fmt: skip
+    ids=["t2v", "chained", "kv", "t2i"],
+)
+def test_the_done_params_sent_back_are_accepted_and_resolve_the_same(setup, params):
+    """README: `done.params` reproduces a result when sent back. Every window mode's echo must validate again (no
+    field the mode refuses, e.g. a chained request's context_frames) and resolve to itself."""
+    _, prefill, _ = setup
+    echo = prefill.validate("a fox", params, None).resolved()
+    assert prefill.validate("a fox", echo, None).resolved() == echo

@@ -56,7 +56,7 @@ def test_cancel_mid_stream(server):
     assert generate(server.url, "after", {"steps": 2}).video.shape == (9, 32, 64, 3)
 
 
-def test_client_stream_command(server, tmp_path):
+def test_client_stream_command(server, served_deployment, tmp_path):
     out = tmp_path / "long.mp4"
     args = [
         "--url",
@@ -75,4 +75,9 @@ def test_client_stream_command(server, tmp_path):
     r = subprocess.run([sys.executable, "-m", "client", "stream", *args], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert out.is_file() and len(list(tmp_path.glob("long.chunk*.mp4"))) >= 3
+    import imageio.v3 as iio
+
+    fps = served_deployment[1].defaults.fps  # the server's default rate: the request sent none
+    for path in [out, *tmp_path.glob("long.chunk*.mp4")]:
+        assert iio.immeta(path)["fps"] == pytest.approx(fps), path
     assert "TTFC" in r.stderr and "chunk gaps" in r.stderr and "frames/s" in r.stderr
