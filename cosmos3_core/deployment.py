@@ -24,6 +24,17 @@ INSTANCES = {"prefill": 1, "denoise": 1, "vae_decode": 1}  # the default instanc
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
 
 
+def _section(kind: type, raw: Any, where: str, build: bool = True) -> Any:
+    """A config section (a mapping) → `kind(**raw)`; a key `kind` has no field for is an error naming it (not a
+    TypeError from the constructor). `build` False: only the check."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}: a mapping of fields; got {raw!r}")
+    unknown = set(raw) - {f.name for f in fields(kind)}
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {sorted(unknown)}")
+    return kind(**raw) if build else None
+
+
 @dataclass(frozen=True)
 class Deployment:
     checkpoint: str = ""  # empty: the tiny checkpoint (tools/checkpoints.py); rendered deployments hold the path
@@ -93,7 +104,8 @@ class Deployment:
         if unknown:
             raise ValueError(f"{path}: unknown keys {sorted(unknown)}")
         d = raw.pop("defaults", {}) or {}
-        tasks = {t: TaskDefaults(**d.pop(t)) for t in ("t2i", "t2v", "i2v") if t in d}
+        tasks = {t: _section(TaskDefaults, d.pop(t), f"{path}: defaults.{t}") for t in ("t2i", "t2v", "i2v") if t in d}
+        _section(Defaults, d, f"{path}: defaults", build=False)
         if raw.get("dtype", "auto") not in (*DTYPES, "auto"):
             raise ValueError(f"{path}: dtype must be one of {', '.join(DTYPES)}, auto")
         raw["fp8_policy"] = raw.get("fp8_policy") or {}
@@ -105,7 +117,7 @@ class Deployment:
             raise ValueError(f"{path}: graph_buckets: ascending positive multiples of 64 rows; got {buckets}")
         if not isinstance(raw.get("max_captures", 0), int) or raw.get("max_captures", 0) < 0:
             raise ValueError(f"{path}: max_captures: a count ≥ 0; got {raw['max_captures']}")
-        limits = Limits(**(raw.pop("limits", None) or {}))
+        limits = _section(Limits, raw.pop("limits", None) or {}, f"{path}: limits")
         given = raw.pop("instances", None) or {}
         if set(given) - set(INSTANCES) or any(not isinstance(n, int) or n < 1 for n in given.values()):
             raise ValueError(f"{path}: instances: counts ≥ 1 for {', '.join(INSTANCES)}; got {given}")

@@ -53,3 +53,21 @@ def test_perf_analyzer_input_is_a_valid_request_for_the_bench_config():
         entry["prompt"][0], params, None, d.defaults, d.limits, cfg.pixel_alignment, cfg.vae_scale_temporal, 5.0
     )
     assert (p.height, p.width, p.num_frames, p.steps, p.guidance_scale) == (480, 832, 121, 20, 6.0)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("defaults: {t2v: {steps: 8, bogus: 1}}\n", r"defaults.t2v: unknown keys \['bogus'\]"),
+        ("defaults: {heigth: 480}\n", r"defaults: unknown keys \['heigth'\]"),
+        ("limits: {max_frame: 9}\n", r"limits: unknown keys \['max_frame'\]"),
+        ("defaults: {t2v: 8}\n", r"defaults.t2v: a mapping of fields; got 8"),
+        ("bogus: 1\n", r"unknown keys \['bogus'\]"),
+    ],
+)
+def test_a_config_key_no_section_has_is_an_error_naming_it(tmp_path, text, message):
+    """Every section of a deployment config names a key it does not know (not a constructor's TypeError)."""
+    path = tmp_path / "d.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        Deployment.load(path)

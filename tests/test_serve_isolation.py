@@ -173,3 +173,14 @@ def test_make_stop_with_grpc_port_stops_only_that_server(tmp_path):
         for p in stand_ins:
             p.kill()
             p.wait()
+
+
+def test_a_config_error_is_one_clear_error(tmp_path):
+    """A deployment config the server cannot load: one `error:` line naming the key, no traceback, no server."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("defaults: {t2v: {steps: 8, bogus: 1}}\n")
+    r = subprocess.run(serve_cmd(bad, [free_port(), free_port(), free_port()]), cwd=tmp_path, capture_output=True,
+                       text=True, timeout=60)  # fmt: skip
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error")]
+    assert r.returncode == 2 and len(errors) == 1 and "defaults.t2v: unknown keys ['bogus']" in errors[0], r.stderr
+    assert "Traceback" not in r.stderr

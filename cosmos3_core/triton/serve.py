@@ -123,7 +123,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {workdir.absolute()} is in use by another server (pid {holder}); pass another --workdir",
               file=sys.stderr)  # fmt: skip
         return 1
-    deployment = Deployment.load(args.config, checkpoint=args.checkpoint)
+    try:
+        deployment = Deployment.load(args.config, checkpoint=args.checkpoint)
+    except (ValueError, OSError) as e:  # a config error names its field: one line, not a traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     use_kernel_caches()  # the stubs inherit these: kernels built by `make warm` or an earlier server are reused
     repo, deployment = render(deployment, workdir)
     print(f"rendered {repo}", file=sys.stderr)
