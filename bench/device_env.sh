@@ -6,7 +6,7 @@
 # FlashInfer's JIT cache stays in /tmp/fiws while the machine is warm. .whl/perf_analyzer (bench/perf_analyzer/
 # fetch.sh, 18 MB), when carried, goes to /tmp/perf_analyzer for bench/device_served.sh. Then the GPU tests
 # (tests/test_gpu*.py, tests/test_decoder.py) in that venv.
-#   device run, carry [.whl/env] (+ .whl/parity on a fresh machine, + .whl/perf_analyzer): bash bench/device_env.sh [--tests]
+#   device run, carry [.whl/env] (+ .whl/parity on a fresh machine, + .whl/perf_analyzer): [GPU_TESTS=...] bash bench/device_env.sh [--tests]
 #   (then bench/device_served.sh; the wheels: `make device-wheels`)
 set -euo pipefail
 BASE_SITE=$(python3 -c "import site; print(site.getsitepackages()[0])")
@@ -30,7 +30,8 @@ from diffusers import AutoencoderKLWan, Cosmos3OmniPipeline, UniPCMultistepSched
 print('numpy', numpy.__version__, 'torch', torch.__version__, 'flashinfer', flashinfer.__version__, torch.cuda.get_device_name())"
 if [ "${1:-}" = "--tests" ]; then
   # the whole log comes back in $OUT (a failure's traceback is what the next CPU session works from); the tail here
-  timeout 540 /tmp/v/bin/python -m pytest -q -rfxX --tb=short -p no:cacheprovider tests/test_gpu*.py tests/test_decoder.py \
+  # GPU_TESTS: a subset (e.g. GPU_TESTS=tests/test_gpu_fp8attn.py) when device time is short
+  timeout 540 /tmp/v/bin/python -m pytest -q -rfxX --tb=short -p no:cacheprovider ${GPU_TESTS:-tests/test_gpu*.py tests/test_decoder.py} \
     > $OUT/test_gpu.txt 2>&1 || true
   grep -v Warning $OUT/test_gpu.txt | tail -40
 fi
