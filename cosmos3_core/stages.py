@@ -139,10 +139,8 @@ class PrefillStage:
 
 def warm_decoder(codec: VaeCodec, latent_channel: int) -> None:
     """Compile the decoder's fused kernels now, not mid-stream: 1 + 4 + 1 latent frames (size-1 dims compile apart
-    from the dynamic ones) at distinct sizes (no duck-sized guards) cover every later size. Without cuDNN's
-    benchmark: these 5×7-latent convolutions never serve, so timing their algorithms would only lengthen the load."""
-    with torch.backends.cudnn.flags(enabled=True, benchmark=False):
-        codec.decode(torch.zeros(1, latent_channel, 6, 5, 7))
+    from the dynamic ones) at distinct sizes (no duck-sized guards) cover every later size."""
+    codec.decode(torch.zeros(1, latent_channel, 6, 5, 7))
 
 
 class DecodeStage:
@@ -166,9 +164,9 @@ class DecodeStage:
             self.startup[part] = now - t
             t = now
 
+        # cuDNN's heuristics, not its benchmark: on the H200 the Edge video decodes as fast either way (1.34 s), and
+        # the benchmark made a server's first video 6.9 s instead of 1.5 s (BENCHMARKS.md, bench.decode_startup)
         cuda = str(device).startswith("cuda")
-        if cuda:
-            torch.backends.cudnn.benchmark = True  # the Wan decoder's conv3d shapes repeat every chunk
         compile = compile and cuda  # the fused kernels save memory traffic on the GPU; on CPU, only compile time
         wrap = None if group is None else (lambda decoder: PatchDecoder(decoder, group))
         self.codec = VaeCodec(ckpt.load_vae(device, dtype), compile, wrap)

@@ -212,8 +212,10 @@ def test_fa3_fp8_ragged_kernel_matrix(kv_heads, lengths, per_call, fp8_defect):
     those: each cell holds the FP8 ragged kernel (own tokens only, per-head scales as `quantize_fp8` makes them)
     to the fp32 exact attention, within RATIO x the fake quant's own error (E4M3 q/k/v, exact softmax).
     One sequence, or two in one call (short / unaligned / long: does the defect need a short sequence?), or
-    `per_call`: one call per sequence on the same buffers, each planned with its own offsets in them (the way
-    around a multi-sequence defect that needs no copies)."""
+    `per_call`: one call per sequence on the same buffers, each planned with its own offsets in them.
+    FlashInfer 0.6.1 on the H200 (11th session): GQA fails on one 300-key sequence (0.122) and on 128 + 256 and
+    100 + 300, per call exactly as in one call; it passes on one 384-key sequence and on 1500 + 2600. So the defect
+    is short sequences, not batching, and calling per sequence does not go around it."""
     import flashinfer
 
     g = torch.Generator(device="cuda").manual_seed(11)
@@ -242,8 +244,6 @@ def test_fa3_fp8_ragged_kernel_matrix(kv_heads, lengths, per_call, fp8_defect):
     per_head = [f"{rel_l2(out8[:, h].float(), exact[:, h]):.2e}" for h in range(HEADS)]
     msg = f"FP8 kernel vs exact {err:.3e}, fake quant vs exact {fake_err:.3e}; per head {per_head}"
     assert bool(out8.isfinite().all()), msg
-    if len(lengths) == 1:  # one sequence: right even with the multi-sequence defect
-        assert err < RATIO * fake_err, msg
     expect(err < RATIO * fake_err, msg, fp8_defect)
     print(msg)
 
