@@ -42,6 +42,8 @@ from .model.layers import Cosmos3Transformer
 from .model.towers import EAGER, GenKernels, embed_row, output_heads
 from .rows import SEGMENT_ALIGN, Branch, Row, RowOutput, Segment, denoise_step_row, segments_of, unpatchify
 
+CAPTURE_SEGMENT = 4096  # tokens per row of a warmup capture's pack (a multiple of SEGMENT_ALIGN)
+
 
 class DenoiseStep:
     """Runs denoise steps over packed rows. Owns the attention backend and, per layout (row sizes, branches,
@@ -122,8 +124,10 @@ class DenoiseStep:
 
     def capture_buckets(self, a16: tuple[bool, ...] = (True,)) -> int:
         """Warmup: run and capture each bucket's layout (no sound, no actions, no residual; FP8 linears all W8A16,
-        then all W8A8 with `a16` (True, False)) with a pack that fills it — one row of that many tokens on one text
-        token, zeros — so that served mixes replay it. → the number of graphs captured."""
+        then all W8A8 with `a16` (True, False)) with a pack that fills it — rows of at most CAPTURE_SEGMENT tokens
+        on one text token, zeros — so that served mixes replay it. → the number of graphs captured. (A capture
+        serves any segment mix of its bucket; short segments keep attention's cost, quadratic in a segment's
+        length, small: one 96,768-token segment per bucket made Edge's warmup 31 s.)"""
         if not (self.cuda_graphs and self.buckets and self.attention.bucketable):
             return 0
         before = self.captures
@@ -132,13 +136,17 @@ class DenoiseStep:
         text = self.pool.alloc(1)
         try:
             for size in self.buckets:
-                rot = torch.zeros(size, cfg.head_dim, dtype=dt, device=dev)
-                latents = torch.zeros(1, cfg.latent_channel, 1, p, size * p, device=dev)  # [1, C, T, H, W]: size tokens
+                lengths = [min(CAPTURE_SEGMENT, size - start) for start in range(0, size, CAPTURE_SEGMENT)]
                 for precision in a16:
-                    row = denoise_step_row(latents, 1.0, torch.zeros(1, dtype=torch.long, device=dev),
-                                           (Branch((text,), rot, rot),), p, dt, a16=precision)  # fmt: skip
+                    rows = []
+                    for n in lengths:
+                        rot = torch.zeros(n, cfg.head_dim, dtype=dt, device=dev)
+                        # [1, C, T, H, W]: n tokens
+                        latents = torch.zeros(1, cfg.latent_channel, 1, p, n * p, device=dev)
+                        rows.append(denoise_step_row(latents, 1.0, torch.zeros(1, dtype=torch.long, device=dev),
+                                                     (Branch((text,), rot, rot),), p, dt, a16=precision))  # fmt: skip
                     for _ in range(2):  # eager (compiles, autotunes), then captured
-                        self([row])
+                        self(rows)
         finally:
             self.pool.free(text)
         return self.captures - before

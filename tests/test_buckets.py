@@ -128,6 +128,28 @@ def test_exact_layouts_where_buckets_do_not_apply(parts):
     assert next(iter(plain.layouts))[0][0] != "bucket"
 
 
+def test_the_warmup_packs_fill_the_buckets_served_mixes_use(parts, monkeypatch):
+    """`capture_buckets` runs each bucket's layout on a pack of short rows (CAPTURE_SEGMENT tokens: attention's
+    cost is quadratic in a segment's length) that fills the bucket; served mixes of other sizes then run in those
+    layouts (on the GPU: replay their captures). Here eager: the step is told it captures, the layouts cannot."""
+    import cosmos3_core.step as step_module
+
+    cfg, model, pool = parts
+    monkeypatch.setattr(step_module, "CAPTURE_SEGMENT", 192)  # 512 rows: 192 + 192 + 128
+    step = DenoiseStep(model, pool, attention=BucketedSdpa(pool), graph_buckets=BUCKETS)
+    step.cuda_graphs = True
+    packs, layout = [], step.layout
+    monkeypatch.setattr(step, "layout", lambda rows: packs.append([r.tokens.shape[0] for r in rows]) or layout(rows))
+    step.capture_buckets()
+    assert packs == [[192, 192, 128]] * 2 + [[192] * 5 + [64]] * 2  # eager, then the capture
+    keys = list(step.layouts)
+    assert keys == [(("bucket", n, 0, 0, n), "sdpa", (), False) for n in BUCKETS]
+    step([make_row(cfg, pool, 30, (1, 2, 2))])  # 2 segments of 64: the 512 bucket
+    assert list(step.layouts) == keys[::-1]
+    step([make_row(cfg, pool, 31, (2, 8, 8)), make_row(cfg, pool, 32, (4, 8, 8))])  # 768 rows: the 1024 bucket
+    assert list(step.layouts) == keys  # no layout of their own
+
+
 def test_layout_cache_keeps_the_most_recent_layouts(parts):
     cfg, model, pool = parts
     step = DenoiseStep(model, pool)

@@ -28,6 +28,7 @@ LAYERS: list[set[str]] = [
     {"engine"},
     {"generate"},
     {"triton.__init__", "triton.cancel", "triton.launcher", "triton.glue", "triton.serve", "tools.warm"},
+    {"triton.adaptors"},
 ]  # fmt: skip
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 

@@ -1,0 +1,159 @@
+"""The Triton Python models of the repository: each `model_repository/<name>/1/model.py` is a shim whose
+`TritonPythonModel.initialize` imports this module and builds one of these, then forwards `execute` / `finalize`.
+
+Why the shim imports here and not at its top: Triton's Python backend first loads every model.py in a stub process
+of its own to auto-complete the model config, then again in the instance's stub. Top-level imports of torch and
+this package made that first stub cost ~12 s of every server start (on the critical path of the cold start).
+
+- `PrefillModel` (cosmos3_prefill): validate the request, tokenize, run the understanding tower once, VAE-encode an
+  i2v image, the v2v clip's conditioning frames or an action request's anchor frame (inverse dynamics: its clip);
+  over `stages.PrefillStage`. What it sends on is typed in `wire.py`.
+- `DenoiseModel` (cosmos3_denoise, decoupled): hands each request to the denoise engine and returns at once; the
+  engine thread packs every live request into one GEN forward per tick, the response thread sends progress events
+  and, in the final response, the finished latents (threads and metrics: glue.py).
+- `DecodeModel` (cosmos3_vae_decode, decoupled, one response per request): latents → uint8 frames; progress events
+  pass through with an empty video. `execute` only queues; the decode loop (`glue.DecodeLoop`) launches each chunk
+  on the GPU in arrival order and its responder waits for the chunk's frames on the host and sends them, while the
+  GPU decodes the next chunk.
+"""
+
+import time
+import uuid
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from ..engine import DenoiseEngine, QueueFull
+from ..model.checkpoint import Checkpoint
+from ..requests import RequestError, parse_parameters_json, validate, warmup_inputs
+from ..sampling import checkpoint_shift
+from ..stages import DecodeStage, PrefillStage
+from ..wire import PrefillResult, RequestMeta
+from .cancel import CancelMarks
+from .glue import (
+    DecodeLoop,
+    DecodeMetrics,
+    EngineMetrics,
+    EngineThread,
+    Responder,
+    TritonSink,
+    deployment_from_args,
+    error_response,
+    input_array,
+    input_torch,
+    log_exception,
+    output,
+    text_output,
+)
+
+
+class PrefillModel:
+    """`cosmos3_prefill`'s model.py, as its `TritonPythonModel` calls it."""
+
+    def __init__(self, args):
+        t0 = time.perf_counter()
+        d, device = deployment_from_args(args)
+        self.stage = PrefillStage(d.open_checkpoint(), device, d.torch_dtype, d.defaults, d.limits)
+        pb_utils.Logger.log_info(f"cosmos3_prefill: ready in {time.perf_counter() - t0:.1f}s")  # startup's parts
+
+    def execute(self, requests):
+        return [self._one(r) for r in requests]
+
+    def _one(self, request):
+        t0 = time.time()
+        try:
+            prompt = input_array(request, "prompt")
+            if prompt is None or prompt.size != 1:
+                raise RequestError("prompt", "expected exactly one string")
+            raw_params = input_array(request, "parameters")
+            if raw_params is not None and raw_params.size != 1:
+                raise RequestError("parameters", "expected exactly one JSON string")
+            params = parse_parameters_json(None if raw_params is None else raw_params.reshape(-1)[0])
+            image, video = input_array(request, "image"), input_array(request, "condition_video")
+            raw_actions = input_array(request, "raw_actions")
+            p = self.stage.validate(prompt.reshape(-1)[0], params, image, video, raw_actions)
+            wire = self.stage.run(p, image, video, raw_actions).to_wire()
+        except RequestError as e:
+            return error_response(str(e))
+        except Exception as e:  # noqa: BLE001 - one bad request never takes the instance down
+            return error_response(log_exception("cosmos3_prefill", e))
+        meta = RequestMeta(uuid.uuid4().hex, p, t0, time.time() - t0)
+        outs = [output(name, value) for name, value in wire.items()] + [text_output("request", meta.encode())]
+        return pb_utils.InferenceResponse(output_tensors=outs)
+
+
+class DenoiseModel:
+    """`cosmos3_denoise`'s model.py, as its `TritonPythonModel` calls it."""
+
+    def __init__(self, args):
+        t0 = time.perf_counter()
+        d, device = deployment_from_args(args)
+        ckpt = d.open_checkpoint()
+        self.engine = DenoiseEngine.from_deployment(ckpt, d, device)
+        pb_utils.Logger.log_info(f"cosmos3_denoise: engine built in {time.perf_counter() - t0:.1f}s")  # startup's parts
+        cfg, shift = ckpt.config, checkpoint_shift(ckpt.scheduler_config)
+        sizes = (d.defaults, d.limits, cfg.pixel_alignment, cfg.vae_scale_temporal, shift)
+        warmup = []
+        for r in d.warmup_requests:  # an action request: a blank image (clip) at the default size (warmup_inputs)
+            image, video, raw = warmup_inputs(r, d.defaults)
+            warmup.append(validate("warmup", r, image, *sizes, video, raw))
+        took = self.engine.warmup(warmup)
+        parts = ", ".join(f"{k} {v:.1f}s" for k, v in self.engine.warmup_parts.items())
+        pb_utils.Logger.log_info(f"cosmos3_denoise: warmup of {len(warmup)} shapes took {took:.1f}s ({parts})")
+        self.metrics = EngineMetrics(
+            self.engine, {"model": args["model_name"], "instance": args["model_instance_name"]}
+        )
+        self.marks = CancelMarks(d.cancel_dir)
+        self.responder = Responder(device)
+        self.engine_thread = EngineThread(self.engine, self.marks, d.drain_timeout_s)
+
+    def execute(self, requests):
+        for request in requests:
+            sink = None
+            try:
+                meta = RequestMeta.decode(input_array(request, "request").reshape(-1)[0])
+                sink = TritonSink(request, self.responder, meta, self.marks)
+                result = PrefillResult.from_wire(
+                    meta.params,
+                    input_torch(request, "text_kv"),
+                    input_array(request, "text_lens").astype(np.int64),
+                    input_torch(request, "cond_latent"),
+                    input_torch(request, "cond_actions"),
+                )
+                self.engine.submit(result, sink)
+            except (RequestError, QueueFull) as e:
+                self.metrics.rejected()
+                self._reject(request, sink, str(e))
+            except Exception as e:  # noqa: BLE001
+                self.metrics.rejected()
+                self._reject(request, sink, log_exception("cosmos3_denoise", e))
+        return None
+
+    def _reject(self, request, sink, message):
+        (sink or TritonSink(request, self.responder, None, self.marks)).error(message)
+
+    def finalize(self):
+        self.engine_thread.close(timeout=30)
+        self.metrics.close()
+        self.responder.close(timeout=30)
+
+
+class DecodeModel:
+    """`cosmos3_vae_decode`'s model.py, as its `TritonPythonModel` calls it."""
+
+    def __init__(self, args):
+        t0 = time.perf_counter()
+        d, device = deployment_from_args(args)
+        stage = DecodeStage.from_deployment(Checkpoint.open(d.checkpoint), d, device)  # parallel.vae: over a group
+        metrics = DecodeMetrics({"model": args["model_name"], "instance": args["model_instance_name"]})
+        self.loop = DecodeLoop(stage, CancelMarks(d.cancel_dir), metrics, device)
+        parts = ", ".join(f"{k} {v:.1f}s" for k, v in stage.startup.items())
+        pb_utils.Logger.log_info(f"cosmos3_vae_decode: ready in {time.perf_counter() - t0:.1f}s ({parts})")
+
+    def execute(self, requests):
+        for request in requests:
+            self.loop.put(request)
+        return None
+
+    def finalize(self):
+        self.loop.close(timeout=30)
