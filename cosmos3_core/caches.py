@@ -9,8 +9,8 @@
 
 `use_kernel_caches()` points the three compilers at these folders unless the environment already names a
 folder for one of them. It only sets environment variables, so it must run before flashinfer is imported (it
-reads its variable at import); the server calls it before starting tritonserver, whose Python stubs inherit the
-environment, and the offline CLI and `make warm` call it first thing. A cache built by `make warm` (or carried to
+reads its variable at import); every tritonserver launch gets them in its environment (`launcher.server_env`), which
+its Python stubs inherit, and the offline CLI and `make warm` call it first thing. A cache built by `make warm` (or carried to
 a fresh machine) then spares a server the ~90 s fa3 JIT and the compile of the GEN layer stack.
 
 FlashInfer's JIT cache is only reused where the flashinfer package, Python and CUDA toolkit sit at the same paths
@@ -32,14 +32,15 @@ KERNEL_CACHE_VARS = {
 }
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("COSMOS3_CACHE") or Path.home() / ".cache" / "cosmos3")
+def cache_root(environ: dict[str, str] | None = None) -> Path:
+    env = os.environ if environ is None else environ
+    return Path(env.get("COSMOS3_CACHE") or Path.home() / ".cache" / "cosmos3")
 
 
 def use_kernel_caches(environ: dict[str, str] | None = None) -> dict[str, str]:
     """Fill in the kernel-cache variables missing from `environ` (default: this process's) → the folders in use."""
     env = os.environ if environ is None else environ
-    kernels = cache_root() / "kernels"
+    kernels = cache_root(env) / "kernels"
     for var, sub in KERNEL_CACHE_VARS.items():
         if not env.get(var):
             env[var] = str(kernels / sub)

@@ -18,22 +18,30 @@ CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 def test_kernel_caches_fill_only_what_is_missing(monkeypatch, tmp_path):
     monkeypatch.setenv("COSMOS3_CACHE", str(tmp_path))
-    env = {"TRITON_CACHE_DIR": "/elsewhere"}
+    env = {"COSMOS3_CACHE": str(tmp_path), "TRITON_CACHE_DIR": "/elsewhere"}  # a mapping's own root
     folders = use_kernel_caches(env)
     assert cache_root() == tmp_path
     assert folders["TRITON_CACHE_DIR"] == "/elsewhere"
     assert folders["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "kernels" / "inductor")
     assert folders["FLASHINFER_WORKSPACE_BASE"] == str(tmp_path / "kernels" / "flashinfer")
-    assert set(env) == set(KERNEL_CACHE_VARS)
+    assert set(env) == {*KERNEL_CACHE_VARS, "COSMOS3_CACHE"}
 
 
-def test_the_stubs_inherit_the_kernel_caches(monkeypatch, tmp_path):
+def test_every_server_environment_carries_the_kernel_caches(monkeypatch, tmp_path):
+    """`server_env` (every launch: serve, the benchmarks, the tests) names the caches under the environment's
+    $COSMOS3_CACHE; a folder named already wins."""
     monkeypatch.setenv("COSMOS3_CACHE", str(tmp_path))
     for var in KERNEL_CACHE_VARS:
         monkeypatch.delenv(var, raising=False)
-    use_kernel_caches()
     env = server_env(tritonserver=tmp_path / "tritonserver")
-    assert env["FLASHINFER_WORKSPACE_BASE"] == str(tmp_path / "kernels" / "flashinfer")
+    assert {var: env[var] for var in KERNEL_CACHE_VARS} == {
+        var: str(tmp_path / "kernels" / sub) for var, sub in KERNEL_CACHE_VARS.items()
+    }
+    base = {"COSMOS3_CACHE": str(tmp_path / "other"), "TRITON_CACHE_DIR": "/elsewhere"}
+    env = server_env(base, tritonserver=tmp_path / "tritonserver")
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "other" / "kernels" / "inductor")
+    assert env["TRITON_CACHE_DIR"] == "/elsewhere"
+    assert "TORCHINDUCTOR_CACHE_DIR" not in base  # the caller's mapping is not changed
 
 
 def test_flashinfer_modules_built_ahead_are_kept_per_gpu_arch(monkeypatch, tmp_path):

@@ -59,6 +59,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..caches import use_kernel_caches
 from ..parallel.config import NO_MULTICAST
 
 OPT_TRITONSERVER = Path("/opt/tritonserver/bin/tritonserver")
@@ -203,7 +204,11 @@ def server_env(base: Mapping[str, str] | None = None, *, tritonserver: Path | No
     * ``PATH``: ``dirname(sys.executable)`` first (the venv's ``bin``; the stub takes its packages
       from the ``python3`` it finds there, ``PYTHONPATH`` is ignored by it);
     * ``LD_LIBRARY_PATH``: this interpreter's ``LIBDIR`` first, then (wheel case) the wheel's
-      ``nvidia_pytriton.libs``, then whatever was there.
+      ``nvidia_pytriton.libs``, then whatever was there;
+    * the kernel caches (``caches.use_kernel_caches``: those not named already, under ``$COSMOS3_CACHE``), so that
+      every server's stubs load what ``make warm`` or an earlier server compiled (until the 11th session only
+      ``serve`` set them: the benchmarks' servers compiled into torch's default folder, and ``make warm`` seemed
+      to save nothing).
     """
     env = dict(os.environ if base is None else base)
     tritonserver = tritonserver or find_tritonserver()
@@ -216,6 +221,7 @@ def server_env(base: Mapping[str, str] | None = None, *, tritonserver: Path | No
     env.pop("PYTHONPATH", None)  # not seen by the stub anyway; keep the server env unambiguous
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.update(NO_MULTICAST)  # the denoise/decode instances may start a group of GPU workers (parallel/group.py)
+    use_kernel_caches(env)
     return env
 
 

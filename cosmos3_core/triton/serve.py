@@ -26,7 +26,6 @@ from string import Template
 
 import yaml
 
-from ..caches import use_kernel_caches
 from ..deployment import DEFAULT_CONFIG, Deployment
 from ..tools.checkpoints import resolve_checkpoint
 from .cancel import CancelMarks
@@ -128,7 +127,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:  # a config error names its field: one line, not a traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
-    use_kernel_caches()  # the stubs inherit these: kernels built by `make warm` or an earlier server are reused
     repo, deployment = render(deployment, workdir)
     print(f"rendered {repo}", file=sys.stderr)
     if args.render_only:
