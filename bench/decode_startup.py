@@ -57,7 +57,8 @@ def child(config: str, variant: str) -> dict[str, float]:
     lap("decoder")
     cfg = ckpt.config
     if codec.compile:
-        warm_decoder(codec, cfg.latent_channel)
+        with torch.backends.cudnn.flags(enabled=True, benchmark=False):  # as the stage did before: not these shapes
+            warm_decoder(codec, cfg.latent_channel)
         lap("compile warmup")
     frames = (d.defaults.num_frames - 1) // cfg.vae_scale_temporal + 1
     z = torch.randn(1, cfg.latent_channel, frames, *cfg.latent_hw(d.defaults.height, d.defaults.width))

@@ -38,8 +38,9 @@ too). The scales are per head over every segment of the pack (FA3 takes one scal
 request's FP8 rounding depends on its batch mates' amax — results agree within FP8 rounding, not bit for bit,
 across batch mixes. Every row and every step (the FP8 linears' W8A16 step policy does not apply: the switch is
 separate). FA3's FP8 kernel must pass a load check first (`fp8_kernel_check`: two sequences of random q/k/v held to
-the E4M3 rounding's own error): FlashInfer 0.6.1's kernel is wrong on short sequences (≤ 300 keys here, GQA and
-MHA; right at 384 and on long ones; per call as batched: measured on the H200), and a pack can hold short segments
+the E4M3 rounding's own error): FlashInfer 0.6.1's kernel is wrong on short sequences (measured on the H200: GQA
+at ≤ 300 keys, one sequence or two, per call as batched; MHA on 128 + 256 with equal head magnitudes; right at 384
+keys and on long ones), and a pack can hold short segments
 (small requests, padding), so fp8_attention on FlashInfer is refused at load with the measured error until a
 FlashInfer that passes.
 """
@@ -294,7 +295,7 @@ class FlashInferAttention:
 
         err, rounding = fp8_kernel_check(fa3_fp8, self.heads, self.kv_heads, self.head_dim, self.workspace.device)
         if not err <= FP8_CHECK_RATIO * rounding:  # (NaN refuses too)
-            known = " (0.6.1's is wrong on batches of several sequences: BENCHMARKS.md)"
+            known = " (0.6.1's is wrong on short sequences, 300 keys or fewer: BENCHMARKS.md, 11th session)"
             raise Fp8KernelDefect(
                 f"fp8_attention: FlashInfer {flashinfer.__version__}'s FA3 FP8 kernel fails its load check here: "
                 f"rel-L2 {err:.3f} to exact attention on {len(FP8_CHECK_LENGTHS)} sequences of random q/k/v, against "

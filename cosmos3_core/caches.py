@@ -51,7 +51,7 @@ def flashinfer_aot_dir(arch: str, environ: dict[str, str] | None = None) -> Path
     """Where FlashInfer modules built ahead for GPUs of `arch` ("9.0a", "8.0", as in FLASHINFER_CUDA_ARCH_LIST)
     live: `aot/sm90a` etc. in FlashInfer's workspace folder."""
     env = os.environ if environ is None else environ
-    base = env.get("FLASHINFER_WORKSPACE_BASE") or cache_root() / "kernels" / "flashinfer"
+    base = env.get("FLASHINFER_WORKSPACE_BASE") or cache_root(env) / "kernels" / "flashinfer"
     return Path(base) / "aot" / ("sm" + arch.replace(".", ""))
 
 

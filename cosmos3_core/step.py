@@ -130,6 +130,7 @@ class DenoiseStep:
         length, small: one 96,768-token segment per bucket made Edge's warmup 31 s.)"""
         if not (self.cuda_graphs and self.buckets and self.attention.bucketable):
             return 0
+        assert CAPTURE_SEGMENT % SEGMENT_ALIGN == 0  # else padded rows overflow their bucket
         before = self.captures
         cfg, dev, dt = self.model.cfg, self.pool.k_pages.device, self.pool.k_pages.dtype
         p = cfg.latent_patch_size

@@ -13,10 +13,10 @@ Every assertion message carries the measured numbers. What each test isolates, i
    exact attention, over MHA / GQA, one sequence / two (128-aligned, unaligned, long), bf16 output (the cases
    FlashInfer's own FP8 tests do and do not cover; fp16 output, which they use, failed alike on the 10th session).
 
-FlashInfer 0.6.1's FP8 kernel is wrong on a batch of more than one sequence (BENCHMARKS.md, 10th session), and the
-server refuses fp8_attention at load when the kernel fails `attention.fp8_kernel_check` (test 0 below). While it
-does, the multi-sequence cells and the plan / engine tests xfail with their measured numbers in the reason (read
-them with -rx); when a FlashInfer passes the check, they must pass.
+FlashInfer 0.6.1's FP8 kernel is wrong on short sequences (≤ 300 keys; BENCHMARKS.md, 10th and 11th sessions), and
+the server refuses fp8_attention at load when the kernel fails `attention.fp8_kernel_check` (test 0 below). While it
+does, the matrix cells and the plan / engine tests xfail with their measured numbers in the reason (read them with
+-rx); when a FlashInfer passes the check, they must pass.
 3. test_fa3_fp8_attention_matches_the_sdpa_fake_quant_reference — the whole plan (gathered [prefix | own], FP8),
    exact and bucketed plans, against SDPA fake quant on the same inputs; also that FP8 is really engaged.
 4. test_fp8_plan_captured_equals_eager — the plan inside a CUDA graph, replayed with new segments and inputs.
@@ -106,9 +106,9 @@ def test_the_load_check_refuses_fp8_attention_when_the_kernel_fails_it(fp8_defec
 
 
 def test_the_load_check_passes_the_kernel_on_one_sequence(monkeypatch):
-    """The check's own wiring (scales, layouts, the output's dtype), on the case the kernel gets right (one
-    sequence: measured at the E4M3 rounding's error): within a small factor of it, so a refusal above is the
-    kernel's, not the check's."""
+    """The check's own wiring (scales, layouts, the output's dtype), on a case the kernel gets right (one
+    384-key sequence: measured at the E4M3 rounding's error; a 300-key one is not): within a small factor of it, so
+    a refusal above is the kernel's, not the check's."""
     import cosmos3_core.attention as attention
 
     monkeypatch.setattr(attention, "FP8_CHECK_LENGTHS", (384,))

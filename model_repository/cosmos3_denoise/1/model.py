@@ -1,8 +1,8 @@
 """cosmos3_denoise (decoupled): hand each request to the denoise engine and return at once.
 
 The engine thread packs every live request into one GEN forward per tick; the response thread sends
-progress events and, in the final response, the finished latents. Thin adaptor over
-`cosmos3_core.engine.DenoiseEngine`; threads and metrics live in `cosmos3_core/triton/glue.py`.
+progress events and, in the final response, the finished latents. A shim over
+`cosmos3_core.triton.adaptors.DenoiseModel` (why it imports in `initialize`: that module's docstring).
 """
 
 
