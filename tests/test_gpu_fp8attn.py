@@ -190,6 +190,8 @@ def test_warm_builds_exactly_the_modules_plan_loads(monkeypatch, fp8):
         ((128, 256), False),
         ((100, 300), False),
         ((1500, 2600), False),
+        ((100, 2600), False),
+        ((600,), False),
         ((128, 256), True),
         ((100, 300), True),
         ((1500, 2600), True),
@@ -200,6 +202,8 @@ def test_warm_builds_exactly_the_modules_plan_loads(monkeypatch, fp8):
         "two_aligned",
         "two_unaligned",
         "two_long",
+        "short_beside_long",
+        "one_600",
         "two_aligned_per_call",
         "two_unaligned_per_call",
         "two_long_per_call",
@@ -215,7 +219,8 @@ def test_fa3_fp8_ragged_kernel_matrix(kv_heads, lengths, per_call, fp8_defect):
     `per_call`: one call per sequence on the same buffers, each planned with its own offsets in them.
     FlashInfer 0.6.1 on the H200 (11th session): GQA fails on one 300-key sequence (0.122) and on 128 + 256 and
     100 + 300, per call exactly as in one call; it passes on one 384-key sequence and on 1500 + 2600. So the defect
-    is short sequences, not batching, and calling per sequence does not go around it."""
+    is short sequences, not batching, and calling per sequence does not go around it. Not yet run: a short sequence
+    beside a long one (is the long one's output right? the message gives each sequence's error) and one of 600."""
     import flashinfer
 
     g = torch.Generator(device="cuda").manual_seed(11)
@@ -242,7 +247,10 @@ def test_fa3_fp8_ragged_kernel_matrix(kv_heads, lengths, per_call, fp8_defect):
         fake[a:b] = sdpa_nhd(*(x[a:b] for x in deq))
     err, fake_err = rel_l2(out8.float(), exact), rel_l2(fake, exact)
     per_head = [f"{rel_l2(out8[:, h].float(), exact[:, h]):.2e}" for h in range(HEADS)]
-    msg = f"FP8 kernel vs exact {err:.3e}, fake quant vs exact {fake_err:.3e}; per head {per_head}"
+    bounds = list(zip(indptr[:-1].tolist(), indptr[1:].tolist()))  # does a short sequence harm its neighbour?
+    per_seq = [f"{b - a}: {rel_l2(out8[a:b].float(), exact[a:b]):.2e}" for a, b in bounds]
+    msg = (f"FP8 kernel vs exact {err:.3e}, fake quant vs exact {fake_err:.3e}; per sequence {per_seq}; "
+           f"per head {per_head}")  # fmt: skip
     assert bool(out8.isfinite().all()), msg
     expect(err < RATIO * fake_err, msg, fp8_defect)
     print(msg)
