@@ -10,6 +10,10 @@
 #         aot/sm90a; no inductor or Triton cache: torch.compile runs at startup
 #   warm  `make warm`'s command first (timed: FlashInfer's modules, kept from $FI_AOT when given, else built here;
 #         torch.compile's caches), then a new server on those caches
+#   build  `make warm`'s command on a fresh cache (FlashInfer's modules from $FI_AOT), its caches tarred into $OUT
+#         (kernels.tgz.aa, .ab: 16 MiB files) for `carried` on another machine (no server: no pytriton needed)
+#   carried  a fresh machine with build's caches ($KERNELS_IN: those files, carried) unpacked into a fresh
+#         $COSMOS3_CACHE, then a new server: the acceptance's "caches built by make warm carried in"
 #   cold  nothing built ahead (the 113 s reference: fa3 JIT and compile at startup)
 #   decode  bench.decode_startup: the vae_decode stage's load steps one by one, cuDNN benchmark vs heuristics vs
 #         eager, each in a fresh process on the caches the cases before it left (~3 min)
@@ -19,7 +23,7 @@
 #   device run, carry [.whl/pytriton, out/fi_aot]: FI_AOT=out/fi_aot bash bench/device_coldstart.sh aot warm
 set -uo pipefail
 [ -x /tmp/v/bin/python ] || { echo "no /tmp/v: run bench/device_env.sh first on this machine"; exit 3; }
-/tmp/v/bin/python -c "import pytriton" 2>/dev/null || /tmp/v/bin/python -m pip install -q --no-index --no-deps .whl/pytriton/*.whl
+[ -d .whl/pytriton ] && ! /tmp/v/bin/python -c "import pytriton" 2>/dev/null && /tmp/v/bin/python -m pip install -q --no-index --no-deps .whl/pytriton/*.whl
 unset FLASHINFER_WORKSPACE_BASE TORCHINDUCTOR_CACHE_DIR TRITON_CACHE_DIR FLASHINFER_CUDA_ARCH_LIST
 export COSMOS3_CACHE=/tmp/coldstart
 CONFIG=configs/bench_edge.yaml
@@ -53,6 +57,13 @@ for c in "${cases[@]}"; do
           t0=$SECONDS; /tmp/v/bin/python -m cosmos3_core.tools.warm --config $CONFIG 2>&1 | grep -v -e Warning -e float32
           echo "make warm wall $((SECONDS - t0)) s"
           du -sh /tmp/coldstart/kernels/* 2>/dev/null; serve warm ;;
+    build) fresh carry  # make warm's caches for another machine: split into $OUT's 16 MiB files (no server)
+           t0=$SECONDS; /tmp/v/bin/python -m cosmos3_core.tools.warm --config $CONFIG 2>&1 | grep -v -e Warning -e float32
+           echo "make warm wall $((SECONDS - t0)) s"
+           tar -C /tmp/coldstart -czf - kernels | split -b 15m - $OUT/kernels.tgz.; ls -l $OUT ;;
+    carried) [ -d "${KERNELS_IN:-}" ] || { echo "carried: set KERNELS_IN to build's files, carried"; continue; }
+             fresh none; cat "$KERNELS_IN"/kernels.tgz.* | tar -C /tmp/coldstart -xzf -
+             du -sh /tmp/coldstart/kernels/*; serve carried ;;
     cold) fresh none; serve cold ;;
     decode) /tmp/v/bin/python -m bench.decode_startup --config $CONFIG --json $OUT/decode_startup.json 2>&1 \
               | grep -v -e Warning -e float32 ;;  # on the caches the cases before it left (after warm: warm ones)
