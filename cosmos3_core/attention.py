@@ -39,7 +39,7 @@ request's FP8 rounding depends on its batch mates' amax — results agree within
 across batch mixes. Every row and every step (the FP8 linears' W8A16 step policy does not apply: the switch is
 separate). FA3's FP8 kernel must pass a load check first (`fp8_kernel_check`: two sequences of random q/k/v held to
 the E4M3 rounding's own error): FlashInfer 0.6.1's kernel is wrong on short sequences (measured on the H200: GQA
-at 100–600 keys, one sequence or two, per call as batched; MHA on 128 + 256 with equal head magnitudes; right at 384
+at the 100–600 keys tried (384 passed: a lucky length, not a bound), one sequence or two, per call as batched; MHA on 128 + 256 with equal head magnitudes; right at 384
 keys and on long ones, a long one right beside a short one too), and a pack can hold short segments
 (small requests, padding), so fp8_attention on FlashInfer is refused at load with the measured error until a
 FlashInfer that passes.
@@ -96,7 +96,7 @@ def fake_quant_fp8(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
 
 
 # The FP8 kernel's load check: two short sequences of random q/k/v (FlashInfer 0.6.1's FA3 FP8 kernel is wrong on
-# sequences of 100-600 keys, batched or alone, and right on 384 and on 1,500-2,600: BENCHMARKS.md, 10th-12th
+# the 100-600-key sequences tried, batched or alone (384 passed), and right on 1,500-2,600: BENCHMARKS.md, 10th-12th
 # sessions), held to RATIO x the error of E4M3 rounding alone (measured: right 1.0x, these 3.8-4.4x)
 FP8_CHECK_LENGTHS = (128, 256)
 FP8_CHECK_RATIO = 2.0
@@ -295,7 +295,7 @@ class FlashInferAttention:
 
         err, rounding = fp8_kernel_check(fa3_fp8, self.heads, self.kv_heads, self.head_dim, self.workspace.device)
         if not err <= FP8_CHECK_RATIO * rounding:  # (NaN refuses too)
-            known = " (0.6.1's is wrong on short sequences, 100-600 keys: BENCHMARKS.md, 11th-12th sessions)"
+            known = " (0.6.1's is wrong on short sequences, 100-600 keys: BENCHMARKS.md, 10th-12th sessions)"
             raise Fp8KernelDefect(
                 f"fp8_attention: FlashInfer {flashinfer.__version__}'s FA3 FP8 kernel fails its load check here: "
                 f"rel-L2 {err:.3f} to exact attention on {len(FP8_CHECK_LENGTHS)} sequences of random q/k/v, against "

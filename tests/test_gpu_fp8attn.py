@@ -13,7 +13,7 @@ Every assertion message carries the measured numbers. What each test isolates, i
    exact attention, over MHA / GQA, one sequence / two (128-aligned, unaligned, long), bf16 output (the cases
    FlashInfer's own FP8 tests do and do not cover; fp16 output, which they use, failed alike on the 10th session).
 
-FlashInfer 0.6.1's FP8 kernel is wrong on short sequences (≤ 300 keys; BENCHMARKS.md, 10th and 11th sessions), and
+FlashInfer 0.6.1's FP8 kernel is wrong on short sequences (100–600 keys failed, 384 passed; BENCHMARKS.md, 10th–12th sessions), and
 the server refuses fp8_attention at load when the kernel fails `attention.fp8_kernel_check` (test 0 below). While it
 does, the matrix cells and the plan / engine tests xfail with their measured numbers in the reason (read them with
 -rx); when a FlashInfer passes the check, they must pass.
