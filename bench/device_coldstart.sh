@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # On the H200, after `bench/device_env.sh`, with .whl/pytriton carried (installed into /tmp/v once; `build` and
 # `decode` start no server and need none): cold start to ready of Edge (configs/bench_edge.yaml), each case on a
-# fresh $COSMOS3_CACHE (/tmp/coldstart) and a fresh server, timed by bench.served's `server startup` (launch → ready: load, compile,
-# warmup), which then serves one request. The random:edge checkpoint is written first (a real deployment has its
-# checkpoint on disk; not timed). Cases (arguments, default: aot warm):
+# fresh $COSMOS3_CACHE (/tmp/coldstart) and a fresh server, timed by bench.served's `server startup` (launch →
+# ready: load, compile, warmup), which then serves one request. The random:edge checkpoint is written first (a
+# real deployment has its checkpoint on disk; not timed). Cases (arguments, default: aot warm):
 #   aot   a fresh machine with only FlashInfer's modules built ahead carried in: $FI_AOT, what
 #         `python -m cosmos3_core.tools.warm --kernels-only --config configs/bench_edge.yaml --cuda-arch 9.0a` wrote
 #         into kernels/flashinfer/aot/sm90a on a machine without a GPU, copied to $COSMOS3_CACHE/kernels/flashinfer/
