@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         params = params_from_arguments(args)  # --cache's JSON is parsed here; the server checks the rest
         if args.image or args.video or args.raw_actions:
-            from cosmos3_core.generate import load_image, load_raw_actions, load_video
+            from cosmos3_core.inputs import load_image, load_raw_actions, load_video
 
             image = load_image(args.image) if args.image else None
             video = load_video(args.video) if args.video else None

@@ -28,10 +28,10 @@ import torch
 from .caches import use_kernel_caches
 from .deployment import DEFAULT_CONFIG, Deployment
 from .engine import DenoiseEngine
+from .inputs import load_image, load_raw_actions, load_video
 from .media import (
     AUDIO_SUFFIXES,
     FRAME_SUFFIXES,
-    read_raw_actions,
     write_actions,
     write_audio,
     write_frames,
@@ -176,37 +176,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype")
     ap.add_argument("--out", required=True, help="output file: " + ", ".join(OUT_SUFFIXES))
     return ap
-
-
-def load_image(path: str) -> np.ndarray:
-    import imageio.v2 as imageio
-
-    try:
-        img = np.asarray(imageio.imread(path))
-    except Exception as e:  # noqa: BLE001 - any decoder failure is the same user error
-        raise RequestError("image", f"cannot read {path!r} ({e})") from e
-    if img.ndim == 2:
-        img = np.stack([img] * 3, axis=-1)
-    return np.ascontiguousarray(img[..., :3]).astype(np.uint8)
-
-
-def load_video(path: str) -> np.ndarray:
-    """A v2v clip: .npy (uint8 [T, H, W, 3], as stored) or a video imageio-ffmpeg reads (.mp4) → uint8 [T, H, W, 3]."""
-    try:
-        if path.endswith(".npy"):
-            return np.load(path, allow_pickle=False)
-        import imageio.v2 as imageio
-
-        return np.stack([np.asarray(f)[..., :3] for f in imageio.mimread(path, memtest=False)]).astype(np.uint8)
-    except Exception as e:  # noqa: BLE001 - any decoder failure is the same user error
-        raise RequestError("video", f"cannot read {path!r} ({e})") from e
-
-
-def load_raw_actions(path: str) -> np.ndarray:
-    try:
-        return read_raw_actions(path)
-    except Exception as e:  # noqa: BLE001 - any reader failure is the same user error
-        raise RequestError("raw_actions", f"cannot read {path!r} ({e})") from e
 
 
 def main(argv: list[str] | None = None) -> int:
