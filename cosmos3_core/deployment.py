@@ -11,12 +11,14 @@ from typing import Any
 import torch
 import yaml
 
+from .lora_store import LoraSettings
 from .model.checkpoint import Checkpoint
 from .model.fp8 import validate_precision
+from .model.provision import resolve_checkpoint
 from .parallel.config import ParallelConfig
 from .parallel.group import WorkerSpec
 from .requests import Defaults, Limits, TaskDefaults
-from .tools.checkpoints import resolve_checkpoint
+from .safety import NONE, check_spec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 INSTANCES = {"prefill": 1, "denoise": 1, "vae_decode": 1}  # the default instance count of each model
@@ -35,9 +37,30 @@ def _section(kind: type, raw: Any, where: str, build: bool = True) -> Any:
     return kind(**raw) if build else None
 
 
+def _check_lora(raw: dict[str, Any], parallel: ParallelConfig, where: str) -> None:
+    """The adapter settings, and what they cannot be served with yet (errors name the setting)."""
+    for key, hi in (("max_loras", 64), ("max_lora_rank", 1024)):
+        value = raw.get(key, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= hi:
+            raise ValueError(f"{where}: {key}: an integer in [1, {hi}]; got {value!r}")
+    lora_dir = raw.get("lora_dir", "")
+    if not isinstance(lora_dir, str):
+        raise ValueError(f"{where}: lora_dir: a folder path; got {lora_dir!r}")
+    if not lora_dir:
+        return
+    if not Path(lora_dir).is_dir():
+        raise ValueError(f"{where}: lora_dir: {lora_dir} is not a folder")
+    if parallel.denoise_ranks > 1:
+        raise ValueError(f"{where}: lora_dir: adapters need a single-GPU denoise (parallel cfg and ulysses must be 1)")
+    if raw.get("compile"):
+        raise ValueError(f"{where}: lora_dir: adapters are not served with compile: true yet")
+    if raw.get("precision", "checkpoint") == "fp8":
+        raise ValueError(f"{where}: lora_dir: adapters are not served with precision fp8 yet")
+
+
 @dataclass(frozen=True)
 class Deployment:
-    checkpoint: str = ""  # empty: the tiny checkpoint (tools/checkpoints.py); rendered deployments hold the path
+    checkpoint: str = ""  # empty: the tiny checkpoint (model/provision.py); rendered deployments hold the path
     device: str = "auto"  # auto: cuda if available else cpu
     dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
     # checkpoint: serve the weights as stored (an FP8 checkpoint in FP8, with its step policy); fp8: also quantize a
@@ -61,9 +84,10 @@ class Deployment:
     cuda_graphs: bool = True  # CUDA only: capture each step layout's forward on its second use, then replay
     # with cuda_graphs and FlashInfer: packed-row buckets (ascending multiples of 64, e.g. [4096, 8192, 16384, 32768]):
     # a step runs in the layout of the smallest bucket its rows fit (padding rows cost their compute), so a new mix
-    # of request sizes replays an existing capture; the warmup captures every bucket (step.py). [] or a pack larger
+    # of request sizes replays an existing capture; the warmup captures every bucket (step.py). Not given: derived
+    # from warmup_requests (each shape alone, with 1..its CFG branches running; logged at load). [] or a pack larger
     # than the largest: a layout per exact size mix. A single-GPU denoise only (parallel groups keep exact layouts)
-    graph_buckets: list[int] = field(default_factory=list)
+    graph_buckets: list[int] | None = None
     # CUDA graphs held at once (each keeps its activations' memory): a layout that captures beyond releases the least
     # recently used one's graph (it runs eager, then captures again, when used next); the warmup captures the buckets
     # first. 0: no captures
@@ -78,6 +102,20 @@ class Deployment:
     limits: Limits = field(default_factory=Limits)
     # several GPUs per request (cosmos3_core/parallel): {cfg: 1|2, ulysses: 1|2|4|8, vae: N}; rank r on cuda:r
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    # LoRA adapters chosen per request (`parameters.lora`, docs/lora.md): each subfolder of lora_dir is one, as
+    # transformer.save_lora_adapter writes it; max_loras resident at once (least recently used out, never one a live
+    # request uses), each of rank ≤ max_lora_rank. "": none. Not with compile, FP8 or a parallel denoise (refused)
+    lora_dir: str = ""
+    max_loras: int = 4
+    max_lora_rank: int = 64
+
+    @property
+    def lora(self) -> LoraSettings | None:
+        return LoraSettings(self.lora_dir, self.max_loras, self.max_lora_rank) if self.lora_dir else None
+    # the guardrail (safety.py): cosmos (NVIDIA's, as diffusers runs it: prompt, then every piece of frames), none, or
+    # module:callable (a factory returning a checker). Not given: none; the configs of real checkpoints say cosmos
+    safety_checker: str = "none"
+    safety_checker_optional: bool = False  # a request may send parameters.enable_safety_check false
 
     @property
     def torch_device(self) -> str:
@@ -112,11 +150,18 @@ class Deployment:
         validate_precision(raw.get("precision", "checkpoint"), raw["fp8_policy"], str(path))
         if not isinstance(raw.get("fp8_attention", False), bool):
             raise ValueError(f"{path}: fp8_attention: true or false; got {raw['fp8_attention']!r}")
-        buckets = raw.get("graph_buckets") or []
-        if any(not isinstance(b, int) or b <= 0 or b % 64 for b in buckets) or buckets != sorted(set(buckets)):
+        buckets = raw.get("graph_buckets")
+        if buckets is not None and (
+            not isinstance(buckets, list)
+            or any(not isinstance(b, int) or b <= 0 or b % 64 for b in buckets)
+            or buckets != sorted(set(buckets))
+        ):
             raise ValueError(f"{path}: graph_buckets: ascending positive multiples of 64 rows; got {buckets}")
         if not isinstance(raw.get("max_captures", 0), int) or raw.get("max_captures", 0) < 0:
             raise ValueError(f"{path}: max_captures: a count ≥ 0; got {raw['max_captures']}")
+        raw["safety_checker"] = check_spec(raw.get("safety_checker", NONE), str(path))
+        if not isinstance(raw.get("safety_checker_optional", False), bool):
+            raise ValueError(f"{path}: safety_checker_optional: true or false; got {raw['safety_checker_optional']!r}")
         limits = _section(Limits, raw.pop("limits", None) or {}, f"{path}: limits")
         given = raw.pop("instances", None) or {}
         if set(given) - set(INSTANCES) or any(not isinstance(n, int) or n < 1 for n in given.values()):
@@ -127,6 +172,7 @@ class Deployment:
             parallel = ParallelConfig.from_dict(raw.pop("parallel", None))
         except (TypeError, ValueError) as e:
             raise ValueError(f"{path}: {e}") from e
+        _check_lora(raw, parallel, str(path))
         for single in ("fp8_attention", "graph_buckets"):  # rank steps keep bf16 attention and exact layouts
             if raw.get(single) and parallel.denoise_ranks > 1:
                 raise ValueError(f"{path}: {single}: a single-GPU denoise only (parallel cfg and ulysses must be 1)")

@@ -19,6 +19,7 @@ import torch
 from . import faults
 from .deployment import Deployment
 from .kv_pool import KVPool
+from .lora_store import LoraSettings, open_store
 from .model.checkpoint import Checkpoint
 from .model.layers import GEN
 from .model.sound import SoundSpec
@@ -28,10 +29,17 @@ from .parallel.group import Group
 from .requests import GenerationParams
 from .rows import Row, denoise_step_row
 from .scheduler import EngineStats, Job, QueueFull, Scheduler, Sink
-from .step import DenoiseStep
+from .step import DenoiseStep, bucket_padding, derive_buckets
 from .wire import PrefillResult
 
-__all__ = ["DenoiseEngine", "QueueFull", "Sink"]
+__all__ = ["DenoiseEngine", "EngineBroken", "QueueFull", "Sink"]
+
+BUCKET_PAD_WARN = 0.10  # a given bucket list that pads a warmup request's pack by more is warned about at load
+
+
+class EngineBroken(RuntimeError):
+    """The engine cannot serve any more requests in this process (its device is in a sticky error state): the
+    host restarts it."""
 
 
 class _NullSink:
@@ -55,6 +63,11 @@ def sound_spec(ckpt: Checkpoint) -> SoundSpec | None:
         return None
 
 
+def job_lora(job: Job) -> tuple[int, float] | None:
+    """The row's adapter: the slot the job holds and its request's scale (None: the base model)."""
+    return None if job.lora_slot is None else (job.lora_slot, job.params.lora.scale)  # type: ignore[union-attr]
+
+
 class DenoiseEngine:
     def __init__(
         self,
@@ -69,15 +82,23 @@ class DenoiseEngine:
         attention: str = "auto",
         cuda_graphs: bool = True,
         parallel: DenoiseParallel | None = None,
-        graph_buckets: tuple[int, ...] = (),
+        graph_buckets: tuple[int, ...] | None = (),
         max_captures: int = 16,
         fp8_attention: bool = False,
+        lora: LoraSettings | None = None,
     ):
+        """`graph_buckets` None: derived by the warmup from its requests' packs (a bucketable backend only). `lora`:
+        the adapters requests may choose (lora_store.py), in a pool of device slots on the GEN tower's linears."""
         cfg = self.cfg = ckpt.config
+        self.derive_buckets = graph_buckets is None
+        graph_buckets = graph_buckets or ()
         self.device, self.dtype = device, dtype
         self.warmup_parts: dict[str, float] = {}  # seconds per part of the last warmup (the server logs them)
         self.model = ckpt.load_transformer({GEN}, device, dtype)
         self.fp8_policy = ckpt.fp8.policy if ckpt.fp8 is not None else None
+        if lora is not None and (parallel is not None or compile):
+            raise ValueError("lora_dir: adapters need a single-GPU denoise without compile")
+        self.loras = open_store(lora, ckpt, self.model)
         kernels = GenKernels.compiled() if compile else EAGER
         if parallel is None:
             self.pool = KVPool(
@@ -92,7 +113,7 @@ class DenoiseEngine:
             self.step = parallel.step(self.model, self.pool, kernels, attention, cuda_graphs, max_captures)
         self.scheduler = Scheduler(
             cfg, self.pool, ckpt.scheduler_config, ckpt.use_native_flow_schedule, max_queue, decode_chunk,
-            sound_spec(ckpt),
+            sound_spec(ckpt), self.loras,
         )  # fmt: skip
 
     @classmethod
@@ -115,9 +136,11 @@ class DenoiseEngine:
             attention=d.attention,
             cuda_graphs=d.cuda_graphs,
             parallel=DenoiseParallel(group) if group is not None and d.parallel.denoise_ranks > 1 else None,
-            graph_buckets=tuple(d.graph_buckets) if d.cuda_graphs else (),  # without graphs, padding only costs
+            # without graphs, padding only costs; None (not given): the warmup derives them
+            graph_buckets=(None if d.graph_buckets is None else tuple(d.graph_buckets)) if d.cuda_graphs else (),
             max_captures=d.max_captures,
             fp8_attention=d.fp8_attention,
+            lora=d.lora,
         )
 
     def tick(self) -> int:
@@ -127,8 +150,12 @@ class DenoiseEngine:
         jobs = self.scheduler.schedule()
         if not jobs:
             return 0
-        rows = [self._row(j) for j in jobs]
-        outputs = self.step(rows)
+        try:
+            rows = [self._row(j) for j in jobs]
+            outputs = self.step(rows)
+        except Exception as e:  # noqa: BLE001 - a fault of the tick: its requests end, the engine heals
+            self._heal(jobs, e)
+            return 0
         stats = self.scheduler.stats
         stats.ticks += 1
         stats.request_steps += len(jobs)
@@ -137,18 +164,38 @@ class DenoiseEngine:
         self.scheduler.update(jobs, outputs)
         return len(jobs)
 
+    def _heal(self, jobs: list[Job], error: Exception) -> None:
+        """A packed forward raised (out of memory, a CUDA or kernel error, an injected fault): each of its requests
+        ends with one error, the step drops every layout and graph (nothing the failed pass touched is reused), and
+        the next tick runs eagerly into fresh layouts. A device left unusable (a sticky CUDA error) raises
+        `EngineBroken`: no later request could be served in this process."""
+        first = str(error).splitlines()[0] if str(error) else ""
+        self.scheduler.fail_jobs(jobs, f"denoise step failed ({type(error).__name__}: {first}); the request was "
+                                       "ended, the engine recovered and serves new requests; retry")  # fmt: skip
+        self.scheduler.stats.tick_failures += 1
+        try:
+            reset = getattr(self.step, "reset", None)
+            if reset is not None:
+                reset()
+            if self.device.startswith("cuda"):  # a sticky error shows on any later work
+                torch.ones(1, device=self.device).add_(1).item()
+        except Exception as e:  # noqa: BLE001
+            raise EngineBroken(f"the denoise device is unusable after a failed step ({type(e).__name__}: {e})") from e
+        print(f"cosmos3: a denoise step failed and the engine recovered ({len(jobs)} requests ended): "
+              f"{type(error).__name__}: {first}", file=sys.stderr)  # fmt: skip
+
     def _row(self, job: Job) -> Row:
         patch, steps = self.cfg.latent_patch_size, len(job.timesteps)
         if job.committing:
-            a16 = self._a16(steps - 1, steps)
+            a16, lora = self._a16(steps - 1, steps), job_lora(job)
             return denoise_step_row(
-                job.latents, 0.0, job.noisy_frames[:0], job.branches, patch, self.dtype, True, a16=a16
+                job.latents, 0.0, job.noisy_frames[:0], job.branches, patch, self.dtype, True, a16=a16, lora=lora
             )
         t = job.timesteps[job.step]
         return denoise_step_row(
             job.latents, t, job.noisy_frames, job.branches, patch, self.dtype, sound_latents=job.sound,
             action=job.action, a16=self._a16(job.step, steps), reuse=job.reuse,
-            record=job.cache is not None and job.cache.gated,
+            record=job.cache is not None and job.cache.gated, lora=job_lora(job),
         )  # fmt: skip
 
     def _a16(self, step: int, steps: int) -> bool:
@@ -190,25 +237,24 @@ class DenoiseEngine:
         return self.scheduler.pages_held(job_id)
 
     def warmup(self, requests: list[GenerationParams], text_tokens: int = 96) -> float:
-        """First capture every `graph_buckets` layout (W8A16, and served in FP8, W8A8 too:
-        `DenoiseStep.capture_buckets`; said on stderr when `max_captures` holds fewer). Then run each request shape
-        for two steps through the real step (rows from the row builder), so compiles, allocator growth and kernel
-        autotuning happen before serving; an action request with zero clean latents
-        (forward dynamics: zero actions). Served in FP8, a 1-step request (W8A8 by the policy's 1-step rule) runs
-        beside the first one's W8A16 step, then alone: the W8A16, W8A8 and mixed paths of the linears are all
-        compiled before serving. Returns seconds spent; `warmup_parts`: the bucket captures' and the requests'."""
+        """Capture every `graph_buckets` layout (W8A16, and served in FP8, W8A8 too: `DenoiseStep.capture_buckets`;
+        said on stderr when `max_captures` holds fewer), and run each request shape for two steps through the real
+        step (rows from the row builder), so compiles, allocator growth and kernel autotuning happen before serving;
+        an action request with zero clean latents (forward dynamics: zero actions). Served in FP8, a 1-step request
+        (W8A8 by the policy's 1-step rule) runs beside the first one's W8A16 step, then alone: the W8A16, W8A8 and
+        mixed paths of the linears are all compiled before serving.
+
+        Buckets (a bucketable backend only): given ones are captured first, so the requests' layouts cannot use up
+        `max_captures`, and each is checked against the requests' packs (a warning when one pads a pack by more than
+        BUCKET_PAD_WARN); none given (`graph_buckets` None) derives them from the rows the requests' steps packed
+        (`step.derive_buckets`: each shape alone, with each count of its CFG branches running), then captures them.
+        Returns seconds spent; `warmup_parts`: the bucket captures' and the requests'."""
         t0 = time.perf_counter()
-        if isinstance(self.step, DenoiseStep):  # first, so the requests' layouts cannot use up max_captures
-            a16 = (True, False) if self.fp8_policy is not None else (True,)
-            want = len(self.step.buckets) * len(a16) if self.step.cuda_graphs and self.step.attention.bucketable else 0
-            self.step.capture_buckets(a16)
-            held = sum(v.graph is not None for v in self.step.layouts.values())
-            if held < want:
-                print(f"cosmos3: warmup holds {held} of {want} graph buckets' captures (max_captures "
-                      f"{self.step.max_captures})", file=sys.stderr)  # fmt: skip
-        if self.device.startswith("cuda"):
-            torch.cuda.synchronize()
-        t_captures = time.perf_counter() - t0
+        step = self.step if isinstance(self.step, DenoiseStep) else None  # parallel groups keep exact layouts
+        bucketed = step is not None and step.attention.bucketable
+        t_captures = self._capture_buckets() if bucketed and step.buckets else 0.0  # type: ignore[union-attr]
+        if step is not None:
+            step.row_shapes = set()
         cfg = self.cfg
         g = torch.Generator().manual_seed(0)
         for p in requests:
@@ -228,12 +274,40 @@ class DenoiseEngine:
                     )
                     self.submit(pre, _NullSink())
                 self.run_until_idle()
+        if step is not None:
+            shapes, step.row_shapes = step.row_shapes or set(), None
+            if bucketed and self.derive_buckets:
+                step.buckets = derive_buckets(shapes)
+                print(f"cosmos3: graph_buckets derived from warmup_requests: {list(step.buckets)}", file=sys.stderr)
+                t_captures += self._capture_buckets()
+            elif bucketed and step.buckets:
+                for rows, bucket, pad in bucket_padding(step.buckets, shapes):
+                    if pad > BUCKET_PAD_WARN:
+                        print(f"cosmos3: warning: graph_buckets pads a warmup request's {rows}-row pack to {bucket} "
+                              f"rows (+{pad:.0%} padding computed every step); leave graph_buckets out to derive "
+                              "buckets from warmup_requests", file=sys.stderr)  # fmt: skip
         if self.device.startswith("cuda"):
             torch.cuda.synchronize()
         self.scheduler.stats = EngineStats()  # serving counts start after warmup
         total = time.perf_counter() - t0
         self.warmup_parts = {"bucket captures": t_captures, "requests": total - t_captures}
         return total
+
+    def _capture_buckets(self) -> float:
+        """Capture the step's buckets (W8A16; served in FP8, all-W8A8 too) → seconds spent."""
+        t0 = time.perf_counter()
+        step = self.step
+        assert isinstance(step, DenoiseStep)
+        a16 = (True, False) if self.fp8_policy is not None else (True,)
+        want = len(step.buckets) * len(a16) if step.cuda_graphs else 0
+        step.capture_buckets(a16)
+        held = sum(v.graph is not None for v in step.layouts.values())
+        if held < want:
+            print(f"cosmos3: warmup holds {held} of {want} graph buckets' captures (max_captures "
+                  f"{step.max_captures})", file=sys.stderr)  # fmt: skip
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
 
     def run_until_idle(self) -> None:
         while self.has_work():

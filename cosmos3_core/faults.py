@@ -4,6 +4,10 @@
                           this gives served tests the step time of a real model)
   fail_step_seed=<int>    a request with this seed raises inside its denoise step (fails that request only)
   fail_decode_seed=<int>  a request with this seed raises in vae_decode's send thread, on its last piece
+  fail_forward=<int>      the n-th packed denoise forward of the process (1: the first) raises, once (a fault of
+                          the tick, not of one request: the engine must fail that tick's requests and heal)
+  fail_capture=<int>      the n-th CUDA graph capture of the process raises inside the capture, once (the layout
+                          must run that step eagerly and never capture again)
 
 Read once at import; production servers never set it.
 """
@@ -24,5 +28,26 @@ FAIL_STEP_SEED = int(FAULTS["fail_step_seed"]) if "fail_step_seed" in FAULTS els
 FAIL_DECODE_SEED = int(FAULTS["fail_decode_seed"]) if "fail_decode_seed" in FAULTS else None
 
 
+FAIL_FORWARD = int(FAULTS["fail_forward"]) if "fail_forward" in FAULTS else None
+FAIL_CAPTURE = int(FAULTS["fail_capture"]) if "fail_capture" in FAULTS else None
+_counts = {"forward": 0, "capture": 0}
+
+
 class InjectedFault(RuntimeError):
     pass
+
+
+def _nth(kind: str, n: int | None) -> None:
+    if n is None:
+        return
+    _counts[kind] += 1
+    if _counts[kind] == n:
+        raise InjectedFault(f"injected fault in {kind} {n}")
+
+
+def maybe_fail_forward() -> None:
+    _nth("forward", FAIL_FORWARD)
+
+
+def maybe_fail_capture() -> None:
+    _nth("capture", FAIL_CAPTURE)

@@ -2,7 +2,8 @@
 
 A layout is fixed by the packed rows' sizes, branches that run (not reused: cache.py), commit flags and FP8
 precisions (W8A16 rows are packed first: `PackedStep.a16_rows` is where W8A8 starts), whether the forward returns
-the block stack's residual (a cached request is in the pack), plus whatever the attention backend's shapes depend
+the block stack's residual (a cached request is in the pack), whether a row has a LoRA adapter (then the per-group
+adapter slots and scales are buffers too, `PackedStep.lora`: which adapter a row reads is content), plus whatever the attention backend's shapes depend
 on (its `shape_key`: SDPA's prefix lengths; FlashInfer's gather capacity, its prefixes being plan data) — or, bucketed (`capacity`,
 chosen by `DenoiseStep` for a backend whose segment boundaries are plan data), by a bucket: its rows, segment slots,
 sound and action rows are capacities, and the packs of any size mix that fits run in it, their geometry (each
@@ -21,21 +22,29 @@ row's segment `token_segment`, `sound_rows`, `action_rows`) being buffer content
   bucketed, their geometry) differ from the last step's;
 - on CUDA with graphs on, the captured GEN forward: the first run of a layout is eager (compiles, autotuning,
   allocator growth), the second captures (when the step allows: `run(capture=...)`) and every later one replays.
-  Layouts that return K/V (AR commit passes) always run eager. Graphs share one memory pool: replays are serial
-  and each step's outputs are copied out (`DenoiseStep`) before the next replay.
+  A capture only follows an eager run of the same layout *on the capturing thread*: cuBLAS/cuBLASLt handles and
+  some kernels' one-time setup are per thread, and their first use inside a capture fails (`cublasCreate` is not
+  capturable: an FP8 layout the warmup thread ran once, captured by the engine thread, failed so). A capture that
+  fails anyway is not fatal: the layout drops the graph, never captures again and runs that step eagerly
+  (`capture_failures` counts them). Layouts that return K/V (AR commit passes) always run eager. Graphs share one
+  memory pool: replays are serial and each step's outputs are copied out (`DenoiseStep`) before the next replay.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
+import threading
 from dataclasses import dataclass
 
 import torch
 
+from . import faults
 from .attention import Backend
 from .model.layers import Cosmos3Transformer
+from .model.lora import AdapterRows
 from .model.towers import GenKernels, GenOutput, gen_forward
-from .rows import Row, Segment
+from .rows import SEGMENT_ALIGN, Row, Segment
 
 
 @dataclass
@@ -56,6 +65,9 @@ class PackedStep:
     action_domain: torch.Tensor  # [A] int64: each action token's embodiment (refilled: requests of one shape differ)
     a16_rows: int  # FP8 linears: rows [0, a16_rows) run W8A16, the rest W8A8 (fixed by the layout)
     residual: bool  # the forward also returns the block stack's residual [S, hidden] (fixed by the layout)
+    # LoRA (a layout with adapter rows): one group per segment slot, then one for the rows after them; `offs` is
+    # geometry, `slot` / `scale` are refilled each step (kernel arguments; 0: no adapter). None: no adapter rows
+    lora: AdapterRows | None = None
 
 
 class StepLayout:
@@ -77,6 +89,7 @@ class StepLayout:
         a16_rows: int,
         residual: bool = False,
         capacity: tuple[int, int, int] | None = None,
+        lora: bool = False,
     ):
         cfg = model.cfg
         dev, dt = attention.pool.k_pages.device, attention.pool.k_pages.dtype
@@ -100,12 +113,21 @@ class StepLayout:
             a16_rows=a16_rows,
             residual=residual,
         )
+        if lora:  # the groups' buffers (model/lora.py): a slot per segment slot, and the trailing padding's
+            groups = max(slots, len(segments)) + 1
+            self.packed.lora = AdapterRows(
+                torch.zeros(groups, dtype=torch.long, device=dev),
+                torch.zeros(groups, dtype=torch.float32, device=dev),
+                torch.full((groups,), total_rows, dtype=torch.int32, device=dev),
+            )
         self.placed: tuple | None = None  # the geometry the buffers were last written for
         self._place(segments)
         self.plan = attention.make_plan(total_rows, slots)
         self.planned_for: tuple | None = None  # the geometry and pages the plan was last updated with
         self.capturable = graph_pool is not None and not any(s.collect_kv for s in segments)
         self.runs = 0
+        self.eager_threads: set[int] = set()  # threads that ran this layout eagerly: only they may capture it
+        self.capture_failed = False
         self.graph: torch.cuda.CUDAGraph | None = None
         self.graph_out: GenOutput | None = None
 
@@ -131,6 +153,11 @@ class StepLayout:
         p.token_segment.copy_(token_segment)
         p.sound_rows.copy_(torch.tensor(sound + [last] * (len(p.sound_rows) - len(sound)), dtype=torch.long))
         p.action_rows.copy_(torch.tensor(action + [last] * (len(p.action_rows) - len(action)), dtype=torch.long))
+        if p.lora is not None:  # each segment's group ends where the next segment starts (SEGMENT_ALIGN padding)
+            ends = [s.start + -(-s.length // SEGMENT_ALIGN) * SEGMENT_ALIGN for s in segments]
+            groups = len(p.lora.offs)
+            offs = ends + [ends[-1] if ends else 0] * (groups - 1 - len(ends)) + [len(p.tokens)]
+            p.lora.offs.copy_(torch.tensor(offs, dtype=torch.int32))
         self.placed = geometry
 
     def fill(self, rows: list[Row], segments: list[Segment]) -> None:
@@ -153,6 +180,9 @@ class StepLayout:
                     p.action_domain[at_a : at_a + s.action].fill_(row.action_domain)  # a kernel argument
                     at_a += s.action
                 p.segment_timesteps[i].fill_(row.timestep)  # a kernel argument: no host-to-device copy
+                if p.lora is not None:  # likewise the segment's adapter (scale 0: none)
+                    p.lora.slot[i].fill_(row.lora[0] if row.lora else 0)
+                    p.lora.scale[i].fill_(row.lora[1] if row.lora else 0.0)
                 p.noisy_mask[sl].copy_(row.noisy_mask)
                 p.cos[sl].copy_(br.cos)
                 p.sin[sl].copy_(br.sin)
@@ -175,15 +205,36 @@ class StepLayout:
         """→ the pass's `GenOutput` (predictions [S, patch_latent_dim], sound [R, sound_dim] and action
         [A, action_dim] predictions or None, the block stack's residual [S, hidden] or None, K/V of collecting
         segments). With a graph, its tensors are the graph's output buffers: valid until the next replay of any
-        layout. `capture`: this run may capture the graph (from the layout's second run, if capturable); the step
-        says False while it holds its bound of captures."""
+        layout. `capture`: this run may capture the graph (after an eager run on this thread, if capturable); the
+        step says False while it holds its bound of captures."""
         self.runs += 1
-        if self.graph is None and self.capturable and capture and self.runs >= 2:
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=self.graph_pool):
-                out = self._forward()
-                self.graph_out = dataclasses.replace(out, kv={})
+        faults.maybe_fail_forward()
+        if self.captures_next(capture):
+            self._capture()
         if self.graph is not None:
             self.graph.replay()
             return self.graph_out  # type: ignore[return-value]
+        self.eager_threads.add(threading.get_ident())
         return self._forward()
+
+    def captures_next(self, capture: bool = True) -> bool:
+        """Whether `run(capture)` on this thread captures: a capturable layout without a graph, already run eagerly
+        here."""
+        return self.graph is None and self.capturable and capture and threading.get_ident() in self.eager_threads
+
+    def _capture(self) -> None:
+        """Capture the forward into `self.graph`; on failure leave none and never capture this layout again."""
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self.graph_pool):
+                out = self._forward()
+                faults.maybe_fail_capture()
+        except Exception as e:  # noqa: BLE001 - the step runs eagerly instead (the caller's next line)
+            self.capturable = False
+            del graph  # its allocations return to the shared pool
+            torch.cuda.synchronize()  # a failed capture leaves no sticky error: a real one raises here, and heals
+            print(f"cosmos3: capture of a {self.packed.tokens.shape[0]}-row layout failed; it runs eagerly "
+                  f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})", file=sys.stderr)  # fmt: skip
+            self.capture_failed = True
+            return
+        self.graph, self.graph_out = graph, dataclasses.replace(out, kv={})

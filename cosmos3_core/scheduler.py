@@ -15,7 +15,9 @@ admission so a stream never stalls for pages mid-way.
 Step caching (cache.py): `schedule()` also decides, for each live request with a cache policy, which of its CFG
 branches reuse a residual this step (`Job.reuse`) — before the engine builds the rows, since a reusing branch
 contributes none — reading every request's gate distance back in one transfer; `update` records the residuals of
-the branches that ran. The `done` info then carries `cache_skipped`.
+the branches that ran. Each AR window is its own denoise loop: it starts a fresh `SeaCache` (no decision, indicator
+or residual crosses windows) and a kv commit pass decides nothing. The `done` info then carries `cache_skipped`:
+per branch the skipped steps of a request without windows, a list of those (one per window, in order) with windows.
 
 Events go to the request's `Sink`: `progress` after each step, `chunk` per finished piece of a non-final window,
 then exactly one of `done` (the last frames; with them the sound latents and the generated actions, when the request
@@ -40,9 +42,11 @@ import torch
 from . import faults
 from .cache import SeaCache, host_distances
 from .kv_pool import KVPool, PageList
+from .lora_store import LoraRef, LoraStore
 from .model.action import action_position_ids
 from .model.config import ModelConfig
 from .model.embodiments import DOMAIN_IDS, FORWARD
+from .model.layers import GEN
 from .model.rotary import rotary_tables, vision_position_ids
 from .model.sound import SoundSpec, sound_position_ids
 from .requests import GenerationParams, RequestError
@@ -89,10 +93,14 @@ class Job:
     timesteps: list[float] = field(default_factory=list)  # the scheduler's, on the host: no sync per step
     sound: torch.Tensor | None = None  # enable_sound: [sound_dim, T_s] fp32
     sound_scheduler: Any = None  # the vision scheduler's twin (the pipeline's deepcopy): same timesteps
-    cache: SeaCache | None = None  # the request's step-caching state (params.cache); None: every step in full
+    cache: SeaCache | None = None  # this window's step-caching state (params.cache); None: every step in full
+    cache_skipped: list[dict[str, list[int]]] = field(default_factory=list)  # per finished window, its `skipped`
     reuse: tuple[torch.Tensor | None, ...] = ()  # this tick: per branch the residual to reuse, or None; (): none
     action: ActionBand | None = None  # action requests: the band, latents [chunk, action_dim] fp32
     action_scheduler: Any = None  # another twin, stepped only when the action tokens are noisy
+    lora_ref: LoraRef | None = None  # its adapter, checked at submit (None: none, or one on the UND tower only)
+    lora_slot: int | None = None  # the adapter pool slot it holds (pinned) from admission to its end
+    lora_error: str | None = None  # the adapter failed to load at admission: the request fails with this
     step: int = 0
     t_admit: float = 0.0
     t_last_chunk: float = 0.0
@@ -117,6 +125,7 @@ class EngineStats:
     cancelled: int = 0
     failed: int = 0
     rejected: int = 0
+    tick_failures: int = 0  # packed forwards that raised (their requests failed; the engine healed)
     queue_times: deque = field(default_factory=lambda: deque(maxlen=10000))
 
 
@@ -130,6 +139,7 @@ class Scheduler:
         max_queue: int,
         decode_chunk: int = 0,
         sound: SoundSpec | None = None,
+        loras: LoraStore | None = None,
     ):
         self.cfg, self.pool = cfg, pool
         self.device, self.dtype = pool.k_pages.device, pool.k_pages.dtype
@@ -137,6 +147,7 @@ class Scheduler:
         self.max_queue = max_queue
         self.decode_chunk = decode_chunk  # latent frames per emitted piece; 0: a window's frames at once
         self.sound = sound  # what the checkpoint says about sound; None: it cannot make sound
+        self.loras = loras  # the GEN tower's adapters (lora_store.py); None: the deployment serves none
         self.stats = EngineStats()
         self.waiting: deque[Job] = deque()
         self.live: list[Job] = []
@@ -178,6 +189,7 @@ class Scheduler:
             raise RequestError("enable_sound", "this checkpoint has no sound tokenizer or sound weights")
         if p.action_mode and not self.cfg.action_gen:
             raise RequestError("action", "this checkpoint has no action weights (action_gen)")
+        lora = self._check_lora(p)
         plan = self.plan(p)
         reserve = self._context_reserve(p, plan, len(prefill.text_k))
         need = self._pages_needed(prefill, reserve)
@@ -189,9 +201,19 @@ class Scheduler:
             if len(self.waiting) >= self.max_queue:
                 raise QueueFull(f"queue full ({self.max_queue} waiting); retry later")
             self._next_id += 1
-            self.waiting.append(Job(self._next_id, prefill, sink, plan, reserve, time.perf_counter()))
+            self.waiting.append(Job(self._next_id, prefill, sink, plan, reserve, time.perf_counter(), lora_ref=lora))
             self._wake.notify()
             return self._next_id
+
+    def _check_lora(self, p: GenerationParams) -> LoraRef | None:
+        """The request's adapter, checked (RequestError naming `lora` / `lora.name`); None when the GEN tower runs
+        it as the base model (no adapter, or one whose modules are all on the UND tower: prefill applied it)."""
+        if p.lora is None:
+            return None
+        if self.loras is None:
+            raise RequestError("lora", "this deployment serves no adapters (its lora_dir is not set)")
+        ref = self.loras.check(p.lora.name)
+        return ref if GEN in ref.towers else None
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.live)
@@ -250,7 +272,12 @@ class Scheduler:
                 job = self.waiting[0]
                 if self._pages_needed(job, job.reserve) > self.pool.pages_free - self.reserved:
                     return  # FIFO: the head waits for pages; nobody overtakes it
+                if not self._hold_lora(job):
+                    return  # every adapter slot is held by live requests: the head waits for one (FIFO)
                 self.waiting.popleft()
+            if job.lora_error is not None:
+                self._finish(job, error=job.lora_error)
+                continue
             if job.sink.cancelled():
                 self._finish(job, cancelled=True)
                 continue
@@ -260,6 +287,18 @@ class Scheduler:
                 self._finish(job, error=f"internal error starting request: {e}")
                 continue
             self.live.append(job)
+
+    def _hold_lora(self, job: Job) -> bool:
+        """Pin the job's adapter in a pool slot (loading it if needed) → False while every slot is pinned by others.
+        An adapter that fails to load (changed since submit) sets `lora_error`: the job may go, and fails."""
+        if job.lora_ref is None or job.lora_slot is not None:
+            return True
+        try:
+            job.lora_slot = self.loras.acquire(job.lora_ref)  # type: ignore[union-attr]
+        except RequestError as e:
+            job.lora_error = str(e)
+            return True
+        return job.lora_slot is not None
 
     def _start(self, job: Job) -> None:
         job.t_admit = job.t_last_chunk = time.perf_counter()
@@ -314,7 +353,7 @@ class Scheduler:
         job.action_scheduler = twin() if job.action is not None and job.action.noisy else None
         job.timesteps = job.scheduler.timesteps.tolist()
         job.cache, job.reuse = None, ()
-        if p.cache is not None:  # per trajectory; the sigma at each step is what the pipeline gives SeaCache
+        if p.cache is not None:  # per window's trajectory; the sigma at each step is what the pipeline gives SeaCache
             sigmas = job.scheduler.sigmas[: len(job.timesteps)].tolist()
             # no noisy frame (inverse dynamics): no indicator, every step in full (diffusers' fail-open)
             job.cache = SeaCache(p.cache, len(job.branches), sigmas, self.dtype, gated=bool(noisy))
@@ -352,6 +391,9 @@ class Scheduler:
         self.reserved -= job.reserve
         job.reserve = 0
         job.text_pages, job.context = [], []
+        if job.lora_slot is not None:
+            self.loras.release(job.lora_slot)  # type: ignore[union-attr]
+            job.lora_slot = None
 
     def _finish(
         self, job: Job, error: str | None = None, cancelled: bool = False, last: torch.Tensor | None = None
@@ -396,8 +438,9 @@ class Scheduler:
         }
         if final:
             info["timings"]["denoise_s"] = now - job.t_admit
-            if job.cache is not None:
-                info["cache_skipped"] = job.cache.skipped
+            if job.params.cache is not None:  # without windows its one trajectory's; with windows one per window
+                skipped = job.cache_skipped
+                info["cache_skipped"] = skipped[0] if job.plan.mode == "none" else skipped
         job.t_last_chunk = now
         return info
 
@@ -446,6 +489,8 @@ class Scheduler:
         job.sink.progress(job.step, p.steps, job.window, len(job.plan.windows))
         if job.step < p.steps:
             return False
+        if job.cache is not None:  # the window's decisions end with it (`_start_window` starts the next one's)
+            job.cache_skipped.append(job.cache.skipped)
         win = job.plan.windows[job.window]
         new = job.latents[:, :, win.pinned :]
         if job.window == len(job.plan.windows) - 1:
@@ -463,10 +508,16 @@ class Scheduler:
         return next((j.pages_held() for j in self.live if j.id == job_id), 0)
 
     def fail_live(self, message: str) -> None:
-        """A tick failed as a whole (e.g. out of memory in the packed forward): end its requests, keep serving."""
-        live, self.live = self.live, []
-        for job in live:
-            self._finish(job, error=message)
+        """End every live request with `message` (the engine cannot go on)."""
+        self.fail_jobs(list(self.live), message)
+
+    def fail_jobs(self, jobs: list[Job], message: str) -> None:
+        """A tick failed as a whole (e.g. out of memory in the packed forward): end its requests, one error each,
+        and keep serving."""
+        for job in jobs:
+            if job in self.live:
+                self.live.remove(job)
+                self._finish(job, error=message)
 
     def abort_all(self, message: str) -> None:
         """End every waiting and live request with `message` (shutdown)."""

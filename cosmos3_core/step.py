@@ -83,6 +83,17 @@ class DenoiseStep:
         self.max_captures = max_captures
         self.layouts: OrderedDict[tuple, StepLayout] = OrderedDict()
         self.captures = 0  # graphs captured so far (replaced or dropped ones too)
+        # when a set: each running row's (rows, sound, action, branches) is added (the warmup derives buckets so)
+        self.row_shapes: set[tuple[int, int, int, int]] | None = None
+
+    def reset(self) -> None:
+        """After a failed forward: drop every layout and its graph, and start a new graph memory pool (the old one
+        is freed with the last graph that used it), so nothing a failed pass touched is replayed or reused."""
+        self.layouts.clear()
+        if self.cuda_graphs:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            self.graph_pool = torch.cuda.graph_pool_handle()
 
     def bucket(self, segments: list[Segment], total: int, attention: Backend) -> tuple[int, int, int] | None:
         """→ the bucket of a pack of these segments (`total` rows): (rows, sound rows, action rows), or None when
@@ -90,10 +101,9 @@ class DenoiseStep:
         if not self.buckets or not attention.bucketable or any(s.collect_kv for s in segments):
             return None
         sound, action = sum(s.sound for s in segments), sum(s.action for s in segments)
-        sounds, actions = _pow2(sound), _pow2(action)
-        need = total + (sounds > sound or actions > action)  # unused sound / action entries point at the last row
+        need = bucket_rows_needed(total, sound, action)
         rows = next((b for b in self.buckets if b >= need), None)
-        return None if rows is None else (rows, sounds, actions)
+        return None if rows is None else (rows, _pow2(sound), _pow2(action))
 
     def layout(self, rows: list[Row]) -> tuple[StepLayout, list[Segment]]:
         """`rows`: W8A16 rows first (see `__call__`)."""
@@ -102,6 +112,7 @@ class DenoiseStep:
         running = [(r, sum(x is None for x in r.reuse)) for r in rows]
         running = [(r, n) for r, n in running if n]  # a row whose branches all reuse is not in the pack
         residual = any(r.record for r, _ in running)
+        lora = any(r.lora is not None for r, _ in running)  # a pack without adapters runs without their deltas
         bucket = self.bucket(segments, total, attention)
         size, capacity = (total, None) if bucket is None else (bucket[0], (bucket[0] // SEGMENT_ALIGN, *bucket[1:]))
         a16_segments = sum(n for r, n in running if r.a16)  # the running branches' segments only
@@ -111,11 +122,11 @@ class DenoiseStep:
             if bucket is None
             else ("bucket", *bucket, a16_rows)
         )
-        key = (sizes, attention.name, attention.shape_key(segments), residual)  # a bucket's too (FlashInfer's gather)
+        key = (sizes, attention.name, attention.shape_key(segments), residual, lora)  # a bucket's too (FlashInfer's gather)
         # key[1] names the backend (bench.parity and tests read it)
         layout = self.layouts.pop(key, None) or self.layout_class(
             self.model, self.kernels, attention, size, rows[0].tokens.shape[1], segments, self.graph_pool, a16_rows,
-            residual, capacity,
+            residual, capacity, **({"lora": True} if lora else {}),  # parallel layouts take none (refused at load)
         )  # fmt: skip
         self.layouts[key] = layout
         while len(self.layouts) > max(self.MAX_LAYOUTS, self.max_captures):
@@ -164,13 +175,18 @@ class DenoiseStep:
             for position, i in enumerate(order):
                 outputs[i] = packed_outputs[position]
             return outputs
+        if self.row_shapes is not None:
+            for r in rows:
+                if not r.commit:
+                    s, a = r.sound.shape[0], r.action.shape[0]
+                    self.row_shapes.add((r.tokens.shape[0] + s + a, s, a, len(r.branches)))
         fwd = None
         segments: list[Segment] = []
         if any(x is None for r in rows for x in r.reuse):
             layout, segments = self.layout(rows)
             layout.fill(rows, segments)
             had_graph = layout.graph is not None
-            if not had_graph and layout.capturable and layout.runs and self.max_captures:  # it captures now
+            if layout.captures_next(self.max_captures > 0):  # it captures now
                 held = [v for v in self.layouts.values() if v.graph is not None]
                 if len(held) >= self.max_captures:
                     held[0].release_graph()  # the least recently used capture makes room
@@ -212,6 +228,39 @@ class DenoiseStep:
                     result.action_velocity.append(av.float() * row.noisy_mask[n + s :, None])  # type: ignore[union-attr]
             out.append(result)
         return out
+
+
+def bucket_rows_needed(total: int, sound: int, action: int) -> int:
+    """The rows a bucket needs for a pack of `total` rows with `sound` sound and `action` action tokens: one more
+    when either count is not a power of two (their unused capacity entries point at the pack's last row)."""
+    return total + (_pow2(sound) > sound or _pow2(action) > action)
+
+
+def derive_buckets(shapes: set[tuple[int, int, int, int]]) -> tuple[int, ...]:
+    """Buckets for requests of these shapes — (rows, sound tokens, action tokens, CFG branches) of one branch's
+    segment, as the row builder made them — alone in a pack with any number of their branches running (SeaCache
+    runs 1 of 2 on a reused step): the smallest multiple of SEGMENT_ALIGN each such pack fits."""
+    out = set()
+    for n, sound, action, branches in shapes:
+        aligned = -(-n // SEGMENT_ALIGN) * SEGMENT_ALIGN
+        for k in range(1, branches + 1):
+            need = bucket_rows_needed(k * aligned, k * sound, k * action)
+            out.add(-(-need // SEGMENT_ALIGN) * SEGMENT_ALIGN)
+    return tuple(sorted(out))
+
+
+def bucket_padding(buckets: tuple[int, ...], shapes: set[tuple[int, int, int, int]]) -> list[tuple[int, int, float]]:
+    """For each pack `derive_buckets` would cover, (its rows, the bucket it runs in, the padding's share of that
+    pack's rows); a pack larger than every bucket gets an exact layout and is left out."""
+    out = []
+    for n, sound, action, branches in sorted(shapes):
+        aligned = -(-n // SEGMENT_ALIGN) * SEGMENT_ALIGN
+        for k in range(1, branches + 1):
+            need = bucket_rows_needed(k * aligned, k * sound, k * action)
+            rows = next((b for b in buckets if b >= need), None)
+            if rows is not None:
+                out.append((k * n, rows, rows / (k * n) - 1))
+    return out
 
 
 def _pow2(n: int) -> int:

@@ -9,6 +9,7 @@ the models and to the client is typed in wire.py; errors travel as Triton errors
 from __future__ import annotations
 
 import json
+import os
 import queue
 import threading
 import time
@@ -22,9 +23,12 @@ import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import to_dlpack
 
 from ..deployment import Deployment
-from ..engine import DenoiseEngine
+from ..engine import DenoiseEngine, EngineBroken
+from ..errors import down_mark, drain_timeout, part_died, part_restarting, part_stopped
+from ..requests import RequestError
 from ..stages import DecodeStage
 from ..wire import ChunkEvent, ChunkInfo, ErrorEvent, Event, RequestMeta, decode_event, encode_event
+from .admission import Tickets
 from .cancel import CancelMarks
 
 EMPTY_LATENTS = np.zeros((0, 0, 0, 0, 0), dtype=np.float32)
@@ -129,14 +133,18 @@ class Responder:
 
 
 class TritonSink:
-    """Engine events of one request → responses through the responder."""
+    """Engine events of one request → responses through the responder. The first event releases the request's
+    admission ticket: it no longer waits (admission.py)."""
 
-    def __init__(self, request: Any, responder: Responder, meta: RequestMeta | None, marks: CancelMarks):
+    def __init__(
+        self, request: Any, responder: Responder, meta: RequestMeta | None, marks: CancelMarks, tickets: Tickets | None = None
+    ):
         self.request = request
         self.sender = request.get_response_sender()
         self.responder = responder
         self.meta = meta
         self.marks = marks
+        self.tickets = tickets if meta is not None else None
 
     def _send(
         self,
@@ -146,6 +154,9 @@ class TritonSink:
         sound: Any = EMPTY_SOUND,
         actions: Any = EMPTY_ACTIONS,
     ) -> None:
+        if self.tickets is not None:
+            self.tickets.release(self.meta.id)
+            self.tickets = None
         self.responder.send(self.sender, lambda: latents_response(latents, event, sound, actions), final)
 
     def progress(self, step: int, steps: int, window: int, windows: int) -> None:
@@ -200,10 +211,21 @@ def video_response(
     )  # fmt: skip
 
 
+def down_refusal(marks: CancelMarks) -> str | None:
+    """A new request's refusal while a later part is down: until its reload is done, Triton sends it to the dead
+    instance (the supervisor marks the part, errors.py)."""
+    return next((part_restarting(p) for p in ("denoise", "vae_decode") if marks.is_marked(down_mark(p))), None)
+
+
 class DecodeLoop:
     """vae_decode's thread: takes requests in arrival order, launches each chunk's decode on the GPU and hands it
     to the responder, which waits for its frames on the host and sends them while the GPU decodes the next one.
-    A cancelled request marks its id for the engine (cancel.py) and drops its decoder cache."""
+    A cancelled request marks its id for the engine (cancel.py) and drops its decoder cache.
+
+    A stream's latest progress (or mid-stream chunk) keeps its FINAL back until the stream's next event: while
+    denoise works on a request, this process holds one of its steps too, so that when the denoise stub dies (the
+    supervisor marks it down) the request still gets an error, from here. Triton 2.51 answers nothing for a dead
+    decoupled stub's requests."""
 
     def __init__(self, stage: DecodeStage, marks: CancelMarks, metrics: DecodeMetrics, device: str):
         self.stage, self.marks, self.metrics, self.device = stage, marks, metrics, device
@@ -211,6 +233,8 @@ class DecodeLoop:
         self.responder = Responder(device, maxsize=2)
         self.inbox: queue.Queue = queue.Queue()
         self.failed: dict[str, str] = {}  # stream id → why its chunk failed, reported with the engine's end of it
+        self.held: dict[str, Any] = {}  # stream id → the sender of its latest pass-through step, FINAL held back
+        self.denoise_down = False
         self.thread = threading.Thread(target=self._run, name="cosmos3-decode", daemon=True)
         self.thread.start()
 
@@ -219,9 +243,38 @@ class DecodeLoop:
 
     def _run(self) -> None:
         use_device(self.device)
-        while (item := self.inbox.get()) is not None:
+        while (item := self._next()) is not None:
             request, sender = item
-            self.responder.send(sender, self._launch(request), final=True)
+            try:
+                stream = decode_event(input_array(request, "event").reshape(-1)[0])
+            except Exception:  # noqa: BLE001 - `_launch` answers it
+                stream = None
+            if stream is not None and (held := self.held.pop(stream["id"], None)) is not None:
+                self.responder.send(held, lambda: None, final=True)  # its previous step is done now
+            build = self._launch(request)
+            keep = stream is not None and stream["type"] in ("progress", "chunk") and stream["id"] not in self.failed
+            keep = keep and not request.is_cancelled()
+            self.responder.send(sender, build, final=not keep)
+            if keep:
+                self.held[stream["id"]] = sender
+
+    def _next(self) -> Any:
+        """The next request; meanwhile (and before each) the streams held for a dead denoise get its error."""
+        while True:
+            self._check_denoise()
+            try:
+                return self.inbox.get(timeout=0.2)
+            except queue.Empty:
+                pass
+
+    def _check_denoise(self) -> None:
+        down = self.marks.is_marked(down_mark("denoise"))
+        if down and not self.denoise_down:  # every stream held now was the dead instance's
+            for stream, sender in self.held.items():
+                self.responder.send(sender, lambda: error_response(part_died("denoise")), final=True)
+                self._forget(stream)
+            self.held.clear()
+        self.denoise_down = down
 
     def _launch(self, request: Any) -> Callable[[], Any]:
         try:
@@ -261,7 +314,8 @@ class DecodeLoop:
     def _failed(self, event: ChunkEvent, e: Exception) -> Callable[[], Any]:
         """A chunk that failed to decode. After `done` (the request's last step) the error goes out now; before
         it the engine still runs the request, so it is ended there and its error event carries this message."""
-        message = log_exception("cosmos3_vae_decode", e)
+        # the guardrail's refusal (a RequestError) is the client's error as it stands, never an internal one
+        message = str(e) if isinstance(e, RequestError) else log_exception("cosmos3_vae_decode", e)
         if event["type"] == "done":
             message = self.failed.pop(event["id"], message)  # the first failure of the stream, if there was one
             return lambda: error_response(message)
@@ -276,6 +330,8 @@ class DecodeLoop:
     def close(self, timeout: float) -> None:
         self.inbox.put(None)
         self.thread.join(timeout)
+        for sender in self.held.values():
+            self.responder.send(sender, lambda: None, final=True)
         self.responder.close(timeout)
 
 
@@ -355,6 +411,20 @@ class EngineMetrics:
         self.publish()
 
 
+class RefusalMetric:
+    """Prefill's share of `cosmos3_requests_total`: prompts the guardrail refused (outcome "refused"). The same
+    family (name, description, kind) as the engine's, which the server merges into one."""
+
+    def __init__(self, labels: dict[str, str]):
+        self._family = pb_utils.MetricFamily(
+            name="cosmos3_requests_total", description="Requests ended, by outcome", kind=pb_utils.MetricFamily.COUNTER
+        )
+        self._metric = self._family.Metric(labels={**labels, "outcome": "refused"})
+
+    def refused(self) -> None:
+        self._metric.increment(1)
+
+
 class DecodeMetrics:
     """Latency histograms measured where frames leave the server (after decode): time to first chunk (the
     whole video for single-shot requests), gaps between an AR stream's chunks, end-to-end time."""
@@ -402,6 +472,7 @@ class EngineThread:
     def __init__(self, engine: DenoiseEngine, marks: CancelMarks, drain_timeout_s: float):
         self.engine, self.marks, self.drain_timeout_s = engine, marks, drain_timeout_s
         self.drain_since: float | None = None
+        self.decode_down = False
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="cosmos3-engine", daemon=True)
         self.thread.start()
@@ -411,8 +482,13 @@ class EngineThread:
         while not self.stop.is_set():
             self.engine.wait_for_work(0.05)
             self._check_drain()
+            self._check_decode()
             try:
                 self.engine.tick()
+            except EngineBroken as e:  # the device is gone: end everything and let Triton restart this model
+                message = log_exception("denoise engine", e)
+                self.engine.abort_all(f"{message}; the denoise model restarts, retry")
+                os._exit(1)  # the stub's death is what Triton (and the supervisor) act on
             except Exception as e:  # noqa: BLE001
                 self.engine.fail_live(log_exception("denoise tick", e))
 
@@ -423,10 +499,18 @@ class EngineThread:
                 self.drain_since = time.monotonic()
                 self.engine.scheduler.draining = True
         elif time.monotonic() - self.drain_since > self.drain_timeout_s and self.engine.has_work():
-            self.engine.abort_all("server shutting down; the request did not finish within the drain timeout")
+            self.engine.abort_all(drain_timeout(self.drain_timeout_s))
+
+    def _check_decode(self) -> None:
+        """vae_decode's stub died: every request here would send its next event to the dead instance (an ensemble
+        request keeps the models it started with), so end them now rather than denoise them for nothing."""
+        down = self.marks.is_marked(down_mark("vae_decode"))
+        if down and not self.decode_down and self.engine.has_work():
+            self.engine.abort_all(part_died("vae_decode"))
+        self.decode_down = down
 
     def close(self, timeout: float) -> None:
         self.stop.set()
         self.engine.wake()
         self.thread.join(timeout)
-        self.engine.abort_all("server shutting down")
+        self.engine.abort_all(part_stopped("denoise"))

@@ -1,0 +1,166 @@
+"""The GPU matrix: every shipped model × bf16 / FP8 × no cache / SeaCache, each cell a served check.
+
+  python -m bench.matrix --model edge --precision fp8 --json out/matrix_edge_fp8.json
+
+One server per (model, precision), on the shipped config (`MODELS`; Nano's modes on one checkpoint with sound and
+action heads, warmed with every Nano config's `warmup_requests`, so its buckets are derived from all of them;
+compile off: the matrix checks paths, `bench.served` times them). For each cache setting and each row kind
+(`ROWS`: t2v + i2v, AR chained, AR kv, sound, action) a cell:
+- runs each request of the row alone (`STEPS` steps; SeaCache `SEA_STEPS`, so that steps are skipped);
+- runs a mixed pack of 3 concurrent requests: the row's kind beside a t2v and an i2v (t2v + i2v + t2v for the
+  t2v/i2v row) and checks each against its solo run (frames within bf16 tolerance, `PACK_TOL`; actions and audio
+  present where the request asks for them);
+- a cell is ✓ when all of that holds, else the first error. The server must still be ready at the end, and serve
+  one more request (`healthy`).
+Prints one line per cell and a markdown table (BENCHMARKS.md's "GPU matrix"); `bench/device_matrix.sh` runs it on
+the H200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+from client.stream import generate
+from cosmos3_core.deployment import Deployment
+from cosmos3_core.triton.launcher import stop_server, wait_until_ready
+from cosmos3_core.triton.serve import start
+
+from .pool import run_pool
+from .served import PROMPT, variant_request
+
+NANO_CONFIGS = ["configs/bench_nano_t2v.yaml", "configs/bench_nano_ar.yaml", "configs/bench_nano_sound.yaml",
+                "configs/bench_nano_action.yaml"]  # fmt: skip
+MODELS = {
+    "edge": {"config": "configs/bench_edge.yaml", "rows": ["t2v/i2v"]},
+    "nano": {"config": "configs/bench_nano_t2v.yaml", "checkpoint": "random:nano_sound_action",
+             "warmup_from": NANO_CONFIGS, "rows": ["t2v/i2v", "AR chained", "AR kv", "sound", "action"]},
+}  # fmt: skip
+AR = {"num_frames": 45, "window_frames": 29, "overlap_frames": 8}
+ROWS = {  # row → (request kind for bench.served.variant_request, extra parameters)
+    "t2v/i2v": ("t2v", {}),
+    "AR chained": ("t2v", {**AR, "window_mode": "chained"}),
+    "AR kv": ("t2v", {**AR, "window_mode": "kv", "context_frames": 29}),
+    "sound": ("t2v+sound", {}),
+    "action": ("policy", {}),
+}
+STEPS, SEA_STEPS = 2, 6
+SEA = {"cache": {"policy": "sea"}}
+PACK_TOL = 0.05  # relative L2 of a packed request's frames against its solo run's (bf16, random weights)
+
+
+def rel_l2(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-9))
+
+
+def deployment_of(model: str, precision: str) -> Deployment:
+    spec = MODELS[model]
+    d = Deployment.load(spec["config"], precision="fp8" if precision == "fp8" else None, compile=False)
+    if "checkpoint" in spec:
+        warmup = [r for path in spec["warmup_from"] for r in Deployment.load(path).warmup_requests]
+        d = dataclasses.replace(d, checkpoint=spec["checkpoint"], warmup_requests=warmup)
+    return d
+
+
+class Cell:
+    """One row × cache setting on a running server."""
+
+    def __init__(self, url: str, d: Deployment, row: str, cached: bool):
+        self.url, self.row, self.cached = url, row, cached
+        size = (d.defaults.height, d.defaults.width)
+        steps = {"steps": SEA_STEPS if cached else STEPS, **(SEA if cached else {})}
+        kind, extra = ROWS[row]
+        main = variant_request(kind, {**steps, **extra}, *size)
+        t2v, i2v = variant_request("t2v", steps, *size), variant_request("i2v", steps, *size)
+        # (parameters, image, clip, raw actions, seed): the row's kind, then its pack mates
+        self.requests = [(*main, 1), (*i2v, 2), (*t2v, 3)]
+
+    def run_one(self, request) -> dict:
+        params, image, clip, raw, seed = request
+        r = generate(self.url, PROMPT, {**params, "seed": seed}, image, video=clip, raw_actions=raw, timeout_s=900)
+        if r.video.size == 0:
+            raise RuntimeError("no frames came back")
+        if params.get("enable_sound") and r.audio is None:
+            raise RuntimeError("a sound request came back without audio")
+        if "action" in params and params["action"]["mode"] != "forward_dynamics" and r.actions is None:
+            raise RuntimeError("an action request came back without actions")
+        done = next(e for e in r.events if e["type"] == "done")
+        return {"seed": seed, "video": r.video, "skipped": done.get("cache_skipped"), "e2e": r.e2e_s}
+
+    def check(self) -> str:
+        """→ "✓" or the first error."""
+        try:
+            solo = {s: self.run_one(r) for r in self.requests for s in [r[-1]]}
+            packed = {out["seed"]: out for out in run_pool(self.requests, 3, self.run_one)}
+            for seed, alone in solo.items():
+                d = rel_l2(packed[seed]["video"], alone["video"])
+                if d > PACK_TOL:
+                    return f"✗ packed request {seed} differs from its solo run: rel L2 {d:.3f} > {PACK_TOL}"
+            skipped = solo[1]["skipped"]
+            return "✓" + (f" (skipped {skipped})" if self.cached and skipped is not None else "")
+        except Exception as e:  # noqa: BLE001 - the cell's result is its error
+            return f"✗ {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+
+
+def healthy(url: str, http_port: int) -> str:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v2/health/ready", timeout=5) as r:
+            if r.status != 200:
+                return f"✗ ready answered {r.status}"
+        generate(url, PROMPT, {"steps": 2, "seed": 9}, timeout_s=600)
+        return "✓"
+    except Exception as e:  # noqa: BLE001
+        return f"✗ {type(e).__name__}: {str(e)[:200]}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", choices=list(MODELS), required=True)
+    ap.add_argument("--precision", choices=["bf16", "fp8"], required=True)
+    ap.add_argument("--rows", nargs="+", help="a subset of the model's rows")
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    d = deployment_of(args.model, args.precision)
+    workdir = Path(tempfile.mkdtemp(prefix="cosmos3-matrix-"))
+    proc, ports, deployment = start(d, workdir)
+    url = f"127.0.0.1:{ports[0]}"
+    result: dict = {"model": args.model, "precision": args.precision, "cells": {}}
+    try:
+        result["startup_s"] = wait_until_ready(ports[1], proc=proc, timeout_s=900)
+        print(f"{args.model} {args.precision}: ready in {result['startup_s']:.0f}s", flush=True)
+        for row in args.rows or MODELS[args.model]["rows"]:
+            for cached in (False, True):
+                t0 = time.perf_counter()
+                status = Cell(url, deployment, row, cached).check()
+                column = f"{args.precision}{' + SeaCache' if cached else ''}"
+                result["cells"][f"{row} | {column}"] = status
+                print(f"{args.model} {row:10} {column:16} {status}  ({time.perf_counter() - t0:.0f}s)", flush=True)
+        result["healthy"] = healthy(url, ports[1])
+        print(f"{args.model} {args.precision}: healthy at the end {result['healthy']}", flush=True)
+    except Exception as e:  # noqa: BLE001
+        result["error"] = f"{type(e).__name__}: {e}"
+        print(f"matrix failed: {e}\n--- server log tail ---\n{(workdir / 'tritonserver.log').read_text()[-3000:]}",
+              file=sys.stderr)  # fmt: skip
+    finally:
+        stop_server(proc)
+    log = (workdir / "tritonserver.log").read_text() if (workdir / "tritonserver.log").exists() else ""
+    result["log_lines"] = [line for line in log.splitlines() if "cosmos3:" in line][-20:]
+    for line in result["log_lines"]:
+        print("  log:", line[:300])
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1, ensure_ascii=False))
+    return 0 if "error" not in result else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
