@@ -35,7 +35,7 @@ CONFIG=configs/bench_edge.yaml
 FI=/tmp/coldstart/kernels/flashinfer
 fresh() {  # an empty cache (and torch.compile's default folder), then the checkpoint's configs and $FI_AOT if given
   rm -rf /tmp/coldstart /tmp/torchinductor_root
-  /tmp/v/bin/python -c "from cosmos3_core.tools.checkpoints import resolve_checkpoint; resolve_checkpoint('random:edge')"
+  /tmp/v/bin/python -c "from cosmos3_core.model.provision import resolve_checkpoint; resolve_checkpoint('random:edge')"
   if [ "$1" = carry ] && [ -n "${FI_AOT:-}" ]; then
     mkdir -p $FI/aot && cp -r "$FI_AOT" $FI/aot/sm90a && echo "carried: $(ls $FI/aot/sm90a | wc -l) modules, $(du -sh $FI/aot | cut -f1)"
   fi

@@ -110,7 +110,7 @@ def reference(args, params) -> dict:
 
     from cosmos3_core.model.checkpoint import Checkpoint
     from cosmos3_core.model.config import read_json
-    from cosmos3_core.tools.checkpoints import resolve_checkpoint
+    from cosmos3_core.model.provision import resolve_checkpoint
 
     root = resolve_checkpoint(f"random:{args.preset}")
     ckpt = Checkpoint.open(root)
@@ -180,7 +180,7 @@ def main() -> None:
     result["diffusers_peak_mem_gb"] = torch.cuda.max_memory_allocated() / 1e9
 
     from cosmos3_core.model.checkpoint import Checkpoint
-    from cosmos3_core.tools.checkpoints import resolve_checkpoint
+    from cosmos3_core.model.provision import resolve_checkpoint
 
     cfg = Checkpoint.open(resolve_checkpoint(f"random:{args.preset}")).config
     tokens = tokens_for(cfg, args.height, args.width, args.frames)

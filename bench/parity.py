@@ -239,8 +239,7 @@ def inputs_of(case: Case, height: int, width: int) -> tuple[np.ndarray | None, n
 def checkpoint(preset: str, seed: int, device: str, sound: bool = False, action: bool = False) -> Path:
     """The preset's checkpoint with LLM-like random weights, written once under $COSMOS3_CACHE. `sound`, `action`:
     with those parts, added in place when missing (the rest of the checkpoint unchanged)."""
-    from cosmos3_core.tools.make_tiny import make_tiny
-    from cosmos3_core.tools.random_checkpoint import (
+    from cosmos3_core.model.random_checkpoint import (
         add_action,
         add_sound,
         has_action,
@@ -248,6 +247,7 @@ def checkpoint(preset: str, seed: int, device: str, sound: bool = False, action:
         write_skeleton,
         write_weights,
     )
+    from cosmos3_core.tools.make_tiny import make_tiny
 
     cache = Path(os.environ.get("COSMOS3_CACHE", Path.home() / ".cache" / "cosmos3"))
     target = cache / f"parity-{preset}-s{seed}"
@@ -539,8 +539,8 @@ def flashinfer_available() -> bool:
 def fp8_checkpoint(root: Path, device: str) -> Path:
     """The FP8 checkpoint of `root` (`tools/make_fp8`: the official ModelOpt layout, policy 3 + 3, calibrated by
     diffusers fp32 on `device`), written once beside it; rewritten when `root` has gained sound or action parts."""
+    from cosmos3_core.model.random_checkpoint import has_action, has_sound
     from cosmos3_core.tools.make_fp8 import make_fp8, policy_json
-    from cosmos3_core.tools.random_checkpoint import has_action, has_sound
 
     try:
         import modelopt.torch.quantization  # noqa: F401 - diffusers loads the checkpoint through ModelOpt

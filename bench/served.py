@@ -203,9 +203,9 @@ def diffusers_variants(deployment: Deployment, requests: dict[str, tuple], repea
 
     from cosmos3_core.model.checkpoint import Checkpoint
     from cosmos3_core.model.config import read_json
+    from cosmos3_core.model.provision import resolve_checkpoint
     from cosmos3_core.requests import validate
     from cosmos3_core.sampling import checkpoint_shift
-    from cosmos3_core.tools.checkpoints import resolve_checkpoint
 
     gc.collect()
     cuda = deployment.torch_device.startswith("cuda")

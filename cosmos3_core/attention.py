@@ -53,21 +53,13 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 
 from .kv_pool import KVPool, PageList
+from .model.attend import sdpa
 from .model.fp8 import E4M3, FP8_MAX
 from .rows import Segment
 
 BACKENDS = ("auto", "sdpa", "flashinfer")
-
-
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-    """q [N, heads, d], k/v [M, kv_heads, d] → [N, heads*d]."""
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=causal, enable_gqa=True
-    )  # [1, heads, N, d]
-    return out[0].transpose(0, 1).flatten(-2)
 
 
 def fp8_amax(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

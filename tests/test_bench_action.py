@@ -57,10 +57,10 @@ def test_add_part_in_place_keeps_the_rest_and_loads(tmp_path, part):
     (drawn LLM-like), every earlier tensor as it was, and both loaders read the new ones."""
     from diffusers import Cosmos3OmniTransformer
 
+    from cosmos3_core.model import random_checkpoint as rc
     from cosmos3_core.model.checkpoint import Checkpoint
     from cosmos3_core.model.layers import GEN, UND
     from cosmos3_core.model.sound import SoundSpec
-    from cosmos3_core.tools import random_checkpoint as rc
     from cosmos3_core.tools.make_tiny import make_tiny
 
     add, has, shard = {"sound": (rc.add_sound, rc.has_sound, rc.SOUND_SHARD),
@@ -96,8 +96,8 @@ def test_add_part_in_place_keeps_the_rest_and_loads(tmp_path, part):
 def test_nano_action_skeleton_and_floor(tmp_path):
     from bench.floor import denoise_flops, request_floor, text_lengths
     from cosmos3_core.model.checkpoint import Checkpoint
+    from cosmos3_core.model.random_checkpoint import write_skeleton
     from cosmos3_core.requests import Defaults, Limits, validate
-    from cosmos3_core.tools.random_checkpoint import write_skeleton
 
     root = write_skeleton(tmp_path / "nano_action", "nano_action")  # configs only: weights are drawn at load
     ckpt = Checkpoint.open(root)

@@ -60,7 +60,7 @@ def test_tiny_parity_sound_and_v2v(tmp_path, monkeypatch):
 def test_sound_tokenizer_passes_a_change_through(tmp_path):
     from diffusers import Cosmos3AVAEAudioTokenizer
 
-    from cosmos3_core.tools.random_checkpoint import sound_parts, write_sound_tokenizer
+    from cosmos3_core.model.random_checkpoint import sound_parts, write_sound_tokenizer
 
     _, cfg = sound_parts("tiny")
     write_sound_tokenizer(tmp_path / "tok", cfg, seed=0)
@@ -87,7 +87,7 @@ def test_served_request_kinds():
 
 @pytest.mark.parametrize("preset", ["nano_sound", "tiny_sound"])
 def test_sound_presets_resolve(preset):
-    from cosmos3_core.tools.random_checkpoint import sound_parts
+    from cosmos3_core.model.random_checkpoint import sound_parts
 
     tcfg, tok = sound_parts(preset)
     assert tcfg["sound_gen"] and (tok.get("vocoder_input_dim", tcfg["sound_dim"]) == tcfg["sound_dim"])

@@ -9,8 +9,8 @@ import pytest
 
 from cosmos3_core.deployment import Deployment
 from cosmos3_core.model.checkpoint import Checkpoint
+from cosmos3_core.model.provision import resolve_checkpoint
 from cosmos3_core.requests import validate, warmup_inputs
-from cosmos3_core.tools.checkpoints import resolve_checkpoint
 
 CONFIGS = sorted(Path(__file__).parent.parent.glob("configs/*.yaml"))
 

@@ -11,11 +11,11 @@ PKG = Path(__file__).resolve().parent.parent / "cosmos3_core"
 # low → high: model maths and plain data; rows; the packed step; the scheduler; the engine; stages and Triton glue
 LAYERS: list[set[str]] = [
     {"__init__", "faults", "media", "inputs", "windows", "requests", "sampling", "cache", "kv_pool", "model.__init__", "model.config",
-     "model.prompts", "model.embodiments", "model.wan_decoder", "model.fp8", "tools.__init__", "tools.make_tiny",
-     "tools.make_fp8", "tools.random_checkpoint", "tools.checkpoints", "caches", "parallel.__init__", "parallel.config",
+     "model.prompts", "model.embodiments", "model.wan_decoder", "model.fp8", "model.attend", "model.tiny",
+     "model.random_checkpoint", "model.provision", "tools.__init__", "tools.make_fp8", "caches", "parallel.__init__", "parallel.config",
      "parallel.comm", "parallel.group"},
     {"model.layers", "model.rotary", "model.conditioning", "model.sound", "model.video_input", "model.action", "rows",
-     "wire"},
+     "wire", "tools.make_tiny"},
     {"attention", "model.checkpoint"},
     {"model.towers"},
     {"graphs"},
@@ -80,3 +80,21 @@ def test_no_import_cycle():
         if m not in state:
             visit(m, [m])
     assert not cycles, f"import cycles: {cycles}"
+
+
+def test_model_reaches_no_serving_layer():
+    """model/ is the maths and the checkpoints: it imports model/ and plain data only. The towers take the step's
+    attention as an argument (`model.attend.Attend`), not from attention.py; model/provision.py resolves the tiny
+    default and `random:*` with model/'s own writers, not tools/'s."""
+    plain = {m for m in LAYERS[0] if not m.startswith("tools.")}
+    reach = [(m, d) for m, deps in graph().items() if m.startswith("model.")
+             for d in deps if not d.startswith("model.") and d not in plain]  # fmt: skip
+    assert not reach, f"model/ imports beyond model/ and plain data: {reach}"
+
+
+def test_only_tools_import_tools():
+    """tools/ are developer commands (make_tiny, make_fp8, warm) over the package; nothing the server or the CLI runs
+    imports them (the deployment resolves its checkpoint through model/provision.py)."""
+    users = [(m, d) for m, deps in graph().items() if not m.startswith("tools.")
+             for d in deps if d.startswith("tools.")]  # fmt: skip
+    assert not users, f"imports of tools/ from outside it: {users}"

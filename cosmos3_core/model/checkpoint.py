@@ -85,7 +85,7 @@ class Checkpoint:
     scheduler_config: dict[str, Any]
     use_native_flow_schedule: bool
     default_use_system_prompt: bool
-    random_weights: bool = False  # a real-shape skeleton for speed runs (tools/random_checkpoint.py)
+    random_weights: bool = False  # a real-shape skeleton for speed runs (model/random_checkpoint.py)
     fp8_weights: bool = False  # the layer linears are stored in E4M3 (a ModelOpt FP8 quantization_config)
     fp8: Fp8Plan | None = None  # how the transformer is served in FP8; None: as stored, 16-bit
 

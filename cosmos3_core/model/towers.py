@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention import Plan, sdpa
+from .attend import Attend, sdpa
 from .fp8 import linear
 from .layers import Cosmos3Transformer, DomainAwareLinear, Layer
 from .rotary import apply_rotary
@@ -140,7 +140,7 @@ class GenOutput:
 
 
 def gen_forward(
-    model: Cosmos3Transformer, packed, attend: Plan, kernels: GenKernels = EAGER
+    model: Cosmos3Transformer, packed, attend: Attend, kernels: GenKernels = EAGER
 ) -> GenOutput:  # packed: graphs.PackedStep
     """One GEN pass over a packed step → predictions [rows, patch_latent_dim] (every row, clean ones too), the
     sound rows' predictions [R, sound_dim] (None without sound), the action rows' [A, action_dim] (None without

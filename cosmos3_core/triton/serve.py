@@ -27,7 +27,7 @@ from string import Template
 import yaml
 
 from ..deployment import DEFAULT_CONFIG, Deployment
-from ..tools.checkpoints import resolve_checkpoint
+from ..model.provision import resolve_checkpoint
 from .cancel import CancelMarks
 from .launcher import (
     ServerConfig,

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from .make_tiny import build_text_tokenizer
+from . import tiny
 
 LLM_INIT_STD = 0.02  # transformers' default `initializer_range` (Qwen3, Nemotron, Llama)
 SHARD_BYTES = 4 << 30
@@ -100,9 +100,7 @@ def sound_parts(preset: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """(transformer config keys, tokenizer config) of a preset's sound: Nano's, or the tiny checkpoints' (make_tiny)."""
     base = split_preset(preset)[0]
     if base == "tiny":
-        from . import make_tiny
-
-        return dict(make_tiny.SOUND_TRANSFORMER), dict(make_tiny.SOUND_TOKENIZER_CONFIG)
+        return dict(tiny.SOUND_TRANSFORMER), dict(tiny.SOUND_TOKENIZER_CONFIG)
     if base == "nano":
         return dict(SOUND_TRANSFORMER), dict(SOUND_TOKENIZER)
     raise ValueError(f"preset {preset!r} has no sound (Nano and the tiny checkpoints do)")
@@ -112,9 +110,7 @@ def action_parts(preset: str) -> dict[str, Any]:
     """The transformer config keys of a preset's action heads: Nano's, or the tiny checkpoints' (make_tiny)."""
     base = split_preset(preset)[0]
     if base == "tiny":
-        from . import make_tiny
-
-        return dict(make_tiny.ACTION_TRANSFORMER)
+        return dict(tiny.ACTION_TRANSFORMER)
     if base == "nano":
         return dict(ACTION_TRANSFORMER)
     raise ValueError(f"preset {preset!r} has no action heads (Nano and the tiny checkpoints do)")
@@ -126,9 +122,7 @@ def write_skeleton(out: Path, preset: str, weights: bool = False, seed: int = 0,
     `tiny_action` / `tiny_sound_action`: the tiny checkpoint with them (`make_tiny`)."""
     base, sound, action = split_preset(preset)
     if base == "tiny" and (sound or action):
-        from .make_tiny import make_tiny
-
-        return make_tiny(out, variant="nano", seed=seed, sound=sound, action=action)
+        return tiny.make_tiny(out, variant="nano", seed=seed, sound=sound, action=action)
     if base not in PRESETS:
         known = ", ".join([*PRESETS, "nano_sound", "nano_action", "nano_sound_action", "tiny_sound", "tiny_action"])
         raise ValueError(f"unknown random preset {preset!r}; known: {known}")
@@ -142,7 +136,7 @@ def write_skeleton(out: Path, preset: str, weights: bool = False, seed: int = 0,
     (out / "transformer" / "config.json").write_text(json.dumps({**COMMON, **PRESETS[base]}, indent=1))
     (out / "vae" / "config.json").write_text(json.dumps(WAN22_VAE, indent=1))
     (out / "scheduler" / "scheduler_config.json").write_text(json.dumps(SCHEDULER, indent=1))
-    build_text_tokenizer().save_pretrained(out / "text_tokenizer")
+    tiny.build_text_tokenizer().save_pretrained(out / "text_tokenizer")
     index = {
         "_class_name": "Cosmos3OmniPipeline", "random_weights": True, "transformer": ["diffusers", "Cosmos3OmniTransformer"],
         "vae": ["diffusers", "AutoencoderKLWan"], "scheduler": ["diffusers", "UniPCMultistepScheduler"],
