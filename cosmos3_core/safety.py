@@ -1,0 +1,151 @@
+"""The safety checker a deployment runs (`safety_checker`), as diffusers' `Cosmos3OmniPipeline` runs NVIDIA's Cosmos
+guardrail: the text guardrail on the prompt before any work, the video guardrail on the decoded frames.
+
+A checker is any object with
+- `check_text_safety(prompt: str) -> bool`: False refuses the request (the negative prompt is not checked);
+- `check_video_safety(frames: np.ndarray uint8 [T, H, W, 3]) -> np.ndarray uint8 [T, H, W, 3] | None`: the frames
+  to send (the Cosmos guardrail pixelates faces), or None to block the video.
+
+`safety_checker` in the deployment config picks it:
+- `cosmos`: `cosmos_guardrail.CosmosSafetyChecker`, the object diffusers builds (text: a blocklist, then
+  Qwen3Guard; video: RetinaFace face pixelation). Its checkpoints come from the Hugging Face cache or Hub.
+- `none`: no checks (random-weight and test deployments).
+- `module:callable`: `callable()` returns a checker; `module` is an importable name or a `.py` file.
+A checker that cannot be built fails the stage's load with one line naming what to install or set (`Unavailable`).
+
+`Guardrail` is what the stages hold: prefill calls `check_prompt` before tokenizing (so before any K/V page is
+reserved), decode calls `check_frames` on every piece of frames before it leaves (stages.py). A refusal is a
+`Refused` (a `RequestError`: "<field>: refused by ..."), which names the guardrail and never quotes the prompt.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from .requests import RequestError
+
+COSMOS, NONE = "cosmos", "none"
+COSMOS_NAME = "Cosmos Guardrail"
+# what `CosmosSafetyChecker()` downloads: its default checkpoint id and Qwen3Guard's model id (cosmos_guardrail 0.3.2)
+COSMOS_CHECKPOINTS = ("nvidia/Cosmos-1.0-Guardrail", "Qwen/Qwen3Guard-Gen-0.6B")
+LICENSE = "the NVIDIA Open Model License Agreement"
+TEXT, VIDEO = "text", "video"  # which guardrail a stage runs
+
+
+class SafetyChecker(Protocol):
+    def check_text_safety(self, prompt: str) -> bool: ...
+    def check_video_safety(self, frames: np.ndarray) -> np.ndarray | None: ...
+
+
+class Refused(RequestError):
+    """A prompt or a video the guardrail refused; the text names the guardrail, not the prompt."""
+
+
+class Unavailable(ValueError):
+    """The deployment's checker cannot be built here: one line saying what to install or set."""
+
+
+def check_spec(spec: Any, where: str) -> str:
+    """A config's `safety_checker` value, checked at load (not imported: that is the stages' load) → the spec,
+    a relative `.py` path made absolute (the rendered deployment is read from another directory)."""
+    if spec in (COSMOS, NONE):
+        return spec
+    if not isinstance(spec, str) or spec.count(":") < 1 or not all(spec.rsplit(":", 1)):
+        raise ValueError(f"{where}: safety_checker: cosmos, none or module:callable; got {spec!r}")
+    module, name = spec.rsplit(":", 1)
+    if module.endswith(".py"):
+        module = str(Path(module).absolute())
+    return f"{module}:{name}"
+
+
+class Guardrail:
+    """A deployment's checker as the stages use it: refusals become `Refused`, a checker's bad answer an error."""
+
+    def __init__(self, checker: SafetyChecker, name: str, terms: str = ""):
+        """`name`: how refusals name it; `terms`: what a refused request must abide by (named in the error)."""
+        self.checker, self.name = checker, name
+        self.terms = f"; the generation must abide by {terms}" if terms else ""
+
+    @classmethod
+    def load(cls, spec: str, device: str, role: str) -> Guardrail | None:
+        """The checker of `spec` for a stage on `device` that runs the `role` (TEXT or VIDEO) guardrail; None
+        for `none`. Raises `Unavailable`."""
+        if spec == NONE:
+            return None
+        if spec == COSMOS:
+            return cls(_cosmos(device, role), COSMOS_NAME, LICENSE)
+        module, name = spec.rsplit(":", 1)
+        return cls(_factory(spec)(), f"safety checker {Path(module).stem if module.endswith('.py') else module}:{name}")
+
+    def check_prompt(self, prompt: str) -> None:
+        if not self.checker.check_text_safety(prompt):
+            raise Refused("prompt", f"refused by the {self.name} (text guardrail){self.terms}")
+
+    def check_frames(self, frames: np.ndarray, first_frame: int = 0) -> np.ndarray:
+        """uint8 [T, H, W, 3] (frames `first_frame`.. of the video) → the frames to send, as the checker returns
+        them (faces pixelated). Raises `Refused` when it blocks them."""
+        checked = self.checker.check_video_safety(frames)
+        if checked is None:
+            last = first_frame + len(frames) - 1
+            raise Refused(
+                "video", f"blocked by the {self.name} (video guardrail) at frames {first_frame}..{last}{self.terms}"
+            )
+        checked = np.asarray(checked)
+        if checked.dtype != np.uint8 or checked.shape != frames.shape:
+            raise RuntimeError(
+                f"the {self.name} returned {checked.dtype} {list(checked.shape)} for uint8 {list(frames.shape)} frames"
+            )
+        return checked
+
+
+def _factory(spec: str) -> Callable[[], SafetyChecker]:
+    module_name, name = spec.rsplit(":", 1)
+    try:
+        if module_name.endswith(".py"):
+            where = importlib.util.spec_from_file_location(f"cosmos3_safety_{Path(module_name).stem}", module_name)
+            if where is None or where.loader is None or not Path(module_name).is_file():
+                raise ImportError(f"no file {module_name}")
+            module = importlib.util.module_from_spec(where)
+            where.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+        factory = getattr(module, name)
+    except (ImportError, AttributeError) as e:
+        raise Unavailable(f"safety_checker {spec}: cannot import it ({e}); set safety_checker to a module:callable "
+                          "that returns a checker, cosmos or none") from e  # fmt: skip
+    return factory
+
+
+def _cosmos(device: str, role: str) -> SafetyChecker:
+    """`CosmosSafetyChecker()` as diffusers builds it, with the `role`'s guardrail models on `device` (the other
+    role's stay on the CPU, unused: the prefill stage runs the text guardrail, the decode stage the video one)."""
+    try:
+        from cosmos_guardrail import CosmosSafetyChecker
+    except ImportError as e:  # the package, or one of its imports (torchvision must match the installed torch)
+        raise Unavailable(
+            f"safety_checker cosmos needs the cosmos_guardrail package, which does not import here ({e}): "
+            "pip install -e '.[safety]' with a torchvision that matches torch, or set safety_checker: none "
+            "(no guardrail) or module:callable"
+        ) from e
+    try:
+        checker = CosmosSafetyChecker()
+    except Exception as e:  # noqa: BLE001 - the hub's and transformers' errors for a missing or unreachable checkpoint
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HF_HOME") or "~/.cache/huggingface"
+        raise Unavailable(
+            f"safety_checker cosmos: cannot load the guardrail's checkpoints {' and '.join(COSMOS_CHECKPOINTS)} "
+            f"from the Hugging Face cache ({cache}) or the Hub ({type(e).__name__}: {first}); download them "
+            "(`hf download <id>` for each) or set HF_HOME to a cache that holds them"
+        ) from e
+    runner = checker.text_guardrail if role == TEXT else checker.video_guardrail
+    for model in runner.models:
+        if hasattr(model, "to"):  # the blocklist is no module
+            model.to(device)
+    return checker
