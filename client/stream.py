@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from cosmos3_core.errors import client_text
 from cosmos3_core.wire import decode_event
 
 
@@ -99,14 +100,15 @@ def generate(
     """Send one request and wait for its final response. Raises ServerError with the server's message.
 
     `on_event(event, frames)` sees every event with the frames that came with it (None for progress);
-    `cancel_after(event)` → True cancels the stream at that event (the result then holds what came before)."""
+    `cancel_after(event)` → True cancels the stream at that event (the result then holds what came before). Any
+    exception before the final response (KeyboardInterrupt included) cancels the request on the server too."""
     from tritonclient.utils import InferenceServerException
 
     try:
         inputs = build_inputs(prompt, params, image, video, raw_actions)
         return _generate(url, inputs, on_event, model, timeout_s, cancel_after)
     except InferenceServerException as e:  # connection-level failures (server gone, stream broken)
-        raise ServerError(str(e)) from e
+        raise ServerError(client_text(str(e), url)) from e
     except queue.Empty as e:
         raise ServerError(f"no response within {timeout_s:.0f}s") from e
 
@@ -119,12 +121,13 @@ def _generate(url, inputs, on_event, model, timeout_s, cancel_after) -> StreamRe
     client.start_stream(callback=lambda result, error: responses.put((result, error, time.perf_counter())))
     out = StreamResult()
     t0 = time.perf_counter()
+    final = False
     try:
         client.async_stream_infer(model, inputs, enable_empty_final_response=True)
         while True:
             result, error, t = responses.get(timeout=timeout_s)
-            if error is not None:
-                raise ServerError(str(error))
+            if error is not None:  # the table's text for its cause (docs/operations.md)
+                raise ServerError(client_text(str(error), url))
             video = result.as_numpy("video")
             audio = result.as_numpy("audio")
             if audio is not None and audio.size:
@@ -143,13 +146,15 @@ def _generate(url, inputs, on_event, model, timeout_s, cancel_after) -> StreamRe
                 if on_event is not None:
                     on_event(event, frames)
                 if cancel_after is not None and cancel_after(event):
-                    client.stop_stream(cancel_requests=True)
                     out.e2e_s = time.perf_counter() - t0
                     return out
             if result.get_response().parameters["triton_final_response"].bool_param:
+                final = True
                 break
         out.e2e_s = time.perf_counter() - t0
         return out
     finally:
-        client.stop_stream()
+        # before the final response (cancel_after, Ctrl-C, an error, a timeout) the server cancels the request;
+        # waiting for the stream to drain would let it run to its last step
+        client.stop_stream(cancel_requests=not final)
         client.close()

@@ -41,6 +41,7 @@ import torch
 
 from . import faults
 from .cache import SeaCache, host_distances
+from .errors import DRAINING
 from .kv_pool import KVPool, PageList
 from .lora_store import LoraRef, LoraStore
 from .model.action import action_position_ids
@@ -183,7 +184,7 @@ class Scheduler:
     # ---- any thread ----
     def submit(self, prefill: PrefillResult, sink: Sink) -> int:
         if self.draining:
-            raise QueueFull("server is shutting down; not admitting new requests")
+            raise QueueFull(DRAINING)
         p = prefill.params
         if p.enable_sound and self.sound is None:
             raise RequestError("enable_sound", "this checkpoint has no sound tokenizer or sound weights")

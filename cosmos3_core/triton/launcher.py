@@ -276,6 +276,8 @@ class ServerConfig:
     log_path: Path | None = None  # stdout + stderr; None: inherited
     extra: tuple[str, ...] = ()  # more tritonserver flags, appended last (later flags win)
     exit_timeout_s: int = 30
+    # where HTTP and metrics bind when not at `address`: serve's front owns the public ports (loopback behind it)
+    private_address: str | None = None
 
 
 def server_command(cfg: ServerConfig, tritonserver: Path, backend_dir: Path) -> list[str]:
@@ -283,7 +285,7 @@ def server_command(cfg: ServerConfig, tritonserver: Path, backend_dir: Path) -> 
     not been initialized", "unable to create stream for <ensemble>: CUDA driver version is insufficient")."""
     # The backend names its regions <prefix><n>; two servers with the same prefix on one host collide.
     shm_region_prefix = f"cosmos3_pb_{os.getpid()}_{cfg.grpc_port}_"
-    a = cfg.address
+    a, private = cfg.address, cfg.private_address or cfg.address
     cmd = [
         str(tritonserver),
         f"--model-repository={Path(cfg.model_repository).absolute()}",
@@ -293,12 +295,14 @@ def server_command(cfg: ServerConfig, tritonserver: Path, backend_dir: Path) -> 
         f"--backend-config=python,shm-region-prefix-name={shm_region_prefix}",
         f"--backend-config=python,stub-timeout-seconds={DEFAULT_STUB_TIMEOUT_S}",
         *("--allow-grpc=true", f"--grpc-address={a}", f"--grpc-port={int(cfg.grpc_port)}"),
-        *("--allow-http=true", f"--http-address={a}", f"--http-port={int(cfg.http_port)}"),
-        *("--allow-metrics=true", f"--metrics-address={a}", f"--metrics-port={int(cfg.metrics_port)}"),
+        *("--allow-http=true", f"--http-address={private}", f"--http-port={int(cfg.http_port)}"),
+        *("--allow-metrics=true", f"--metrics-address={private}", f"--metrics-port={int(cfg.metrics_port)}"),
         f"--exit-timeout-secs={int(cfg.exit_timeout_s)}",
         "--strict-readiness=true",
         "--exit-on-error=true",
-        "--model-control-mode=none",
+        # explicit: the supervisor reloads one part whose stub died (`load_model`) instead of restarting the server
+        "--model-control-mode=explicit",
+        "--load-model=*",
         "--metrics-config=histogram_latencies=true",
     ]
     if cfg.cpu_only:
@@ -462,6 +466,30 @@ def wait_until_ready(
         time.sleep(poll_s)
 
 
+def load_model(http_port: int, model: str, *, host: str = "127.0.0.1", timeout_s: float = 600.0) -> float:
+    """(Re)load `model` through Triton's repository API (explicit model control) → seconds it took. A reload starts
+    new instances (new stubs) while the old ones keep serving, then swaps; requests in flight keep the old ones.
+    Raises RuntimeError with Triton's reason when the load fails."""
+    t0 = time.monotonic()
+    url = f"http://{host}:{http_port}/v2/repository/models/{model}/load"
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data=b"", method="POST"), timeout=timeout_s):
+            pass
+    except urllib.error.HTTPError as e:
+        raise RuntimeError(f"loading {model} failed: {e.read().decode(errors='replace')[:2000]}") from e
+    except OSError as e:
+        raise RuntimeError(f"loading {model} failed: {e}") from e
+    return time.monotonic() - t0
+
+
+def pid_alive(pid: int) -> bool:
+    """The process runs (a zombie, dead but not yet reaped by its parent, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def _log_tail(proc: subprocess.Popen | None, n: int = 4000) -> str:
     path = getattr(proc, "log_path", None)
     if not path:
@@ -535,6 +563,8 @@ def stub_pids(proc: subprocess.Popen) -> dict[int, str]:
 
 __all__ = [
     "stub_pids",
+    "pid_alive",
+    "load_model",
     "find_tritonserver",
     "is_wheel_server",
     "prepare_backend_dir",

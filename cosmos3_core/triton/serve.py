@@ -8,6 +8,12 @@ Rendering writes `<workdir>/deployment.yaml` (the effective deployment, checkpoi
 made here, once, before any stub starts) and `<workdir>/model_repository/` (each `config.pbtxt` filled in
 from the deployment, each `model.py` copied). The server binds loopback unless `--address` says otherwise.
 Each server has its own workdir (its cancel and drain marks live there), held by a lock while it runs.
+
+Supervision (docs/operations.md): this process owns the HTTP and metrics ports (`front.Front`; tritonserver's
+listen on private loopback ports behind it) and watches tritonserver's Python stubs every 0.1 s. A dead stub's part
+is marked down at once (readiness 503 with the part's text; `errors.down_mark` for the stubs still alive, which
+answer its requests in flight and refuse new ones) and reloaded alone through Triton's model control; a tritonserver
+that exits is restarted whole. SIGINT/SIGTERM drain: readiness 503 from the first moment, requests in flight finish.
 """
 
 from __future__ import annotations
@@ -21,18 +27,23 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from string import Template
 
 import yaml
 
+from .. import errors
 from ..deployment import DEFAULT_CONFIG, Deployment
 from ..model.provision import resolve_checkpoint
 from .cancel import CancelMarks
+from .front import Front
 from .launcher import (
     ServerConfig,
     free_port,
     launch_server,
+    load_model,
+    pid_alive,
     ports_in_use,
     stop_server,
     stub_pids,
@@ -131,27 +142,45 @@ def main(argv: list[str] | None = None) -> int:
     print(f"rendered {repo}", file=sys.stderr)
     if args.render_only:
         return 0
-    host = args.address if args.address != "0.0.0.0" else "127.0.0.1"
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     signal.signal(signal.SIGINT, lambda *_: stopping.set())
+    private = [free_port(), free_port()]  # tritonserver's HTTP and metrics, on loopback behind the front
+    front = Front(args.address, ports[1], ports[2], *private)
+    try:
+        return _serve(args, repo, deployment, ports, private, front, stopping)
+    finally:
+        front.close()
+
+
+def _serve(args, repo: Path, deployment: Deployment, ports: list[int], private: list[int], front: Front,
+           stopping: threading.Event) -> int:  # fmt: skip
+    """Run tritonserver until asked to stop, healing what dies (module docstring) → the exit code."""
+    marks = CancelMarks(deployment.cancel_dir)
+    cpu_only = not deployment.torch_device.startswith("cuda")
+    front.set_down("server", errors.STARTING)
     while not stopping.is_set():
-        cpu_only = not deployment.torch_device.startswith("cuda")
-        proc = launch_server(ServerConfig(repo, *ports, args.address, cpu_only, extra=tuple(args.extra)))
+        cfg = ServerConfig(repo, ports[0], *private, args.address, cpu_only, extra=tuple(args.extra),
+                           private_address="127.0.0.1")  # fmt: skip
+        proc = launch_server(cfg)
         try:
-            waited = wait_until_ready(ports[1], host=host, proc=proc)
+            waited = wait_until_ready(private[0], proc=proc)
         except (RuntimeError, TimeoutError) as e:
             print(f"error: {e}", file=sys.stderr)
             stop_server(proc)
             return 1
+        front.clear("server")
         print(
             f"ready in {waited:.1f}s: grpc {args.address}:{ports[0]}  http :{ports[1]}  metrics :{ports[2]}",
             file=sys.stderr,
         )
-        reason = supervise(proc, stopping)
-        if reason is None:  # asked to stop: drain, then stop the server
-            drain(deployment, ports[2], host)
+        reason = supervise(proc, stopping, lambda parts: heal(parts, front, marks, private[0]))
+        if reason is None:  # asked to stop: readiness says so at once, then drain, then stop the server
+            front.set_down("drain", errors.DRAINING)
+            drain(deployment, private[1], "127.0.0.1")
             return stop_server(proc)
+        front.set_down("server", errors.SERVER_RESTARTING)
+        front.count_restart("tritonserver")
         print(f"{reason}; restarting tritonserver (its in-flight requests end with errors)", file=sys.stderr)
         stop_server(proc, timeout_s=5)
     return 0
@@ -195,19 +224,39 @@ def drain(deployment: Deployment, metrics_port: int, host: str) -> None:
     marks.undrain()
 
 
-def supervise(proc, stopping: threading.Event) -> str | None:
-    """Wait until asked to stop (→ None) or the server or one of its Python stubs dies (→ why). A dead
-    decoupled stub is not restarted by Triton 2.51 ('Stub process ... is not healthy' for every later
-    request), so the whole server is restarted."""
+def supervise(proc: subprocess.Popen, stopping: threading.Event, heal: Callable[[list[str]], None]) -> str | None:
+    """Wait until asked to stop (→ None) or tritonserver exits or a part cannot be reloaded (→ why). A Python stub
+    that dies is not restarted by Triton 2.51 (every later request of its model fails 'Stub process ... is not
+    healthy'): `heal` its part. Polled every 0.1 s, so that readiness turns 503 well within a second."""
     stubs = stub_pids(proc)
-    while not stopping.wait(1.0):
+    expected = set(stubs.values())  # instance names: one that dies while another part reloads is found missing
+    while not stopping.wait(0.1):
         if proc.poll() is not None:
             return f"tritonserver exited with {proc.returncode}"
-        alive = stub_pids(proc)
-        dead = sorted(set(stubs) - set(alive))
-        if dead:
-            return f"Python stub(s) died: {', '.join(stubs[p] for p in dead)}"
+        dead = {name for pid, name in stubs.items() if not pid_alive(pid)}
+        while dead:
+            parts = sorted({errors.part_of(name) or name for name in dead})
+            print(f"Python stub(s) died: {', '.join(sorted(dead))}; reloading {', '.join(parts)}", file=sys.stderr)
+            try:
+                heal(parts)
+            except RuntimeError as e:
+                return str(e)
+            stubs = stub_pids(proc)
+            dead = expected - set(stubs.values())
     return None
+
+
+def heal(parts: list[str], front: Front, marks: CancelMarks, http_port: int) -> None:
+    """Mark `parts` down (readiness; the stubs still alive answer for them), reload each, mark them up again."""
+    for part in parts:
+        front.set_down(part, errors.part_restarting(part))
+        marks.mark(errors.down_mark(part))
+        front.count_restart(part)
+    for part in parts:
+        took = load_model(http_port, errors.model_of(part))
+        print(f"{errors.model_of(part)} reloaded in {took:.1f}s", file=sys.stderr)
+        marks.clear(errors.down_mark(part))
+        front.clear(part)
 
 
 if __name__ == "__main__":
