@@ -1,19 +1,24 @@
 """python -m client generate --prompt P [same options as the offline CLI] [--url 127.0.0.1:8001] --out FILE
 
-Streams the request over gRPC, shows a progress bar from the server's progress events, writes
-.mp4/.png/.npy (and, for an action request, --actions-out .npy/.json) and prints time to first chunk (TTFC) and
-end-to-end time.
+Streams the request over gRPC, shows a progress bar from the server's first progress event on, writes
+.mp4/.png/.npy (and, for an action request, --actions-out .npy/.json) and prints time to first chunk (TTFC), where
+the time went (report.py) and, with a cache policy, the steps it skipped. Ctrl-C cancels the request on the server
+and exits at once (status 130).
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 from pathlib import Path
+from typing import Any
 
 from cosmos3_core.media import FRAME_SUFFIXES, write_actions, write_frames
 from cosmos3_core.requests import add_request_arguments, params_from_arguments
 
+from .report import cache_lines, timing_lines
 from .stream import ServerError, generate, wait_ready
 
 
@@ -24,6 +29,46 @@ def add_request_args(p: argparse.ArgumentParser, windows: bool = False) -> None:
 
 
 CLIENT_ACTION_SUFFIXES = (".npy", ".json")
+
+
+def interrupt_once(signum: int, frame: Any) -> None:
+    """Ctrl-C: KeyboardInterrupt once (generate then cancels the request); a second one must not cut that short."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
+class ProgressBar:
+    """The denoise bar, shown from the first progress event to the last step: before it the request waits in the
+    server, after it the video decodes, and a steps/s rate counting either would not be the denoise rate."""
+
+    def __init__(self) -> None:
+        self.bar: Any = None
+        self.started = self.closed = False
+
+    def update(self, event: dict) -> None:
+        if self.closed:
+            return
+        total = event["steps"] * event.get("windows", 1)
+        n = event.get("window", 0) * event["steps"] + event["step"]
+        if self.bar is None:
+            from tqdm import tqdm
+
+            self.started = True
+            self.bar = tqdm(desc="denoise", unit="step", file=sys.stderr, total=total, initial=n)
+        else:
+            self.bar.update(n - self.bar.n)
+        self.bar.set_postfix_str(f"window {event.get('window', 0) + 1}/{event.get('windows', 1)}")
+        if n >= total:
+            self.close()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.bar is not None:
+            self.bar.close()
+        elif self.started:  # Ctrl-C while it first drew itself: end its line
+            print(file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,24 +107,26 @@ def main(argv: list[str] | None = None) -> int:
 
     from tqdm import tqdm
 
-    bar = tqdm(desc="denoise", unit="step", file=sys.stderr)
+    bar = ProgressBar()
     out = Path(args.out)
     chunks_written: list[str] = []
 
     def on_event(event: dict, frames) -> None:
         if event["type"] == "progress":
-            bar.total = event["steps"] * event.get("windows", 1)
-            bar.n = event.get("window", 0) * event["steps"] + event["step"]
-            bar.set_postfix_str(f"window {event.get('window', 0) + 1}/{event.get('windows', 1)}")
-            bar.refresh()
+            bar.update(event)
         elif frames is not None and args.command == "stream":
             path = out.with_name(f"{out.stem}.chunk{len(chunks_written):03d}.mp4")
             write_frames(path, frames, event["fps"])  # the server's resolved rate (its default unless sent)
             chunks_written.append(str(path))
-            bar.write(
-                f"window {event['window'] + 1}/{event['windows']}: frames {event['frame_offset']}.. ({frames.shape[0]}) → {path}"
+            tqdm.write(
+                f"window {event['window'] + 1}/{event['windows']}: frames {event['frame_offset']}.. ({frames.shape[0]}) → {path}",
+                file=sys.stderr,
             )
 
+    # main() may run inside another program (tests call it): its own SIGINT handler comes back after the request
+    previous = (
+        signal.signal(signal.SIGINT, interrupt_once) if threading.current_thread() is threading.main_thread() else None
+    )
     try:
         if args.wait_ready:
             wait_ready(args.url, args.wait_ready)
@@ -88,6 +135,13 @@ def main(argv: list[str] | None = None) -> int:
         bar.close()
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # generate has cancelled the request on the server
+        bar.close()
+        print("cancelled (Ctrl-C): the server stops the request", file=sys.stderr)
+        return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
     bar.close()
     done = next((e for e in result.events if e["type"] == "done"), None)
     if done is None:
@@ -111,9 +165,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     if gaps:
         print("chunk gaps " + " ".join(f"{g:.2f}s" for g in gaps), file=sys.stderr)
-    print(f"server timings {done['timings']}", file=sys.stderr)
+    for line in timing_lines(done["timings"], result.e2e_s) + cache_lines(done.get("cache_skipped")):
+        print(line, file=sys.stderr)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # outside the request (starting, writing files): nothing runs on the server
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
