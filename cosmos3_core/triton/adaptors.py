@@ -29,6 +29,7 @@ from ..requests import RequestError, parse_parameters_json, validate, warmup_inp
 from ..sampling import checkpoint_shift
 from ..stages import DecodeStage, PrefillStage
 from ..wire import PrefillResult, RequestMeta
+from .admission import Ticket, Tickets, tickets_dir
 from .cancel import CancelMarks
 from .glue import (
     DecodeLoop,
@@ -54,13 +55,25 @@ class PrefillModel:
         t0 = time.perf_counter()
         d, device = deployment_from_args(args)
         self.stage = PrefillStage(d.open_checkpoint(), device, d.torch_dtype, d.defaults, d.limits)
+        self.tickets = Tickets(tickets_dir(d.cancel_dir))
         pb_utils.Logger.log_info(f"cosmos3_prefill: ready in {time.perf_counter() - t0:.1f}s")  # startup's parts
 
     def execute(self, requests):
         return [self._one(r) for r in requests]
 
     def _one(self, request):
-        t0 = time.time()
+        raw = input_array(request, "ticket")  # the door's; absent when prefill is called on its own
+        try:
+            ticket = Ticket(uuid.uuid4().hex, time.time()) if raw is None else Ticket.decode(raw.reshape(-1)[0])
+        except (ValueError, IndexError) as e:
+            return error_response(f"ticket: the door's '<id> <arrival>' ({e})")
+        response = self._run(request, ticket)
+        if response.has_error():  # the request ends here: it no longer waits (admission.py)
+            self.tickets.release(ticket.id)
+        return response
+
+    def _run(self, request, ticket: Ticket):
+        t_start = time.time()
         try:
             prompt = input_array(request, "prompt")
             if prompt is None or prompt.size != 1:
@@ -77,7 +90,7 @@ class PrefillModel:
             return error_response(str(e))
         except Exception as e:  # noqa: BLE001 - one bad request never takes the instance down
             return error_response(log_exception("cosmos3_prefill", e))
-        meta = RequestMeta(uuid.uuid4().hex, p, t0, time.time() - t0)
+        meta = RequestMeta(ticket.id, p, ticket.t0, time.time() - t_start)  # t0: arrival at the door
         outs = [output(name, value) for name, value in wire.items()] + [text_output("request", meta.encode())]
         return pb_utils.InferenceResponse(output_tensors=outs)
 
@@ -104,6 +117,7 @@ class DenoiseModel:
             self.engine, {"model": args["model_name"], "instance": args["model_instance_name"]}
         )
         self.marks = CancelMarks(d.cancel_dir)
+        self.tickets = Tickets(tickets_dir(d.cancel_dir))
         self.responder = Responder(device)
         self.engine_thread = EngineThread(self.engine, self.marks, d.drain_timeout_s)
 
@@ -112,7 +126,8 @@ class DenoiseModel:
             sink = None
             try:
                 meta = RequestMeta.decode(input_array(request, "request").reshape(-1)[0])
-                sink = TritonSink(request, self.responder, meta, self.marks)
+                self.tickets.claim(meta.id)
+                sink = TritonSink(request, self.responder, meta, self.marks, self.tickets)
                 result = PrefillResult.from_wire(
                     meta.params,
                     input_torch(request, "text_kv"),

@@ -51,7 +51,7 @@ from .launcher import (
 )
 
 REPO_TEMPLATE = Path(__file__).resolve().parents[2] / "model_repository"
-MODELS = ("cosmos3", "cosmos3_prefill", "cosmos3_denoise", "cosmos3_vae_decode")
+MODELS = ("cosmos3", "cosmos3_admit", "cosmos3_prefill", "cosmos3_denoise", "cosmos3_vae_decode")
 
 
 def render(deployment: Deployment, workdir: Path) -> tuple[Path, Deployment]:
@@ -76,6 +76,7 @@ def render(deployment: Deployment, workdir: Path) -> tuple[Path, Deployment]:
         "instance_kind": "KIND_GPU" if gpu else "KIND_CPU",
         "instance_gpus": "gpus: [ 0 ]" if gpu else "",  # one GPU per server: all instances on the first visible
         "force_cpu_inputs": "no" if gpu else "yes",
+        "max_queue": str(deployment.max_queue),  # cosmos3_admit's queue policy
         **{f"{k}_instances": str(v) for k, v in deployment.instances.items()},
     }
     repo = workdir / "model_repository"

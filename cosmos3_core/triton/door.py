@@ -1,0 +1,54 @@
+"""`cosmos3_admit`, the ensemble's first step: take a ticket for each request or refuse it at once (admission.py).
+
+Input `prompt` (BYTES [1], only so that the ensemble runs this step first; not read); output `ticket` (BYTES [1],
+`admission.Ticket`) for prefill. A refusal is a Triton error whose text is `errors.OVER_CAPACITY` (or
+`errors.DRAINING` while the server drains), counted as `cosmos3_requests_total{outcome="rejected"}` with this model's
+labels. Its execute touches a few small files: its own Triton queue (bounded by the config's queue policy) stays
+empty, so the answer comes within milliseconds of arrival.
+
+Imports no torch: the stub of this step starts in well under a second. Only imported inside a Triton Python stub.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+import yaml
+
+from ..errors import DRAINING, OVER_CAPACITY
+from .admission import Tickets, tickets_dir
+from .cancel import CancelMarks
+
+
+class AdmitModel:
+    """`cosmos3_admit`'s model.py, as its `TritonPythonModel` calls it."""
+
+    def __init__(self, args: dict[str, Any]):
+        config = json.loads(args["model_config"])
+        # the rendered deployment (plain YAML: reading it through `Deployment` would import torch)
+        deployment = yaml.safe_load(Path(config["parameters"]["deployment"]["string_value"]).read_text())
+        self.max_queue = int(deployment["max_queue"])
+        self.marks = CancelMarks(deployment["cancel_dir"])
+        self.tickets = Tickets(tickets_dir(deployment["cancel_dir"]))
+        self.tickets.clear()  # a (re)started server holds no request
+        self._family = pb_utils.MetricFamily(
+            name="cosmos3_requests_total", description="Requests ended, by outcome", kind=pb_utils.MetricFamily.COUNTER
+        )
+        labels = {"model": args["model_name"], "instance": args["model_instance_name"], "outcome": "rejected"}
+        self.rejected = self._family.Metric(labels=labels)
+
+    def execute(self, requests: list[Any]) -> list[Any]:
+        return [self._one() for _ in requests]
+
+    def _one(self) -> Any:
+        ticket = None if self.marks.is_draining() else self.tickets.take(self.max_queue)
+        if ticket is None:
+            self.rejected.increment(1)
+            message = DRAINING if self.marks.is_draining() else OVER_CAPACITY
+            return pb_utils.InferenceResponse(error=pb_utils.TritonError(message))
+        out = pb_utils.Tensor("ticket", np.array([ticket.encode().encode()], dtype=np.object_))
+        return pb_utils.InferenceResponse(output_tensors=[out])
