@@ -31,7 +31,11 @@ def _module() -> str:
     return spec.name if spec else Path(sys.argv[0]).stem
 
 
-def skipped_fraction(cache_skipped: dict[str, list[int]] | None, steps: int, branches: int) -> float:
-    """The share of a request's branch-steps (steps × CFG branches) that reused a residual instead of running the
-    block stack, from a `done` event's `cache_skipped` (None or absent: no cache, 0)."""
-    return sum(len(v) for v in (cache_skipped or {}).values()) / (steps * branches)
+def skipped_fraction(
+    cache_skipped: dict[str, list[int]] | list[dict[str, list[int]]] | None, steps: int, branches: int
+) -> float:
+    """The share of a request's branch-steps (steps × CFG branches, × windows for an AR stream, whose
+    `cache_skipped` is a list: one per window) that reused a residual instead of running the block stack, from a
+    `done` event's `cache_skipped` (None or absent: no cache, 0)."""
+    windows = cache_skipped if isinstance(cache_skipped, list) else [cache_skipped or {}]
+    return sum(len(v) for w in windows for v in w.values()) / (steps * branches * max(1, len(windows)))

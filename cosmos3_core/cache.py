@@ -24,8 +24,11 @@ forward — so the scheduler decides every branch of every request *before* the 
 computed branch of a cached request, read off the packed forward (its input and post-norm output are there
 anyway), and computes a reusing branch's velocity on its own (`towers.embed_row`, + residual,
 `towers.output_heads`: a few small GEMMs). Decisions need the distance on the host; `host_distances` reads all
-the tick's requests in one transfer (diffusers reads once per branch). One trajectory per request: AR windows
-are refused with a cache (requests.py), as diffusers has no windowed pipeline to compare with.
+the tick's requests in one transfer (diffusers reads once per branch). One `SeaCache` per trajectory: an AR window
+is its own denoise loop (its own scheduler and sigmas), so each window starts a fresh one — no indicator, decision
+or residual crosses windows — and window 0 decides as the same request without windows would; a kv commit pass is
+no step (nothing measured or recorded). diffusers has no windowed pipeline to compare with; a window's first steps
+are as noisy as a request's, so the gate's forced first steps apply to each window.
 
 Robot actions: the pipeline runs its SeaCache on action requests too — the indicator is still the vision latents
 (clean frame 0 included), the residual spans the action tokens, and a reusing branch's action velocity comes from
@@ -170,7 +173,8 @@ class SeaCache:
 
     @property
     def skipped(self) -> dict[str, list[int]]:
-        """What the `done` event reports: per branch name the 0-based steps that reused a residual."""
+        """Per branch name the 0-based steps that reused a residual: the `done` event's `cache_skipped` (with AR
+        windows, one of these per window)."""
         names = dict(zip(BRANCH_NAMES, self.branches))
         return {name: list(names[name].skipped) if name in names else [] for name in BRANCH_NAMES}
 

@@ -125,7 +125,7 @@ class Defaults:
     window_frames: int = 29  # AR window, pixel frames (8 latent)
     overlap_frames: int = 8  # chained overlap, pixel frames (2 latent; the minimum)
     context_frames: int = 61  # kv context horizon, pixel frames (16 latent); 0 keeps everything
-    cache: SeaCacheParams | None = None  # step caching of requests without windows; None: off (the pipeline's)
+    cache: SeaCacheParams | None = None  # step caching of every request (AR windows too); None: off (the pipeline's)
 
     def __post_init__(self) -> None:  # a config's `cache:` mapping, checked like a request's
         if not isinstance(self.cache, (SeaCacheParams, type(None))):
@@ -378,11 +378,8 @@ def validate(
         raise RequestError("window_mode", f"sound is not supported with AR windows (window_mode {mode!r})")
     if sound and num_frames == 1:
         raise RequestError("enable_sound", "sound comes with a video (t2v, i2v, v2v); num_frames must be > 1")
+    # AR windows too: each window is its own trajectory with its own decisions (cache.py)
     cache = parse_cache(params["cache"]) if "cache" in params else defaults.cache
-    if cache is not None and mode != "none":
-        if "cache" in params:
-            raise RequestError("cache", f"step caching is not supported with AR windows (window_mode {mode!r})")
-        cache = None  # a deployment's default applies to single-shot requests only
     td: TaskDefaults = getattr(defaults, task)  # v2v takes i2v's defaults (a conditioned video)
     seed = params.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:

@@ -37,7 +37,9 @@ class ProgressEvent(TypedDict):
 
 
 class _CacheReport(TypedDict, total=False):
-    cache_skipped: dict[str, list[int]]  # done only, with a cache policy: per branch (cond, uncond) 0-based steps
+    # done only, with a cache policy: per branch (cond, uncond) the 0-based steps that reused a residual; with AR
+    # windows (`window_mode` not none) a list of those, one per window in order, steps counted within the window
+    cache_skipped: dict[str, list[int]] | list[dict[str, list[int]]]
 
 
 class ChunkInfo(_CacheReport):

@@ -208,9 +208,7 @@ def test_cache_defaults_and_deployment_default(tmp_path):
     on = Defaults(cache={"policy": "sea", "threshold": 0.5})
     assert check({}, on).cache == SeaCacheParams(threshold=0.5)
     assert check({"cache": None}, on).cache is None  # a request turns a deployment's default off
-    assert check({"num_frames": 17, "window_mode": "chained"}, on).cache is None  # not applied to AR streams
-    with pytest.raises(RequestError, match="cache: step caching is not supported with AR windows"):
-        check({"num_frames": 17, "window_mode": "chained", "cache": {"policy": "sea"}})
+    # AR streams take the request's cache and the default too: tests/test_cache_ar.py
     p = check({"cache": {"policy": "sea", "residual_order": 0}})
     assert p.resolved()["cache"] == {**vars(SeaCacheParams(residual_order=0))}  # echoed with `done`
     assert type(p).from_json(p.to_json()) == p
