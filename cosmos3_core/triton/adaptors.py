@@ -46,6 +46,7 @@ from .glue import (
     output,
     text_output,
 )
+from .outcomes import AT_PREFILL, Outcomes
 
 
 class PrefillModel:
@@ -56,6 +57,8 @@ class PrefillModel:
         d, device = deployment_from_args(args)
         self.stage = PrefillStage(d.open_checkpoint(), device, d.torch_dtype, d.defaults, d.limits)
         self.tickets = Tickets(tickets_dir(d.cancel_dir))
+        # how requests ended here: one count each, the only one (outcomes.py)
+        self.outcomes = Outcomes({"model": args["model_name"], "instance": args["model_instance_name"]}, AT_PREFILL)
         pb_utils.Logger.log_info(f"cosmos3_prefill: ready in {time.perf_counter() - t0:.1f}s")  # startup's parts
 
     def execute(self, requests):
@@ -66,6 +69,7 @@ class PrefillModel:
         try:
             ticket = Ticket(uuid.uuid4().hex, time.time()) if raw is None else Ticket.decode(raw.reshape(-1)[0])
         except (ValueError, IndexError) as e:
+            self.outcomes.count_now("bad_input")
             return error_response(f"ticket: the door's '<id> <arrival>' ({e})")
         response = self._run(request, ticket)
         if response.has_error():  # the request ends here: it no longer waits (admission.py)
@@ -87,8 +91,10 @@ class PrefillModel:
             p = self.stage.validate(prompt.reshape(-1)[0], params, image, video, raw_actions)
             wire = self.stage.run(p, image, video, raw_actions).to_wire()
         except RequestError as e:
+            self.outcomes.count_now("bad_input")
             return error_response(str(e))
         except Exception as e:  # noqa: BLE001 - one bad request never takes the instance down
+            self.outcomes.count_now("failed")
             return error_response(log_exception("cosmos3_prefill", e))
         meta = RequestMeta(ticket.id, p, ticket.t0, time.time() - t_start)  # t0: arrival at the door
         outs = [output(name, value) for name, value in wire.items()] + [text_output("request", meta.encode())]
@@ -127,7 +133,7 @@ class DenoiseModel:
             try:
                 meta = RequestMeta.decode(input_array(request, "request").reshape(-1)[0])
                 self.tickets.claim(meta.id)
-                sink = TritonSink(request, self.responder, meta, self.marks, self.tickets)
+                sink = TritonSink(request, self.responder, meta, self.marks, self.tickets, self.metrics.outcomes)
                 result = PrefillResult.from_wire(
                     meta.params,
                     input_torch(request, "text_kv"),
@@ -136,16 +142,17 @@ class DenoiseModel:
                     input_torch(request, "cond_actions"),
                 )
                 self.engine.submit(result, sink)
-            except (RequestError, QueueFull) as e:
-                self.metrics.rejected()
-                self._reject(request, sink, str(e))
+            except QueueFull as e:
+                self._reject(request, sink, str(e), "rejected")
+            except RequestError as e:  # what only the engine checks (e.g. the pool's size)
+                self._reject(request, sink, str(e), "bad_input")
             except Exception as e:  # noqa: BLE001
-                self.metrics.rejected()
-                self._reject(request, sink, log_exception("cosmos3_denoise", e))
+                self._reject(request, sink, log_exception("cosmos3_denoise", e), "failed")
         return None
 
-    def _reject(self, request, sink, message):
-        (sink or TritonSink(request, self.responder, None, self.marks)).error(message)
+    def _reject(self, request, sink, message, outcome):
+        sink = sink or TritonSink(request, self.responder, None, self.marks, outcomes=self.metrics.outcomes)
+        sink.error(message, outcome)
 
     def finalize(self):
         self.engine_thread.close(timeout=30)

@@ -30,6 +30,7 @@ from ..stages import DecodeStage
 from ..wire import ChunkEvent, ChunkInfo, ErrorEvent, Event, RequestMeta, decode_event, encode_event
 from .admission import Tickets
 from .cancel import CancelMarks
+from .outcomes import AT_DECODE, AT_DENOISE, Outcomes, decode_failures
 
 EMPTY_LATENTS = np.zeros((0, 0, 0, 0, 0), dtype=np.float32)
 EMPTY_VIDEO = np.zeros((0, 0, 0, 3), dtype=np.uint8)
@@ -137,14 +138,24 @@ class TritonSink:
     admission ticket: it no longer waits (admission.py)."""
 
     def __init__(
-        self, request: Any, responder: Responder, meta: RequestMeta | None, marks: CancelMarks, tickets: Tickets | None = None
+        self,
+        request: Any,
+        responder: Responder,
+        meta: RequestMeta | None,
+        marks: CancelMarks,
+        tickets: Tickets | None = None,
+        outcomes: Outcomes | None = None,
     ):
+        """`outcomes`: the engine's counters of how requests ended (None: uncounted)."""
         self.request = request
         self.sender = request.get_response_sender()
         self.responder = responder
         self.meta = meta
         self.marks = marks
         self.tickets = tickets if meta is not None else None
+        self.outcomes = outcomes
+        self.t_arrive = time.time()  # reached the denoise model (epoch s, as meta.t0)
+        self.cancel_seen = False
 
     def _send(
         self,
@@ -175,18 +186,25 @@ class TritonSink:
         # sound latents [sound_dim, T_s] and actions [chunk, D] ride with done, as does the last chunk
         s = EMPTY_SOUND if sound is None else sound.float().cpu()
         a = EMPTY_ACTIONS if actions is None else actions.float().cpu()
+        # arrival → here, less prefill's own time: prefill's Triton queue and the hand-off of its outputs
+        info["timings"]["to_denoise_s"] = self.t_arrive - self.meta.t0 - self.meta.prefill_s
         self._send(latents.float().cpu(), self.meta.chunk(info, final=True), True, s, a)
         self._forget()
 
-    def error(self, message: str) -> None:
+    def error(self, message: str, outcome: str | None = None) -> None:
         """Sent as data, an `error` event in a normal FINAL response, never as a Triton error: the decode step of
-        this request may still be in flight (see cancel.py)."""
+        this request may still be in flight (see cancel.py). Counted as `outcome` (the owner's rejections), else
+        cancelled when `cancelled()` said so, else failed; not at all when decode counted it (outcomes.py)."""
         event: ErrorEvent = {"type": "error", "id": self.meta.id if self.meta else "", "message": message}
+        if self.outcomes is not None and not (self.meta and decode_failures(self.marks).is_marked(self.meta.id)):
+            self.outcomes.count(outcome or ("cancelled" if self.cancel_seen else "failed"))
         self._send(EMPTY_LATENTS, event, final=True)
         self._forget()
 
     def cancelled(self) -> bool:
-        return self.request.is_cancelled() or (self.meta is not None and self.marks.is_marked(self.meta.id))
+        if self.request.is_cancelled() or (self.meta is not None and self.marks.is_marked(self.meta.id)):
+            self.cancel_seen = True  # the engine ends the request now, as cancelled
+        return self.cancel_seen
 
     def _forget(self) -> None:
         if self.meta is not None:
@@ -215,6 +233,14 @@ def down_refusal(marks: CancelMarks) -> str | None:
     """A new request's refusal while a later part is down: until its reload is done, Triton sends it to the dead
     instance (the supervisor marks the part, errors.py)."""
     return next((part_restarting(p) for p in ("denoise", "vae_decode") if marks.is_marked(down_mark(p))), None)
+
+
+def to_decode_s(done: ChunkEvent) -> float:
+    """The engine's done → its decode starting now: the latents' hand-off and the decode loop's queue (earlier
+    pieces). The engine ended it `queue_s + denoise_s` after it reached the denoise model, `prefill_s +
+    to_denoise_s` after arrival (`t0`), so the parts and this add up to the time since arrival."""
+    t = done["timings"]
+    return time.time() - done["t0"] - sum(t.get(k, 0.0) for k in ("prefill_s", "to_denoise_s", "queue_s", "denoise_s"))
 
 
 class DecodeLoop:
@@ -273,6 +299,7 @@ class DecodeLoop:
             for stream, sender in self.held.items():
                 self.responder.send(sender, lambda: error_response(part_died("denoise")), final=True)
                 self._forget(stream)
+                self.metrics.outcomes.count_now("failed")  # its engine, which would have counted it, is gone
             self.held.clear()
         self.denoise_down = down
 
@@ -284,9 +311,12 @@ class DecodeLoop:
             return lambda: error_response(message)
         if event["type"] == "error":  # the engine's last word on this request: the error the client sees
             self._forget(event["id"])
-            return lambda: error_response(self.failed.pop(event["id"], event["message"]))
+            return lambda: error_response(self._first_failure(event["id"]) or event["message"])
         if request.is_cancelled():  # the client cancelled: tell the engine, answer nothing (see cancel.py)
-            self.marks.mark(event["id"])
+            if event["type"] != "done":
+                self.marks.mark(event["id"])
+            elif self._first_failure(event["id"]) is None:  # after the engine's last step, which counted nothing
+                self.metrics.outcomes.count_now("cancelled")
             self._forget(event["id"])
             return lambda: None
         try:
@@ -296,6 +326,8 @@ class DecodeLoop:
             sound = input_torch(request, "sound_latents")
             # passed through (on the host): FP32 [chunk, D] on an action request's done, else [0, 0]
             actions = input_torch(request, "actions").cpu().numpy()
+            if event["type"] == "done":
+                event["timings"]["to_decode_s"] = to_decode_s(event)
             finish = self.stage.launch(event, latents, sound if sound.numel() else None)
         except Exception as e:  # noqa: BLE001
             return self._failed(event, e)
@@ -307,6 +339,8 @@ class DecodeLoop:
                 return self._failed(event, e)()
             out["timings"].update(self.metrics.frames_out(out))
             del out["t0"]
+            if out["type"] == "done":
+                self.metrics.outcomes.count_now("completed")
             return video_response(video, out, audio, actions)
 
         return build
@@ -316,12 +350,23 @@ class DecodeLoop:
         it the engine still runs the request, so it is ended there and its error event carries this message."""
         # the guardrail's refusal (a RequestError) is the client's error as it stands, never an internal one
         message = str(e) if isinstance(e, RequestError) else log_exception("cosmos3_vae_decode", e)
+        outcome = "refused" if isinstance(e, RequestError) else "failed"
         if event["type"] == "done":
-            message = self.failed.pop(event["id"], message)  # the first failure of the stream, if there was one
-            return lambda: error_response(message)
-        self.failed.setdefault(event["id"], message)
+            first = self._first_failure(event["id"])  # the first failure of the stream, if there was one
+            if first is None:
+                self.metrics.outcomes.count_now(outcome)
+            return lambda: error_response(first or message)
+        if event["id"] not in self.failed:  # counted here, once; the engine, seeing why it is marked, counts nothing
+            self.failed[event["id"]] = message
+            decode_failures(self.marks).mark(event["id"])
+            self.metrics.outcomes.count_now(outcome)
         self.marks.mark(event["id"])
         return lambda: None
+
+    def _first_failure(self, stream_id: str) -> str | None:
+        """The message of the stream's piece that failed to decode (already counted), forgotten now; None if none."""
+        decode_failures(self.marks).clear(stream_id)
+        return self.failed.pop(stream_id, None)
 
     def _forget(self, stream_id: str) -> None:
         self.stage.drop(stream_id)
@@ -364,22 +409,14 @@ class EngineMetrics:
             "request_steps": family("cosmos3_request_steps_total", "Request-steps advanced (> ticks when shared)", C),
         }
         self.queue_time = family("cosmos3_queue_seconds", "Submit to admission", H, buckets=self.QUEUE_BUCKETS)
-        outcomes = pb_utils.MetricFamily(
-            name="cosmos3_requests_total", description="Requests ended, by outcome", kind=C
-        )
-        self._families.append(outcomes)
-        for k in ("completed", "cancelled", "failed", "rejected"):
-            self.counters[k] = outcomes.Metric(labels={**labels, "outcome": k})
+        # how requests ended in the engine (its sinks count them; completed is decode's: outcomes.py)
+        self.outcomes = Outcomes(labels, AT_DENOISE)
         self._last = dict.fromkeys(self.counters, 0)
         self._last_t = time.monotonic()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="cosmos3-metrics", daemon=True)
         self.thread.start()
-
-    def rejected(self) -> None:
-        with self._lock:
-            self.engine.stats.rejected += 1
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -404,6 +441,7 @@ class EngineMetrics:
                     self._last[k] = value
             while stats.queue_times:
                 self.queue_time.observe(stats.queue_times.popleft())
+        self.outcomes.publish()
 
     def close(self) -> None:
         self._stop.set()
@@ -442,6 +480,7 @@ class DecodeMetrics:
             )
         ]
         self.ttfc, self.gap, self.e2e = (f.Metric(labels=labels, buckets=self.BUCKETS) for f in self._families)
+        self.outcomes = Outcomes(labels, AT_DECODE)  # how requests ended here (outcomes.py)
         self.last_chunk: dict[str, float] = {}  # stream id → when its previous chunk left
 
     def frames_out(self, event: ChunkEvent) -> dict[str, float]:

@@ -1,0 +1,62 @@
+"""`cosmos3_requests_total{outcome}`: how each request the server took ended, counted once, by the one stage where
+it ended. docs/metrics.md gives the identity these counters keep and what each outcome means.
+
+Who counts what (each stage under its own `model` label; the server merges the families, same name and kind):
+  cosmos3_admit       rejected (over capacity, shutting down)
+  cosmos3_prefill     bad_input, failed, rejected (a later stage is down); refused (the text guardrail's)
+  cosmos3_denoise     rejected (queue full, draining), bad_input (what only the engine checks), cancelled, failed
+  cosmos3_vae_decode  completed (the done piece's frames handed to Triton), failed (a piece that did not decode),
+                      cancelled (the client left after the engine's last step, which counted nothing)
+
+`count` only bumps a plain counter under a lock: the engine thread counts and never talks to the server. `publish`
+hands the increments to Triton (the engine's metrics thread calls it; prefill and decode right after counting).
+Only imported inside a Triton Python stub.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import triton_python_backend_utils as pb_utils
+
+from .cancel import CancelMarks
+
+NAME = "cosmos3_requests_total"
+DESCRIPTION = "Requests ended, by outcome"  # every stage registers the family with this same text
+OUTCOMES = ("completed", "cancelled", "failed", "rejected", "bad_input", "refused")  # all, as docs/metrics.md
+# what each stage counts (the door counts its own `rejected`, door.py; prefill's guardrail its `refused`)
+AT_PREFILL = ("bad_input", "failed", "rejected")
+AT_DENOISE = ("rejected", "bad_input", "cancelled", "failed")
+AT_DECODE = ("completed", "cancelled", "failed", "refused")
+
+
+def decode_failures(marks: CancelMarks) -> CancelMarks:
+    """Requests decode has counted `failed` (a piece that did not decode) and marked for the engine to end: the
+    engine, seeing such a mark among its cancel marks, counts nothing."""
+    return CancelMarks(marks.dir / "decode_failed")
+
+
+class Outcomes:
+    """The counters of the outcomes one stage counts (`outcomes`), under its labels."""
+
+    def __init__(self, labels: dict[str, str], outcomes: tuple[str, ...]):
+        self._family = pb_utils.MetricFamily(name=NAME, description=DESCRIPTION, kind=pb_utils.MetricFamily.COUNTER)
+        self._metrics = {k: self._family.Metric(labels={**labels, "outcome": k}) for k in outcomes}
+        self._pending = dict.fromkeys(outcomes, 0)
+        self._lock = threading.Lock()
+
+    def count(self, outcome: str) -> None:
+        with self._lock:
+            self._pending[outcome] += 1
+
+    def publish(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, dict.fromkeys(self._pending, 0)
+        for k, n in pending.items():
+            if n:
+                self._metrics[k].increment(n)
+
+    def count_now(self, outcome: str) -> None:
+        """From a thread that may talk to the server (prefill's execute, decode's responder)."""
+        self.count(outcome)
+        self.publish()
