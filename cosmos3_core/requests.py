@@ -102,6 +102,40 @@ def parse_cache(value: Any) -> SeaCacheParams | None:
     return SeaCacheParams(policy, threshold, order, power_exp=power_exp, **counts)
 
 
+MAX_LORA_SCALE = 100.0  # |scale| of `parameters.lora`
+
+
+@dataclass(frozen=True)
+class LoraChoice:
+    """`parameters.lora`: an adapter of the deployment's `lora_dir` by name, and its scale (diffusers'
+    `set_adapters(name, weights=scale)`). Whether the name is one: lora_store.py."""
+
+    name: str
+    scale: float = 1.0
+
+
+def parse_lora(value: Any) -> LoraChoice | None:
+    """`parameters.lora` (a JSON object, or null: the base model) → the choice. Errors name the field."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise RequestError("lora", f'must be a JSON object such as {{"name": "my_adapter", "scale": 1.0}}, or null; '
+                           f"got {value!r:.64}")  # fmt: skip
+    unknown = sorted(set(value) - {"name", "scale"}, key=str)
+    if unknown:
+        key = unknown[0]
+        name = f"lora.{key}" if key.isidentifier() else "lora"
+        raise RequestError(name, f"unknown field {key[:64]!r}; known: name, scale")
+    name = value.get("name")
+    if not isinstance(name, str) or not name:
+        raise RequestError("lora.name", f"must be the name of an adapter (a string), got {name!r:.64}")
+    scale = value.get("scale", 1.0)
+    number = not isinstance(scale, bool) and isinstance(scale, (int, float)) and _finite(scale)
+    if not number or abs(scale) > MAX_LORA_SCALE:
+        raise RequestError("lora.scale", f"must be a finite number in [-100, 100], got {scale!r:.64}")
+    return LoraChoice(name, float(scale))
+
+
 def _number(params: dict[str, Any], key: str, default: float) -> float:
     value = params.get(key, default)
     # an int past float range (1e400 as JSON digits) is finite but has no float: reject it with the others
@@ -157,6 +191,7 @@ class GenerationParams:
     condition_video_keep: str = "first"  # v2v: which end of a longer clip is kept
     enable_sound: bool = False
     cache: SeaCacheParams | None = None  # step caching (cache.py); None: every step runs in full
+    lora: LoraChoice | None = None  # the request's adapter (lora_store.py); None: the base model
     # robot actions (`parameters.action`); action_mode "" without. Then height × width is the tier's canvas (what the
     # prompt states and what is encoded), num_frames = chunk_size + 1, and the video is video_height × video_width:
     # the content's latent grid in pixels (model/embodiments.ActionGeometry)
@@ -167,11 +202,16 @@ class GenerationParams:
     view_point: str | None = None
     video_height: int = 0
     video_width: int = 0
+    # the deployment's guardrail on this request's prompt and frames (safety.py); false only where the deployment
+    # has safety_checker_optional (checked by `PrefillStage.validate`), as the pipeline's `enable_safety_check`
+    enable_safety_check: bool = True
 
     def __post_init__(self) -> None:  # JSON gives a list and a mapping back: keep the field types
         object.__setattr__(self, "condition_frame_indexes", tuple(self.condition_frame_indexes))
         if isinstance(self.cache, dict):
             object.__setattr__(self, "cache", SeaCacheParams(**self.cache))
+        if isinstance(self.lora, dict):
+            object.__setattr__(self, "lora", LoraChoice(**self.lora))
 
     @property
     def task(self) -> str:
@@ -235,7 +275,8 @@ class GenerationParams:
 PARAMETER_KEYS = (
     "negative_prompt", "height", "width", "num_frames", "fps", "steps", "guidance_scale", "shift", "seed",
     "use_system_prompt", "add_templates", "window_mode", "window_frames", "overlap_frames", "context_frames",
-    "max_windows", "condition_frame_indexes", "condition_video_keep", "enable_sound", "action", "cache",
+    "max_windows", "condition_frame_indexes", "condition_video_keep", "enable_sound", "action", "cache", "lora",
+    "enable_safety_check",
 )  # fmt: skip
 ACTION_KEYS = ("mode", "chunk_size", "domain", "resolution_tier", "view_point")  # parameters.action
 ACTION_FIELDS = ("action_mode", "chunk_size", "domain", "resolution_tier", "view_point")  # as GenerationParams has them
@@ -407,7 +448,9 @@ def validate(
         condition_video_keep=keep,
         enable_sound=sound,
         cache=cache,
+        lora=parse_lora(params.get("lora")),
         **_action_fields(action, alignment),
+        enable_safety_check=bool(_bool(params, "enable_safety_check", True)),
     )
 
 
@@ -683,6 +726,8 @@ def add_request_arguments(ap, windows: bool = False) -> None:
         ap.add_argument({"guidance_scale": "--guidance"}.get(name, "--" + name.replace("_", "-")), dest=name, type=typ)
     ap.add_argument("--no-system-prompt", dest="use_system_prompt", action="store_const", const=False)
     ap.add_argument("--no-templates", dest="add_templates", action="store_const", const=False)
+    ap.add_argument("--no-safety-check", dest="enable_safety_check", action="store_const", const=False,
+                    help="skip the deployment's guardrail (where its safety_checker_optional allows)")  # fmt: skip
     ap.add_argument("--video", help="conditioning clip for v2v (.mp4, or .npy uint8 [T, H, W, 3])")
     ap.add_argument("--condition-frames", dest="condition_frame_indexes", type=_index_list,
                     help="v2v: latent frames kept clean, e.g. 0,1 (the default)")  # fmt: skip
@@ -691,6 +736,9 @@ def add_request_arguments(ap, windows: bool = False) -> None:
     ap.add_argument("--audio-out", help="the waveform: .wav (16-bit PCM), or .pt (float32 [2, S], the pipeline's)")
     ap.add_argument("--cache", help='step caching, the `cache` parameter as JSON: \'{"policy": "sea", "threshold": 0.25}\' '
                     "(null: off, overriding the config's default)")  # fmt: skip
+    ap.add_argument("--lora", help="a LoRA adapter (parameters.lora.name): the client's NAME in the server's lora_dir, "
+                    "the offline CLI's DIR (a folder transformer.save_lora_adapter wrote)")  # fmt: skip
+    ap.add_argument("--lora-scale", dest="lora_scale", type=float, help="the adapter's scale (default 1.0)")
     ap.add_argument("--action-mode", choices=MODES, help="robot actions from --image or --video (parameters.action)")
     for name, typ in CLI_ACTION_PARAMS.items():
         ap.add_argument("--" + name.replace("_", "-"), dest=name, type=typ)
@@ -705,13 +753,18 @@ def add_request_arguments(ap, windows: bool = False) -> None:
 
 def params_from_arguments(args) -> dict[str, Any]:
     """The request parameters the user set on the command line (the rest take the deployment's defaults)."""
-    keys = (*CLI_PARAMS, "use_system_prompt", "add_templates", "window_mode", *CLI_WINDOW_PARAMS, *CLI_VIDEO_PARAMS)
+    keys = (*CLI_PARAMS, "use_system_prompt", "add_templates", "window_mode", *CLI_WINDOW_PARAMS, *CLI_VIDEO_PARAMS,
+            "enable_safety_check")  # fmt: skip
     params = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
     if getattr(args, "cache", None) is not None:  # JSON text: checked by `validate` like the server's `parameters`
         try:
             params["cache"] = json.loads(args.cache)
         except (ValueError, RecursionError) as e:
             raise RequestError("cache", f"is not valid JSON ({e})") from e
+    flags = (("name", "lora"), ("scale", "lora_scale"))
+    lora = {k: getattr(args, a) for k, a in flags if getattr(args, a, None) is not None}
+    if lora:  # --lora-scale alone: validation names the missing `lora.name`
+        params["lora"] = lora
     action = {"mode": args.action_mode} if getattr(args, "action_mode", None) else {}
     action.update({k: getattr(args, k) for k in CLI_ACTION_PARAMS if getattr(args, k, None) is not None})
     if action:  # an action flag without --action-mode: validation names the missing `action.mode`

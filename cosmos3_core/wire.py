@@ -61,6 +61,7 @@ class ChunkEvent(ChunkInfo, total=False):
     fps: float  # the video's frame rate (every piece: a client writes each as it arrives)
     seed: int  # done only
     params: dict[str, Any]  # done only: GenerationParams.resolved()
+    unchecked: bool  # server-internal, true only: the request opted out of the video guardrail (decode drops it)
 
 
 class ErrorEvent(TypedDict):
@@ -110,6 +111,8 @@ class RequestMeta:
     def chunk(self, info: ChunkInfo, final: bool) -> ChunkEvent:
         event: ChunkEvent = {"type": "done" if final else "chunk", "id": self.id, "t0": self.t0, **info}  # type: ignore[typeddict-item]
         event["fps"] = self.params.fps
+        if not self.params.enable_safety_check:
+            event["unchecked"] = True
         if final:
             event["timings"] = {"prefill_s": self.prefill_s, **info["timings"]}
             event["params"] = self.params.resolved()
