@@ -5,7 +5,8 @@
       [--action-mode policy|forward_dynamics|inverse_dynamics --chunk-size N --domain D --resolution-tier R
        [--view-point V] [--raw-actions A.npy] [--actions-out A.npy|.pt]  (with --image or --video)]
       [--height H --width W --num-frames F --fps R --steps S --guidance G --shift X --seed K]
-      [--no-system-prompt] [--no-templates] [--cache '{"policy": "sea", ...}'] --out FILE(.mp4|.png|.npy|.pt)
+      [--no-system-prompt] [--no-templates] [--cache '{"policy": "sea", ...}'] [--lora DIR --lora-scale S]
+      --out FILE(.mp4|.png|.npy|.pt)
 
 `.pt` holds the final latents [1, C, T, h, w] fp32 (the reference pipeline's `output_type="latent"`);
 `.npy` the uint8 frames [T, H, W, 3]. `--actions-out` (policy, inverse dynamics) writes the actions float32
@@ -64,7 +65,7 @@ class Generator:
         self.deployment = d = deployment
         self.ckpt = checkpoint or d.open_checkpoint()
         device, dtype = d.torch_device, d.torch_dtype
-        self.prefill = PrefillStage(self.ckpt, device, dtype, d.defaults, d.limits)
+        self.prefill = PrefillStage(self.ckpt, device, dtype, d.defaults, d.limits, d.lora)
         # one group for the denoise and the decode ranks (parallel/group.py), when the deployment splits either
         self.group = Group(d.worker_spec(self.ckpt.root, ("denoise", "decode"))) if d.parallel.ranks > 1 else None
         self.engine = DenoiseEngine.from_deployment(self.ckpt, d, group=self.group)
@@ -189,8 +190,11 @@ def main(argv: list[str] | None = None) -> int:
             raise RequestError("audio_out", f"needs --sound and a suffix in {', '.join(AUDIO_SUFFIXES)}")
         if args.actions_out and Path(args.actions_out).suffix not in CLI_ACTION_SUFFIXES:
             raise RequestError("actions_out", f"suffix must be one of {', '.join(CLI_ACTION_SUFFIXES)}")
+        lora_dir = None
+        if args.lora:  # a folder save_lora_adapter wrote: served from its parent, by its name
+            lora_dir, args.lora = str(Path(args.lora).resolve().parent), Path(args.lora).resolve().name
         deployment = Deployment.load(
-            args.config, checkpoint=args.checkpoint or None, device=args.device, dtype=args.dtype
+            args.config, checkpoint=args.checkpoint or None, device=args.device, dtype=args.dtype, lora_dir=lora_dir
         )
         ckpt = deployment.open_checkpoint()
         image = load_image(args.image) if args.image else None

@@ -69,6 +69,7 @@ class Row:
     record: bool  # return the block-stack residual of each branch that runs (a cached request's)
     action_domain: int = 0
     a16: bool = True  # FP8 linears: W8A16 this step (False: W8A8); ignored by 16-bit models
+    lora: tuple[int, float] | None = None  # its adapter: (pool slot, scale), model/lora.py; None: the base model
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,7 @@ def denoise_step_row(
     a16: bool = True,
     reuse: tuple[torch.Tensor | None, ...] = (),
     record: bool = False,
+    lora: tuple[int, float] | None = None,
 ) -> Row:
     """Build one request's input to a denoise step.
 
@@ -131,7 +133,7 @@ def denoise_step_row(
     action band. The branches' rotary tables cover N + T_s + T_a positions. `a16`: the FP8 step policy's precision
     for this step (W8A16; False: W8A8). `reuse`: per branch, the block-stack residual to reuse instead of running it
     ([N + T_s + T_a, hidden]) or None; () runs every branch. `record`: the step returns the residual of each branch
-    it runs."""
+    it runs. `lora`: the request's adapter, (its slot in the adapter pool, its scale), or None."""
     if commit and (len(noisy_frames) or sound_latents is not None or action is not None):
         raise ValueError("a commit row has no noisy frames, no sound and no actions")
     reuse = reuse or (None,) * len(branches)
@@ -163,6 +165,7 @@ def denoise_step_row(
         reuse=reuse,
         record=record,
         a16=a16,
+        lora=lora,
     )
 
 

@@ -17,11 +17,13 @@ import torch
 
 from . import faults
 from .deployment import Deployment
+from .lora_store import LoraSettings, adapter_dir, open_store, weights_file
 from .model.action import condition_actions, encode_action_condition
 from .model.checkpoint import Checkpoint
 from .model.conditioning import HostFrames, StreamDecoder, VaeCodec
 from .model.embodiments import DOMAIN_IDS, FORWARD, ActionGeometry
 from .model.layers import UND
+from .model.lora import AdapterRows
 from .model.prompts import PromptEncoder
 from .model.rotary import rotary_tables, text_position_ids
 from .model.sound import SoundSpec, decode_sound, load_sound_tokenizer
@@ -36,12 +38,22 @@ from .wire import ChunkEvent, PrefillResult
 
 
 class PrefillStage:
-    def __init__(self, ckpt: Checkpoint, device: str, dtype: torch.dtype, defaults: Defaults, limits: Limits):
+    def __init__(
+        self,
+        ckpt: Checkpoint,
+        device: str,
+        dtype: torch.dtype,
+        defaults: Defaults,
+        limits: Limits,
+        lora: LoraSettings | None = None,
+    ):
+        """`lora`: the deployment's adapters; one on the UND tower changes the text K/V, so prefill applies it."""
         self.cfg = ckpt.config
         self.device, self.dtype = device, dtype
         self.defaults, self.limits = defaults, limits
         self.shift = checkpoint_shift(ckpt.scheduler_config)
         self.model = ckpt.load_transformer({UND}, device, dtype)
+        self.loras = open_store(lora, ckpt, self.model)
         # FP8: the UND tower (the policy's reasoner) runs W8A16 or W8A8 for every request alike
         self.und_a16 = ckpt.fp8 is None or ckpt.fp8.policy.reasoner_a16
         self.prompts = PromptEncoder(ckpt.load_tokenizer(), ckpt.default_use_system_prompt)
@@ -68,6 +80,10 @@ class PrefillStage:
             raise RequestError("enable_sound", f"this checkpoint cannot make sound ({self.no_sound})")
         if p.action_mode:
             self._check_action(p)
+        if p.lora is not None:  # the name (and the refusal of pickles) now; its weights are checked by `run`
+            if self.loras is None:
+                raise RequestError("lora", "this deployment serves no adapters (its lora_dir is not set)")
+            weights_file(adapter_dir(self.loras.settings.dir, p.lora.name))
         return p
 
     def _check_action(self, p: GenerationParams) -> None:
@@ -109,11 +125,17 @@ class PrefillStage:
             if len(ids) > self.limits.max_prompt_tokens:
                 raise RequestError(name, f"is {len(ids)} tokens with templates, limit {self.limits.max_prompt_tokens}")
         text_k, text_v = [], []
-        for ids in branches:
-            cos, sin = rotary_tables(self.cfg, text_position_ids(len(ids)), self.dtype, self.device)
-            k, v = prefill_text_kv(self.model, torch.tensor(ids, device=self.device), cos, sin, self.und_a16)
-            text_k.append(k)
-            text_v.append(v)
+        slot = self._hold_lora(p)
+        try:
+            for ids in branches:
+                cos, sin = rotary_tables(self.cfg, text_position_ids(len(ids)), self.dtype, self.device)
+                lora = None if slot is None else AdapterRows.single(slot, p.lora.scale, len(ids), self.device)  # type: ignore[union-attr]
+                k, v = prefill_text_kv(self.model, torch.tensor(ids, device=self.device), cos, sin, self.und_a16, lora)
+                text_k.append(k)
+                text_v.append(v)
+        finally:
+            if slot is not None:
+                self.loras.release(slot)  # type: ignore[union-attr]
         if p.action_mode:
             return PrefillResult(p, text_k, text_v, *self._action_condition(p, image, video, raw_actions))
         cond = self.codec.encode_first_frame(image, p.height, p.width) if image is not None else None
@@ -123,6 +145,19 @@ class PrefillStage:
                 p.num_frames, p.height, p.width,
             ).latents  # fmt: skip
         return PrefillResult(p, text_k, text_v, cond)
+
+    def _hold_lora(self, p: GenerationParams) -> int | None:
+        """The slot of the request's adapter, pinned (RequestError `lora` for one that cannot serve this checkpoint);
+        None without one, or when it adapts only the GEN tower (the text K/V is the base model's)."""
+        if p.lora is None or self.loras is None:
+            return None
+        ref = self.loras.check(p.lora.name)
+        if UND not in ref.towers:
+            return None
+        slot = self.loras.acquire(ref)
+        if slot is None:  # prefill releases its slot after each request: only a concurrent caller could hold them
+            raise RuntimeError("every adapter slot of the prefill stage is held")
+        return slot
 
     def _action_condition(
         self, p: GenerationParams, image: np.ndarray | None, video: np.ndarray | None, raw: np.ndarray | None

@@ -122,8 +122,9 @@ class DenoiseStep:
             if bucket is None
             else ("bucket", *bucket, a16_rows)
         )
-        key = (sizes, attention.name, attention.shape_key(segments), residual, lora)  # a bucket's too (FlashInfer's gather)
-        # key[1] names the backend (bench.parity and tests read it)
+        # a bucket's key holds the shape key too (FlashInfer's gather); key[1] names the backend (bench.parity and
+        # tests read it)
+        key = (sizes, attention.name, attention.shape_key(segments), residual, lora)
         layout = self.layouts.pop(key, None) or self.layout_class(
             self.model, self.kernels, attention, size, rows[0].tokens.shape[1], segments, self.graph_pool, a16_rows,
             residual, capacity, **({"lora": True} if lora else {}),  # parallel layouts take none (refused at load)

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from .config import ModelConfig
-from .fp8 import linear
+from .lora import AdapterRows, adapted
 
 UND, GEN = "und", "gen"
 
@@ -59,12 +59,13 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor, a16_rows: int) -> torch.Tensor:
-        """x [N, hidden] → [N, hidden]."""
+    def forward(self, x: torch.Tensor, a16_rows: int, lora: AdapterRows | None = None) -> torch.Tensor:
+        """x [N, hidden] → [N, hidden]; `lora`: the rows' adapters (model/lora.py), None: none."""
         if self.act == "relu2":
-            return linear(self.down_proj, torch.relu(linear(self.up_proj, x, a16_rows)).square(), a16_rows)
-        gate = nn.functional.silu(linear(self.gate_proj, x, a16_rows))
-        return linear(self.down_proj, gate * linear(self.up_proj, x, a16_rows), a16_rows)
+            up = torch.relu(adapted(self.up_proj, x, a16_rows, lora)).square()
+            return adapted(self.down_proj, up, a16_rows, lora)
+        gate = nn.functional.silu(adapted(self.gate_proj, x, a16_rows, lora))
+        return adapted(self.down_proj, gate * adapted(self.up_proj, x, a16_rows, lora), a16_rows, lora)
 
 
 class Attention(nn.Module):

@@ -14,6 +14,9 @@
 Precision (FP8 layer linears, `fp8.py`): every linear call takes `a16_rows` — rows [0, a16_rows) of its input run
 W8A16, the rest W8A8; 16-bit linears ignore it. Prefill passes all rows or none (the reasoner policy); a packed GEN
 step passes the pack's split (`PackedStep.a16_rows`: its W8A16 rows come first).
+
+LoRA (model/lora.py): the layer linears also take the rows' `AdapterRows` (a packed step's `PackedStep.lora`;
+prefill: the request's one adapter), None without adapters — then exactly the linears alone.
 """
 
 from __future__ import annotations
@@ -24,21 +27,21 @@ from dataclasses import dataclass
 import torch
 
 from .attend import Attend, sdpa
-from .fp8 import linear
 from .layers import Cosmos3Transformer, DomainAwareLinear, Layer
+from .lora import AdapterRows, adapted
 from .rotary import apply_rotary
 
 
 def _und_qkv(
-    layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, a16_rows: int
+    layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, a16_rows: int, lora: AdapterRows | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """UND projections → q, k (for the causal text path), k_for_gen, v; each [T, heads, d]."""
     a = layer.self_attn
     h = layer.input_layernorm(x)
     d = cos.shape[-1]
-    q = linear(a.to_q, h, a16_rows).unflatten(-1, (-1, d))  # [T, heads, d]
-    k = linear(a.to_k, h, a16_rows).unflatten(-1, (-1, d))  # [T, kv_heads, d]
-    v = linear(a.to_v, h, a16_rows).unflatten(-1, (-1, d))
+    q = adapted(a.to_q, h, a16_rows, lora).unflatten(-1, (-1, d))  # [T, heads, d]
+    k = adapted(a.to_k, h, a16_rows, lora).unflatten(-1, (-1, d))  # [T, kv_heads, d]
+    v = adapted(a.to_v, h, a16_rows, lora).unflatten(-1, (-1, d))
     if hasattr(a, "norm_q"):
         q, k = a.norm_q(q), a.norm_k(k)
     k_for_gen = a.k_norm_und_for_gen(k) if hasattr(a, "k_norm_und_for_gen") else k
@@ -46,25 +49,29 @@ def _und_qkv(
 
 
 def _gen_qkv(
-    layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, a16_rows: int
+    layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, a16_rows: int, lora: AdapterRows | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     a = layer.self_attn
     d = cos.shape[-1]
     h = layer.input_layernorm_moe_gen(x)
-    q = a.norm_added_q(linear(a.add_q_proj, h, a16_rows).unflatten(-1, (-1, d)))  # [N, heads, d]
-    k = a.norm_added_k(linear(a.add_k_proj, h, a16_rows).unflatten(-1, (-1, d)))  # [N, kv_heads, d]
-    v = linear(a.add_v_proj, h, a16_rows).unflatten(-1, (-1, d))
+    q = a.norm_added_q(adapted(a.add_q_proj, h, a16_rows, lora).unflatten(-1, (-1, d)))  # [N, heads, d]
+    k = a.norm_added_k(adapted(a.add_k_proj, h, a16_rows, lora).unflatten(-1, (-1, d)))  # [N, kv_heads, d]
+    v = adapted(a.add_v_proj, h, a16_rows, lora).unflatten(-1, (-1, d))
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
 
-def _und_residual(layer: Layer, x: torch.Tensor, attn: torch.Tensor, a16_rows: int) -> torch.Tensor:
-    x = x + linear(layer.self_attn.to_out, attn, a16_rows)  # attn [T, heads*d]
-    return x + layer.mlp(layer.post_attention_layernorm(x), a16_rows)
+def _und_residual(
+    layer: Layer, x: torch.Tensor, attn: torch.Tensor, a16_rows: int, lora: AdapterRows | None = None
+) -> torch.Tensor:
+    x = x + adapted(layer.self_attn.to_out, attn, a16_rows, lora)  # attn [T, heads*d]
+    return x + layer.mlp(layer.post_attention_layernorm(x), a16_rows, lora)
 
 
-def _gen_residual(layer: Layer, x: torch.Tensor, attn: torch.Tensor, a16_rows: int) -> torch.Tensor:
-    x = x + linear(layer.self_attn.to_add_out, attn, a16_rows)  # attn [N, heads*d]
-    return x + layer.mlp_moe_gen(layer.post_attention_layernorm_moe_gen(x), a16_rows)
+def _gen_residual(
+    layer: Layer, x: torch.Tensor, attn: torch.Tensor, a16_rows: int, lora: AdapterRows | None = None
+) -> torch.Tensor:
+    x = x + adapted(layer.self_attn.to_add_out, attn, a16_rows, lora)  # attn [N, heads*d]
+    return x + layer.mlp_moe_gen(layer.post_attention_layernorm_moe_gen(x), a16_rows, lora)
 
 
 def embed_latent_tokens(
@@ -95,20 +102,25 @@ def domain_linear(layer: DomainAwareLinear, x: torch.Tensor, domain: torch.Tenso
 
 @torch.inference_mode()
 def prefill_text_kv(
-    model: Cosmos3Transformer, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, a16: bool = True
+    model: Cosmos3Transformer,
+    input_ids: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    a16: bool = True,
+    lora: AdapterRows | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """input_ids [T], cos/sin [T, d] → (k, v) [layers, T, kv_heads, d] in the model dtype. `a16`: FP8 linears run
-    W8A16 (False: W8A8), the reasoner policy's choice."""
+    W8A16 (False: W8A8), the reasoner policy's choice. `lora`: the request's adapter (one group of T rows)."""
     x = model.embed_tokens(input_ids)
     rows = x.shape[0] if a16 else 0
     ks, vs = [], []
     last = len(model.layers) - 1
     for i, layer in enumerate(model.layers):
-        q, k, k_for_gen, v = _und_qkv(layer, x, cos, sin, rows)
+        q, k, k_for_gen, v = _und_qkv(layer, x, cos, sin, rows, lora)
         ks.append(k_for_gen)
         vs.append(v)
         if i < last:  # the last layer's UND output feeds only the LM head, which generation never reads
-            x = _und_residual(layer, x, sdpa(q, k, v, causal=True), rows)
+            x = _und_residual(layer, x, sdpa(q, k, v, causal=True), rows, lora)
     return torch.stack(ks), torch.stack(vs)
 
 
@@ -164,12 +176,12 @@ def gen_forward(
         x = x.index_put((action_rows,), action + t_emb)
     stack_input = x
     for i, layer in enumerate(model.layers):
-        q, k, v = kernels.qkv(layer, x, packed.cos, packed.sin, packed.a16_rows)
+        q, k, v = kernels.qkv(layer, x, packed.cos, packed.sin, packed.a16_rows, packed.lora)
         for j in collect:
             rows = slice(packed.segments[j].start, packed.segments[j].start + packed.segments[j].length)
             ks[j].append(k[rows])
             vs[j].append(v[rows])
-        x = kernels.residual(layer, x, attend(q, k, v, i), packed.a16_rows)
+        x = kernels.residual(layer, x, attend(q, k, v, i), packed.a16_rows, packed.lora)
     h = model.norm_moe_gen(x)
     sound_out = model.audio_proj_out(h[sound_rows]) if sound_rows.numel() else None
     action_out = (

@@ -1,0 +1,148 @@
+"""LoRA adapters: the device slots that hold them and the segmented low-rank delta of a packed forward.
+
+An adapter (diffusers' PEFT format, read and checked by cosmos3_core/lora_store.py) adds to an adapted linear
+`y = W x` the delta `s · B (A x)`: A [r, in], B [out, r], s the request's scale times the adapter's own
+`lora_alpha / r` (folded into B when it is read). Which linears: `ADAPTABLE`, the attention projections and MLP
+linears of every layer of both towers (an adapter on the UND tower changes the text K/V, so prefill applies it).
+
+`AdapterPool(model, slots, rank)`: for each adaptable linear of the towers the model holds, two device buffers
+registered on that linear (non-persistent: never in a state dict) — `lora_A` [slots, R, in] and `lora_B`
+[slots, out, R] in the model's activation dtype, R the pool rank (`max_lora_rank` rounded up to a multiple of 8,
+grouped GEMM's alignment). An adapter of rank r ≤ R is written into a slot zero-padded (rows r..R of A, columns of
+B), modules it does not target stay zero. The buffers never move or grow, so a captured graph that reads a slot
+stays valid whatever adapter is written there next.
+
+`AdapterRows`: a pack's choice, per group of rows — group g is rows [offs[g-1], offs[g]) (offs[-1] = 0), reads
+slot `slot[g]` scaled by `scale[g]` (0: no adapter, the delta is exactly zero). A packed step has one group per
+segment slot (its rows, SEGMENT_ALIGN-padded) plus one for the rows after the last segment, buffers its layout owns
+(cosmos3_core/graphs.py); prefill has one group, the whole text.
+
+`delta(x [N, in], linear, rows) → [N, out]`: two grouped GEMMs over the pack (`torch.nn.functional.grouped_mm`:
+CUDA's grouped kernel for bf16, a per-group matmul on the CPU), each group through its own slot's A then B —
+no loop over requests, no host synchronisation (capturable). A row's delta depends only on its group's rows, and a
+group's GEMMs have the same shape whatever it is packed with, so a request's result does not depend on its
+neighbours (bit for bit on CPU). `adapted(linear, x, a16_rows, rows)`: `fp8.linear` plus the delta; with
+`rows` None (a pack with no adapter) it is `fp8.linear` alone, today's kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .config import ModelConfig
+from .fp8 import linear
+
+# per tower ("und", "gen": layers.UND, layers.GEN), the adaptable linears of a layer, as paths under `layers.N.`
+ADAPTABLE: dict[str, tuple[str, ...]] = {
+    "und": ("self_attn.to_q", "self_attn.to_k", "self_attn.to_v", "self_attn.to_out",
+            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
+    "gen": ("self_attn.add_q_proj", "self_attn.add_k_proj", "self_attn.add_v_proj", "self_attn.to_add_out",
+            "mlp_moe_gen.gate_proj", "mlp_moe_gen.up_proj", "mlp_moe_gen.down_proj"),
+}  # fmt: skip
+RANK_ALIGN = 8  # grouped GEMM on CUDA: every dimension a multiple of 16 bytes
+
+
+def adaptable_shapes(cfg: ModelConfig) -> dict[str, tuple[str, int, int]]:
+    """Every adaptable linear of a checkpoint of this config → (tower, in, out), keyed by its module name
+    (`layers.3.self_attn.add_q_proj`): what an adapter's keys and shapes are checked against."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    q, kv, mlp = cfg.num_attention_heads * d, cfg.num_key_value_heads * d, cfg.intermediate_size
+    dims = {"to_q": (h, q), "to_k": (h, kv), "to_v": (h, kv), "to_out": (q, h), "add_q_proj": (h, q),
+            "add_k_proj": (h, kv), "add_v_proj": (h, kv), "to_add_out": (q, h), "gate_proj": (h, mlp),
+            "up_proj": (h, mlp), "down_proj": (mlp, h)}  # fmt: skip
+    out = {}
+    for i in range(cfg.num_hidden_layers):
+        for tower, paths in ADAPTABLE.items():
+            for path in paths:
+                leaf = path.rpartition(".")[2]
+                if leaf == "gate_proj" and cfg.hidden_act != "silu":  # relu2 MLPs have no gate
+                    continue
+                out[f"layers.{i}.{path}"] = (tower, *dims[leaf])
+    return out
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """A checked adapter on the host: per adapted module name, (A [r, in], B [out, r] · lora_alpha/r) fp32."""
+
+    name: str
+    modules: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    rank: int  # the largest r over its modules
+
+    def towers(self, shapes: dict[str, tuple[str, int, int]]) -> set[str]:
+        return {shapes[m][0] for m in self.modules}
+
+
+@dataclass
+class AdapterRows:
+    """A pack's adapter choice by group of rows (see the module docstring); tensors on the model's device."""
+
+    slot: torch.Tensor  # [G] int64: the pool slot each group reads
+    scale: torch.Tensor  # [G] fp32: the request's scale; 0 for rows without an adapter (and padding)
+    offs: torch.Tensor  # [G] int32: each group's end row, non-decreasing, the last one N
+
+    @classmethod
+    def single(cls, slot: int, scale: float, rows: int, device: torch.device | str) -> AdapterRows:
+        """One group of `rows` rows (prefill's text)."""
+        return cls(
+            torch.full((1,), slot, dtype=torch.long, device=device),
+            torch.full((1,), scale, dtype=torch.float32, device=device),
+            torch.full((1,), rows, dtype=torch.int32, device=device),
+        )
+
+
+class AdapterPool:
+    """`slots` adapters of rank ≤ `rank` resident on the device, for the towers `model` holds."""
+
+    def __init__(self, model: nn.Module, slots: int, rank: int):
+        if slots < 1 or rank < 1:
+            raise ValueError(f"an adapter pool needs slots ≥ 1 and rank ≥ 1; got {slots}, {rank}")
+        self.slots, self.rank = slots, -(-rank // RANK_ALIGN) * RANK_ALIGN
+        dtype, device = model.dtype, model.device
+        self.linears: dict[str, nn.Module] = {}
+        for i, layer in enumerate(model.layers):
+            for tower in model.parts:
+                for path in ADAPTABLE[tower]:
+                    owner, _, leaf = path.rpartition(".")
+                    lin = getattr(getattr(layer, owner), leaf, None)
+                    if lin is None:  # relu2: no gate_proj
+                        continue
+                    a = torch.zeros(slots, self.rank, lin.in_features, dtype=dtype, device=device)
+                    b = torch.zeros(slots, lin.out_features, self.rank, dtype=dtype, device=device)
+                    lin.register_buffer("lora_A", a, persistent=False)
+                    lin.register_buffer("lora_B", b, persistent=False)
+                    self.linears[f"layers.{i}.{path}"] = lin
+
+    def write(self, slot: int, adapter: Adapter) -> None:
+        """Put `adapter` in `slot` (what it does not target: zero). The caller makes sure no pack in flight reads
+        the slot (lora_store.py pins slots of live requests)."""
+        for name, lin in self.linears.items():
+            lin.lora_A[slot].zero_()
+            lin.lora_B[slot].zero_()
+            if name in adapter.modules:
+                a, b = adapter.modules[name]
+                r = a.shape[0]
+                lin.lora_A[slot, :r].copy_(a)
+                lin.lora_B[slot, :, :r].copy_(b)
+
+    def bytes(self) -> int:
+        return sum(lin.lora_A.nbytes + lin.lora_B.nbytes for lin in self.linears.values())
+
+
+def delta(x: torch.Tensor, lin: nn.Module, rows: AdapterRows) -> torch.Tensor:
+    """x [N, in] → each group's `scale · B_slot (A_slot x)`, [N, out] in x's dtype (see the module docstring)."""
+    a = lin.lora_A[rows.slot] * rows.scale.to(x.dtype)[:, None, None]  # [G, R, in]
+    h = torch.nn.functional.grouped_mm(x, a.transpose(1, 2), offs=rows.offs)  # [N, R]
+    return torch.nn.functional.grouped_mm(h, lin.lora_B[rows.slot].transpose(1, 2), offs=rows.offs)  # [N, out]
+
+
+def adapted(lin: nn.Module, x: torch.Tensor, a16_rows: int, rows: AdapterRows | None) -> torch.Tensor:
+    """`fp8.linear(lin, x, a16_rows)` plus the rows' adapter deltas; exactly `fp8.linear` when `rows` is None or
+    the linear has no slots (the pool covers only the adaptable linears)."""
+    y = linear(lin, x, a16_rows)
+    if rows is None or not hasattr(lin, "lora_A"):
+        return y
+    return y + delta(x, lin, rows)

@@ -1,0 +1,249 @@
+"""LoRA adapters chosen per request, offline (fp32, CPU): parity with diffusers' `load_lora_adapter` +
+`set_adapters` (an adapter on the generation tower through the CLI's `--lora DIR`, one on both towers at scales 1
+and 0.5, i2v, an action request); a pack of base + A + B at two scales + A again, each request bit for bit its solo
+run; `max_loras: 2` with three adapters in rotation (nothing evicted mid-request); every bad adapter or choice an
+error naming its field, the next request served; the maths alone (grouped deltas vs a per-row loop)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from cosmos3_core.deployment import Deployment
+from cosmos3_core.generate import Generator, main
+from cosmos3_core.lora_store import METADATA_KEY, WEIGHTS
+from cosmos3_core.model.lora import AdapterRows, delta
+from cosmos3_core.requests import RequestError
+from cosmos3_core.tools.make_lora import make_lora
+from tests.conftest import reference_pipeline, rel_l2, run_reference
+
+PROMPT = "a robot arm stacks wooden blocks"
+T2V = dict(num_frames=5, height=32, width=64, steps=2, guidance_scale=5.0, shift=8.0, seed=3, fps=16.0)
+
+
+def bad_adapters(root: Path, good: Path) -> None:
+    """Malformed adapters beside the good ones: each must fail its request alone, naming `lora`."""
+    sd = {}
+    from safetensors import safe_open
+
+    with safe_open(str(good / WEIGHTS), "pt") as f:
+        meta = f.metadata()
+        sd = {k: f.get_tensor(k) for k in f.keys()}
+    a_key = next(k for k in sd if k.endswith("lora_A.weight"))
+
+    def write(name: str, tensors: dict, metadata: dict | None = meta) -> None:
+        (root / name).mkdir()
+        save_file(tensors, root / name / WEIGHTS, metadata=metadata)
+
+    write("wrong_shape", {**sd, a_key: torch.zeros(4, 3)})
+    write("wrong_key", {**sd, "layers.99.self_attn.add_q_proj.lora_A.weight": sd[a_key].clone()})
+    write("half_pair", {k: v for k, v in sd.items() if k != a_key})
+    write("not_finite", {**sd, a_key: torch.full_like(sd[a_key], float("nan"))})
+    write("dora", sd, {**meta, METADATA_KEY: json.dumps({**json.loads(meta[METADATA_KEY]), "use_dora": True})})
+    (root / "pickled").mkdir()
+    torch.save(sd, root / "pickled" / "pytorch_lora_weights.bin")
+
+
+@pytest.fixture(scope="module")
+def loras(nano_ckpt, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("loras")
+    make_lora(nano_ckpt, root / "gen", rank=4, targets=("gen",), alpha=8, seed=1)  # lora_alpha / r = 2
+    make_lora(nano_ckpt, root / "both", rank=6, targets=("gen", "und"), seed=2, std=0.2)
+    make_lora(nano_ckpt, root / "attn", rank=3, targets=("add_q_proj", "add_v_proj", "to_add_out"), seed=4, std=0.3)
+    make_lora(nano_ckpt, root / "mlp", rank=5, targets=("mlp_moe_gen.up_proj", "mlp_moe_gen.down_proj"), seed=5)
+    make_lora(nano_ckpt, root / "big_rank", rank=16, targets=("gen",), seed=6)
+    bad_adapters(root, root / "gen")
+    return root
+
+
+@pytest.fixture(scope="module")
+def gen(nano_ckpt, loras) -> Generator:
+    return Generator(Deployment(checkpoint=str(nano_ckpt), device="cpu", dtype="float32", lora_dir=str(loras),
+                                max_loras=3, max_lora_rank=8))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def pipe(nano_ckpt):
+    return reference_pipeline(nano_ckpt)
+
+
+def with_adapter(pipe, folder: Path, scale: float, run):
+    """`run()` with diffusers' transformer holding the adapter at `scale`, then the adapter removed."""
+    pipe.transformer.load_lora_adapter(str(folder), prefix=None, weight_name=WEIGHTS, adapter_name="under_test")
+    pipe.transformer.set_adapters("under_test", weights=scale)
+    try:
+        return run()
+    finally:
+        pipe.transformer.delete_adapters("under_test")
+
+
+def test_generation_tower_adapter_through_the_cli_matches_diffusers(nano_ckpt, loras, pipe, tmp_path):
+    out = tmp_path / "v.pt"
+    args = ["--checkpoint", str(nano_ckpt), "--prompt", PROMPT, "--out", str(out), "--lora", str(loras / "gen")]
+    for k, v in T2V.items():
+        args += [{"num_frames": "--num-frames", "guidance_scale": "--guidance"}.get(k, f"--{k}"), str(v)]
+    assert main(args) == 0
+    ref = with_adapter(pipe, loras / "gen", 1.0, lambda: run_reference(pipe, PROMPT, T2V))
+    assert rel_l2(torch.load(out), ref) <= 1e-4
+
+
+def test_both_towers_adapter_at_half_scale_i2v_matches_diffusers(gen, loras, pipe, test_image):
+    """The UND tower's part changes the text K/V (prefill applies it); scale 0.5; an i2v request."""
+    params = {**T2V, "seed": 5}
+    ours = gen.latents(PROMPT, {**params, "lora": {"name": "both", "scale": 0.5}}, test_image)
+    ref = with_adapter(pipe, loras / "both", 0.5, lambda: run_reference(pipe, PROMPT, params, test_image))
+    assert rel_l2(ours, ref) <= 1e-4, rel_l2(ours, ref)
+
+
+def test_action_request_adapter_matches_diffusers(action_ckpt, tmp_path):
+    from tests.test_action import CASES, cli_args, inputs_of, reference
+
+    make_lora(action_ckpt, tmp_path / "loras" / "robot", rank=4, targets=("gen", "und"), seed=7, std=0.2)
+    case = CASES[0]  # policy, an image, a 10-wide domain
+    image, clip, raw = inputs_of(case)
+    args = cli_args(action_ckpt, "configs/tiny.yaml", case, tmp_path, image, clip, raw, steps=2)
+    args[args.index("--config") + 1] = _roomy_config(tmp_path)
+    assert main([*args, "--lora", str(tmp_path / "loras" / "robot"), "--lora-scale", "0.8"]) == 0
+    pipe = reference_pipeline(action_ckpt)
+    ref_v, ref_a, _ = with_adapter(
+        pipe, tmp_path / "loras" / "robot", 0.8, lambda: reference(pipe, case, image, clip, raw, steps=2)
+    )
+    assert rel_l2(torch.load(tmp_path / "v.pt"), ref_v) <= 1e-4
+    assert rel_l2(torch.load(tmp_path / "a.pt"), ref_a) <= 1e-4
+
+
+def _roomy_config(tmp_path: Path) -> str:
+    import yaml
+
+    raw = yaml.safe_load(open("configs/tiny.yaml"))
+    raw["limits"].update(max_height=1280, max_width=1280)
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(raw))
+    return str(tmp_path / "cfg.yaml")
+
+
+def test_pack_of_adapters_equals_each_alone_bit_for_bit(gen):
+    """base, A, B at two scales and A again (another seed, size and guidance) share every tick."""
+    requests = [
+        {**T2V},
+        {**T2V, "seed": 4, "lora": {"name": "both"}},
+        {**T2V, "seed": 5, "lora": {"name": "mlp", "scale": 1.0}},
+        {**T2V, "seed": 6, "lora": {"name": "mlp", "scale": 0.5}},
+        {**T2V, "seed": 7, "height": 64, "guidance_scale": 1.0, "lora": {"name": "both", "scale": 1.5}},
+    ]
+    prefilled = [gen.prefill.run(gen.prefill.validate(PROMPT, p, None), None) for p in requests]
+    before = gen.engine.stats.max_requests_in_tick
+    packed = [g.latents for g in gen.run_together(prefilled)]
+    assert gen.engine.stats.max_requests_in_tick == max(before, len(requests))
+    alone = [gen.latents(PROMPT, p) for p in requests]
+    for i, (a, b) in enumerate(zip(packed, alone)):
+        assert torch.equal(a, b), f"request {i} differs from its solo run"
+    assert not torch.equal(alone[2], alone[3]), "the scale had no effect"
+    assert not torch.equal(gen.latents(PROMPT, {**T2V, "seed": 5}), alone[2]), "the adapter had no effect"
+
+
+def test_three_adapters_rotating_through_two_slots(nano_ckpt, loras):
+    """max_loras 2, adapters gen / attn / mlp in rotation, all submitted at once: a third adapter waits for a slot
+    instead of evicting one a live request uses; every result equals its solo run."""
+    g = Generator(Deployment(checkpoint=str(nano_ckpt), device="cpu", dtype="float32", lora_dir=str(loras),
+                             max_loras=2, max_lora_rank=8))  # fmt: skip
+    names = ["gen", "attn", "mlp", "gen", "attn"]
+    small = {**T2V, "num_frames": 1, "height": 32, "width": 32, "guidance_scale": 1.0}
+    requests = [{**small, "steps": 2 + i % 2, "seed": i, "lora": {"name": n}} for i, n in enumerate(names)]
+    prefilled = [g.prefill.run(g.prefill.validate(PROMPT, p, None), None) for p in requests]
+    store = g.engine.loras
+    seen: list[tuple[int, ...]] = []
+    tick = g.engine.tick
+
+    def watched_tick() -> int:  # every live request's slot still holds its adapter, each tick
+        for job in g.engine.scheduler.live:
+            assert store.names()[job.lora_slot] == job.params.lora.name
+        seen.append(tuple(sorted(j.lora_slot for j in g.engine.scheduler.live)))
+        return tick()
+
+    g.engine.tick = watched_tick
+    packed = [x.latents for x in g.run_together(prefilled)]
+    g.engine.tick = tick
+    assert store.loads >= 4, "three adapters through two slots must reload"
+    assert max(len(s) for s in seen) == 2 and all(len(set(s)) == len(s) for s in seen if s)
+    for i, p in enumerate(requests):
+        assert torch.equal(packed[i], g.latents(PROMPT, p)), f"request {i} ({names[i]}) differs from its solo run"
+    assert all(n == 0 for n in store.pins)
+
+
+BAD = [  # (parameters.lora, field)
+    ("gen", "lora"),
+    ([], "lora"),
+    ({"scale": 1.0}, "lora.name"),
+    ({"name": 3}, "lora.name"),
+    ({"name": "../gen"}, "lora.name"),
+    ({"name": ".."}, "lora.name"),
+    ({"name": "/tmp"}, "lora.name"),
+    ({"name": "no_such_adapter"}, "lora.name"),
+    ({"name": "gen", "scale": float("nan")}, "lora.scale"),
+    ({"name": "gen", "scale": "1"}, "lora.scale"),
+    ({"name": "gen", "scale": 1e9}, "lora.scale"),
+    ({"name": "gen", "rank": 4}, "lora.rank"),
+    ({"name": "pickled"}, "lora"),
+    ({"name": "wrong_shape"}, "lora"),
+    ({"name": "wrong_key"}, "lora"),
+    ({"name": "half_pair"}, "lora"),
+    ({"name": "not_finite"}, "lora"),
+    ({"name": "dora"}, "lora"),
+    ({"name": "big_rank"}, "lora"),
+]
+
+
+def test_bad_adapters_and_choices_name_their_field(gen):
+    small = {**T2V, "steps": 1, "num_frames": 1, "height": 32, "width": 32}
+    for value, name in BAD:
+        with pytest.raises(RequestError) as e:
+            gen.generate(PROMPT, {**small, "lora": value})
+        assert e.value.field == name, (value, str(e.value))
+        assert str(e.value).startswith(name + ":")
+    for store in (gen.prefill.loras, gen.engine.loras):  # nothing malformed was kept
+        assert not {"wrong_shape", "wrong_key", "half_pair", "not_finite", "dora", "big_rank"} & set(
+            store.names().values()
+        )
+    gen.generate(PROMPT, {**small, "lora": {"name": "gen"}})  # and the next one is served
+
+
+def test_config_refuses_what_adapters_are_not_served_with(tmp_path, loras):
+    import yaml
+
+    for extra, words in [
+        ({"compile": True}, "lora_dir: adapters are not served with compile"),
+        ({"precision": "fp8"}, "lora_dir: adapters are not served with precision fp8"),
+        ({"parallel": {"cfg": 2}}, "lora_dir: adapters need a single-GPU denoise"),
+        ({"lora_dir": str(tmp_path / "missing")}, "lora_dir:"),
+        ({"max_loras": 0}, "max_loras:"),
+        ({"max_lora_rank": "8"}, "max_lora_rank:"),
+    ]:
+        path = tmp_path / "d.yaml"
+        path.write_text(yaml.safe_dump({"lora_dir": str(loras), **extra}))
+        with pytest.raises(ValueError, match=words):
+            Deployment.load(path)
+
+
+def test_grouped_delta_equals_each_group_alone():
+    """The segmented delta: each group of rows through its own slot and scale, as a loop over groups computes it;
+    an empty group and scale 0 (no adapter) give exact zeros."""
+    g = torch.Generator().manual_seed(0)
+    lin = torch.nn.Linear(24, 16, bias=False)
+    lin.register_buffer("lora_A", torch.randn(3, 8, 24, generator=g))
+    lin.register_buffer("lora_B", torch.randn(3, 16, 8, generator=g))
+    x = torch.randn(256, 24, generator=g)
+    groups = [(0, 64, 2, 1.0), (64, 64, 0, 0.0), (64, 192, 1, 0.5), (192, 256, 2, -2.0)]  # (start, end, slot, scale)
+    rows = AdapterRows(
+        torch.tensor([s for _, _, s, _ in groups]),
+        torch.tensor([c for *_, c in groups], dtype=torch.float32),
+        torch.tensor([e for _, e, _, _ in groups], dtype=torch.int32),
+    )
+    out = delta(x, lin, rows)
+    for start, end, slot, scale in groups:
+        want = (x[start:end] @ (lin.lora_A[slot] * scale).t()) @ lin.lora_B[slot].t()
+        assert torch.equal(out[start:end], want)
+    assert rows.scale[1] == 0
