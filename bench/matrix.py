@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 import tempfile
 import time
@@ -40,14 +41,16 @@ from .served import PROMPT, variant_request
 NANO_CONFIGS = ["configs/bench_nano_t2v.yaml", "configs/bench_nano_ar.yaml", "configs/bench_nano_sound.yaml",
                 "configs/bench_nano_action.yaml"]  # fmt: skip
 MODELS = {
+    "tiny": {"config": "configs/tiny.yaml", "rows": ["t2v/i2v", "AR chained", "AR kv", "sound", "action"],
+             "action": {"resolution_tier": 256}},  # CPU: the script's own check
     "edge": {"config": "configs/bench_edge.yaml", "rows": ["t2v/i2v"]},
     "nano": {"config": "configs/bench_nano_t2v.yaml", "checkpoint": "random:nano_sound_action",
              "warmup_from": NANO_CONFIGS, "rows": ["t2v/i2v", "AR chained", "AR kv", "sound", "action"]},
 }  # fmt: skip
-AR = {"num_frames": 45, "window_frames": 29, "overlap_frames": 8}
+AR = {"num_frames": 45, "window_frames": 29}
 ROWS = {  # row → (request kind for bench.served.variant_request, extra parameters)
     "t2v/i2v": ("t2v", {}),
-    "AR chained": ("t2v", {**AR, "window_mode": "chained"}),
+    "AR chained": ("t2v", {**AR, "window_mode": "chained", "overlap_frames": 8}),
     "AR kv": ("t2v", {**AR, "window_mode": "kv", "context_frames": 29}),
     "sound": ("t2v+sound", {}),
     "action": ("policy", {}),
@@ -74,12 +77,12 @@ def deployment_of(model: str, precision: str) -> Deployment:
 class Cell:
     """One row × cache setting on a running server."""
 
-    def __init__(self, url: str, d: Deployment, row: str, cached: bool):
+    def __init__(self, url: str, d: Deployment, row: str, cached: bool, action: dict | None = None):
         self.url, self.row, self.cached = url, row, cached
         size = (d.defaults.height, d.defaults.width)
         steps = {"steps": SEA_STEPS if cached else STEPS, **(SEA if cached else {})}
         kind, extra = ROWS[row]
-        main = variant_request(kind, {**steps, **extra}, *size)
+        main = variant_request(kind, {**steps, **extra}, *size, action)
         t2v, i2v = variant_request("t2v", steps, *size), variant_request("i2v", steps, *size)
         # (parameters, image, clip, raw actions, seed): the row's kind, then its pack mates
         self.requests = [(*main, 1), (*i2v, 2), (*t2v, 3)]
@@ -125,7 +128,7 @@ def healthy(url: str, http_port: int) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=list(MODELS), required=True)
-    ap.add_argument("--precision", choices=["bf16", "fp8"], required=True)
+    ap.add_argument("--precision", choices=["bf16", "fp8"], required=True, help="bf16: the config's own dtype")
     ap.add_argument("--rows", nargs="+", help="a subset of the model's rows")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
@@ -140,7 +143,7 @@ def main() -> int:
         for row in args.rows or MODELS[args.model]["rows"]:
             for cached in (False, True):
                 t0 = time.perf_counter()
-                status = Cell(url, deployment, row, cached).check()
+                status = Cell(url, deployment, row, cached, MODELS[args.model].get("action")).check()
                 column = f"{args.precision}{' + SeaCache' if cached else ''}"
                 result["cells"][f"{row} | {column}"] = status
                 print(f"{args.model} {row:10} {column:16} {status}  ({time.perf_counter() - t0:.0f}s)", flush=True)
@@ -153,7 +156,7 @@ def main() -> int:
     finally:
         stop_server(proc)
     log = (workdir / "tritonserver.log").read_text() if (workdir / "tritonserver.log").exists() else ""
-    result["log_lines"] = [line for line in log.splitlines() if "cosmos3:" in line][-20:]
+    result["log_lines"] = [line for line in log.splitlines() if re.search(r"(^|\] )cosmos3: ", line)][-20:]
     for line in result["log_lines"]:
         print("  log:", line[:300])
     if args.json:

@@ -51,6 +51,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import yaml
+
 from client.stream import generate
 from cosmos3_core.deployment import Deployment
 from cosmos3_core.triton.launcher import stop_server, wait_until_ready
@@ -402,6 +404,10 @@ def main() -> int:
     ap.add_argument(
         "--perf-analyzer", default="", help="then perf_analyzer (this binary) at c=1 and c=4 on the same request"
     )
+    ap.add_argument(
+        "--set", action="append", default=[], metavar="KEY=YAML",
+        help="override a top-level config key (e.g. precision=fp8, pool_pages=8192, warmup_requests='[{...}]')",
+    )  # fmt: skip
     ap.add_argument("--json", default="")
     ap.add_argument("--md", default="", help="append a row (date, GPU, command, figures) to this BENCHMARKS.md")
     args = ap.parse_args()
@@ -420,7 +426,9 @@ def main() -> int:
     pa_kind = (args.c4_variants or ["t2v"])[-1]
     if args.perf_analyzer and VARIANTS[pa_kind][1] is not None:
         ap.error(f"--perf-analyzer sends a prompt and parameters only: {pa_kind} needs a conditioning input")
-    configured = Deployment.load(args.config)  # `start` resolves `random:` into a path; side_by_side needs the name
+    overrides = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.set)}
+    # `start` resolves `random:` into a path; side_by_side needs the name
+    configured = Deployment.load(args.config, **overrides)
     workdir = Path(tempfile.mkdtemp(prefix="cosmos3-bench-"))
     proc, ports, deployment = start(configured, workdir)
     url = f"127.0.0.1:{ports[0]}"

@@ -44,7 +44,7 @@ SCRIPT = textwrap.dedent(
     t = threading.Thread(target=serve)
     t.start()
     t.join()
-    failed = sum(layout.capture_failed for layout in gen.engine.step.layouts.values())
+    failed = sum(getattr(layout, "capture_failed", False) for layout in gen.engine.step.layouts.values())
     assert "latents" in out and failed == expect_failed, (out, failed)
     assert all(bool(x.float().isfinite().all()) for x in out["latents"])
     print("captures", out["captures"])
