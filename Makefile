@@ -31,9 +31,21 @@ serve: setup
 demo: setup
 	$(PY) -m client generate --url 127.0.0.1:$(GRPC_PORT) --wait-ready 600 --prompt "$(PROMPT)" --out $(OUT)
 
-# SIGINT drains, then stops tritonserver. Every server of this user, or with GRPC_PORT=… given only that one.
+# SIGINT drains, then stops tritonserver. This checkout's servers: each holds a lock on its work dir
+# build/serve/<port>/.lock, with its pid in it (a lock nobody holds is a stopped server's). GRPC_PORT=…: only the
+# server on that port; ALL=1: every server of this user.
 stop:
-	-pkill -INT -f -- '-m cosmos3_core\.triton\.serve$(if $(filter file,$(origin GRPC_PORT)),( |$$), .*--grpc-port $(GRPC_PORT)( |$$))' || true
+ifneq ($(ALL),)
+	-pkill -INT -f -- '-m cosmos3_core\.triton\.serve( |$$)' || true
+else ifneq ($(filter file,$(origin GRPC_PORT)),)
+	@for lock in build/serve/*/.lock; do \
+		if [ -f "$$lock" ] && ! flock -n "$$lock" true; then \
+			echo "stopping $${lock%/.lock} (pid $$(cat "$$lock"))"; kill -INT "$$(cat "$$lock")" || true; \
+		fi; \
+	done
+else
+	-pkill -INT -f -- '-m cosmos3_core\.triton\.serve .*--grpc-port $(GRPC_PORT)( |$$)' || true
+endif
 
 test: setup
 	$(PY) -m pytest -q
