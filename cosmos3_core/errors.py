@@ -78,6 +78,7 @@ _DEAD_STUB = re.compile(r"(?:Stub process|model instance) '(cosmos3_\w+?)_\d+_\d
 _GONE = ("Socket closed", "Stream removed", "failed to connect", "Connection refused", "StatusCode.UNAVAILABLE",
          "The stream is no longer in valid state", "Broken pipe")  # fmt: skip
 _ENSEMBLE_PREFIX = re.compile(r"^in ensemble '[^']*', ")
+_QUEUE_FULL = "Exceeds maximum queue size"  # what Triton says when a model's queue policy refuses
 
 
 def client_text(message: str, url: str) -> str:
@@ -87,6 +88,8 @@ def client_text(message: str, url: str) -> str:
     dead = _DEAD_STUB.search(message)
     if dead and part_of(dead.group(1)):
         return part_died(part_of(dead.group(1)))  # type: ignore[arg-type]
+    if _QUEUE_FULL in message:  # Triton's own refusal at the door's queue (model_repository/cosmos3_admit)
+        return OVER_CAPACITY
     if any(s in message for s in _GONE):
         return unreachable(url)
     return message

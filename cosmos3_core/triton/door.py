@@ -1,10 +1,11 @@
 """`cosmos3_admit`, the ensemble's first step: take a ticket for each request or refuse it at once (admission.py).
 
-Input `prompt` (BYTES [1], only so that the ensemble runs this step first; not read); output `ticket` (BYTES [1],
-`admission.Ticket`) for prefill. A refusal is a Triton error whose text is `errors.OVER_CAPACITY` (or
-`errors.DRAINING` while the server drains), counted as `cosmos3_requests_total{outcome="rejected"}` with this model's
-labels. Its execute touches a few small files: its own Triton queue (bounded by the config's queue policy) stays
-empty, so the answer comes within milliseconds of arrival.
+Input `prompt` (BYTES [1, 1]: the model batches, each request is a batch of one; only so that the ensemble runs this
+step first, not read); output `ticket` (BYTES [1, 1], `admission.Ticket`) for prefill. Each execute answers every
+request queued meanwhile (up to the config's max_batch_size) in one round trip. A refusal is a Triton error whose text
+is `errors.OVER_CAPACITY` (or `errors.DRAINING` while the server drains), counted as
+`cosmos3_requests_total{outcome="rejected"}` with this model's labels. Its execute touches a few small files per request: its own Triton queue (bounded by the config's queue policy)
+holds at most what arrived during one execute, so the answer comes within milliseconds of arrival.
 
 Imports no torch: the stub of this step starts in well under a second. Only imported inside a Triton Python stub.
 """
@@ -50,5 +51,5 @@ class AdmitModel:
             self.rejected.increment(1)
             message = DRAINING if self.marks.is_draining() else OVER_CAPACITY
             return pb_utils.InferenceResponse(error=pb_utils.TritonError(message))
-        out = pb_utils.Tensor("ticket", np.array([ticket.encode().encode()], dtype=np.object_))
+        out = pb_utils.Tensor("ticket", np.array([[ticket.encode().encode()]], dtype=np.object_))  # a batch of one
         return pb_utils.InferenceResponse(output_tensors=[out])

@@ -76,7 +76,6 @@ def render(deployment: Deployment, workdir: Path) -> tuple[Path, Deployment]:
         "instance_kind": "KIND_GPU" if gpu else "KIND_CPU",
         "instance_gpus": "gpus: [ 0 ]" if gpu else "",  # one GPU per server: all instances on the first visible
         "force_cpu_inputs": "no" if gpu else "yes",
-        "max_queue": str(deployment.max_queue),  # cosmos3_admit's queue policy
         **{f"{k}_instances": str(v) for k, v in deployment.instances.items()},
     }
     repo = workdir / "model_repository"
