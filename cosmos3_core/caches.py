@@ -1,6 +1,6 @@
 """Where generated files persist between processes: one root, `$COSMOS3_CACHE` (default `~/.cache/cosmos3`).
 
-  <root>/tiny-nano-v<N>, random-<preset>  generated checkpoints (model/provision.py)
+  <root>/tiny-nano, random-<preset>       generated checkpoints (model/provision.py)
   <root>/kernels/inductor                 torch.compile's FX-graph / AOT caches (TORCHINDUCTOR_CACHE_DIR)
   <root>/kernels/triton                   Triton's compiled kernels (TRITON_CACHE_DIR)
   <root>/kernels/flashinfer               FlashInfer's JIT-built kernels (FLASHINFER_WORKSPACE_BASE)
