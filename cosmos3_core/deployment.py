@@ -50,6 +50,7 @@ def _check_lora(raw: dict[str, Any], parallel: ParallelConfig, where: str) -> No
         return
     if not Path(lora_dir).is_dir():
         raise ValueError(f"{where}: lora_dir: {lora_dir} is not a folder")
+    raw["lora_dir"] = str(Path(lora_dir).resolve())  # the rendered deployment's stages may run elsewhere
     if parallel.denoise_ranks > 1:
         raise ValueError(f"{where}: lora_dir: adapters need a single-GPU denoise (parallel cfg and ulysses must be 1)")
     if raw.get("compile"):
