@@ -1,13 +1,17 @@
-"""Scrape the metrics port during and after a run: every engine and latency metric moves as it should."""
+"""Scrape the metrics port during and after a run: every engine and latency metric moves as it should, and every
+request sent is counted once in `cosmos3_requests_total` (docs/metrics.md)."""
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 
 import pytest
 
+from bench.pool import run_pool
 from client.stream import ServerError, generate
+from cosmos3_core.errors import OVER_CAPACITY
 
 pytestmark = pytest.mark.served
 
@@ -57,3 +61,57 @@ def test_metrics_move_during_a_run(server):
         and after["cosmos3_live_requests"] == 0
         and after["cosmos3_queue_depth"] == 0
     )
+
+
+OUTCOMES = ("completed", "cancelled", "failed", "rejected", "bad_input", "refused")
+
+
+def outcome_of(run) -> str:
+    """How one request ended, as its client saw it."""
+    try:
+        run()
+    except ServerError as e:
+        text = str(e)
+        if OVER_CAPACITY in text or "queue full" in text:
+            return "rejected"
+        if "injected fault" in text:
+            return "failed"
+        if text.startswith(("prompt:", "negative_prompt:")):
+            return "bad_input"
+        raise
+    return "completed"
+
+
+def test_every_request_counted_once(server):
+    """A known mix: a burst of twice the server's queue (the door refuses what does not fit: rejected; the rest
+    completed), one cancelled, a failure in the engine and one in decode, bad input caught by prefill and by the
+    engine. Each outcome's counter grows by what the clients saw, and sent = the sum of all of them."""
+    before = server.metrics(settle=True)
+    small = {"steps": 1, "num_frames": 1, "height": 32, "width": 32}
+    long = {"num_frames": 33, "height": 128, "width": 128, "steps": 60, "seed": 9}
+    words = "word " * 300  # each branch within the prompt limits; both together need more K/V pages than the pool
+    runs = [lambda i=i: generate(server.url, f"burst {i}", {**small, "seed": i}) for i in range(16)]
+    seen = Counter(dict(run_pool(range(len(runs)), len(runs), lambda i: (i, outcome_of(runs[i])))).values())
+    assert seen["rejected"] >= 1 and seen["completed"] >= 1, seen  # the burst overran the queue, and was served
+    cancelled = generate(server.url, "a long one", long, cancel_after=lambda e: e.get("step") == 1)
+    assert [e["type"] for e in cancelled.events] == ["progress"]
+    seen["cancelled"] += 1
+    others = [
+        lambda: generate(server.url, "fails in its step", {**small, "seed": 666}),
+        lambda: generate(server.url, "fails in its decode", {**small, "seed": 667}),
+        lambda: generate(server.url, "", small),  # prefill's
+        lambda: generate(server.url, words, {**small, "negative_prompt": words}),  # the engine's (K/V pages)
+    ]
+    seen.update(outcome_of(run) for run in others)
+    assert seen["failed"] == 2 and seen["bad_input"] == 2, seen
+    sent = len(runs) + 1 + len(others)
+
+    def ended(m: dict[str, float]) -> Counter:
+        return Counter({k: m.get(f"cosmos3_requests_total:{k}", 0) - before.get(f"cosmos3_requests_total:{k}", 0)
+                        for k in OUTCOMES})  # fmt: skip
+
+    deadline = time.monotonic() + 15  # the engine's counts are published every 0.2 s; a cancel lands within a step
+    while sum((counted := ended(server.metrics())).values()) < sent and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert counted == seen, f"counted {dict(counted)}, the clients saw {dict(seen)}"
+    assert sum(counted.values()) == sent
