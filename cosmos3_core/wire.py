@@ -49,7 +49,9 @@ class ChunkInfo(_CacheReport):
     windows: int
     latent_offset: int
     latent_frames: int
-    timings: dict[str, float]  # queue_s, window_s; denoise_s on the last piece
+    # queue_s, window_s; denoise_s on the last piece. The done event's add up to server_e2e_s (docs/metrics.md):
+    # prefill_s (RequestMeta), to_denoise_s (the denoise model), to_decode_s and decode_s (decode)
+    timings: dict[str, float]
 
 
 class ChunkEvent(ChunkInfo, total=False):
