@@ -67,8 +67,14 @@ def test_killed_denoise_stub_errors_in_flight_then_serves(supervised):
     for t in threads:
         t.join(120)
     assert all(isinstance(out[i], ServerError) for i in range(2)), out  # errors, not silence
-    wait_ready(url, 300)  # the supervisor restarted the server
-    assert generate(url, "after the fault", {"steps": 2}).video.shape == (9, 32, 64, 3)
+    deadline = time.monotonic() + 300
+    while True:  # the supervisor reloads denoise alone (gRPC readiness stays true): refused until it is back
+        try:
+            assert generate(url, "after the fault", {"steps": 2}).video.shape == (9, 32, 64, 3)
+            break
+        except ServerError:
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
 
 
 def test_sigterm_with_requests_in_flight(supervised):

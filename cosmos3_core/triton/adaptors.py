@@ -39,6 +39,7 @@ from .glue import (
     Responder,
     TritonSink,
     deployment_from_args,
+    down_refusal,
     error_response,
     input_array,
     input_torch,
@@ -57,6 +58,7 @@ class PrefillModel:
         d, device = deployment_from_args(args)
         self.stage = PrefillStage(d.open_checkpoint(), device, d.torch_dtype, d.defaults, d.limits)
         self.tickets = Tickets(tickets_dir(d.cancel_dir))
+        self.marks = CancelMarks(d.cancel_dir)  # a later part marked down by the supervisor (glue.down_refusal)
         # how requests ended here: one count each, the only one (outcomes.py)
         self.outcomes = Outcomes({"model": args["model_name"], "instance": args["model_instance_name"]}, AT_PREFILL)
         pb_utils.Logger.log_info(f"cosmos3_prefill: ready in {time.perf_counter() - t0:.1f}s")  # startup's parts
@@ -78,6 +80,9 @@ class PrefillModel:
 
     def _run(self, request, ticket: Ticket):
         t_start = time.time()
+        if (why := down_refusal(self.marks)) is not None:
+            self.outcomes.count_now("rejected")
+            return error_response(why)
         try:
             prompt = input_array(request, "prompt")
             if prompt is None or prompt.size != 1:

@@ -2,8 +2,10 @@
 tritonserver listens on private loopback ports behind them, so that readiness answers while tritonserver cannot
 (a part reloading, the server restarting or draining) and the supervisor's own counters reach the metrics.
 
-- `GET /v2/health/ready`, `GET /v2/models/<m>/ready`: 503 with `{"error": <text>}` while anything is down (the
-  text is errors.py's, the one a request would get); otherwise tritonserver's answer, any not-ready one as 503.
+- `GET /v2/health/ready`: 503 with `{"error": <text>}` while anything is down (the text is errors.py's, the one a
+  request would get), else 200: the supervisor knows (tritonserver was ready, and with explicit model control only
+  the supervisor loads or unloads), so a probe never waits on tritonserver.
+- `GET /v2/models/<m>/ready`: the same 503 while anything is down, else tritonserver's answer (not ready: 503).
 - `GET /v2/health/live`: 200 while the supervisor runs (it heals what dies: a restart is no reason to kill it).
 - `GET /metrics` (metrics port): tritonserver's metrics, then `cosmos3_restarts_total{part}` (prefill, denoise,
   vae_decode: one part reloaded; tritonserver: the whole server restarted).
@@ -30,6 +32,7 @@ class Front:
     def __init__(self, address: str, http_port: int, metrics_port: int, backend_http: int, backend_metrics: int):
         self._down: dict[str, str] = {}  # insertion order: the first cause is the one readiness names
         self.restarts: Counter[str] = Counter()
+        self.draining: str | None = None  # set by a signal handler: a plain assignment, no lock
         self._lock = threading.Lock()
         self._servers = [
             _Server((address, http_port), _handler(self, backend_http, metrics=False)),
@@ -46,7 +49,13 @@ class Front:
         with self._lock:
             self._down.pop(key, None)
 
+    def drain(self, text: str) -> None:
+        """From a signal handler (which may interrupt this thread inside `_lock`): from now on not ready, for good."""
+        self.draining = text
+
     def why_down(self) -> str | None:
+        if self.draining is not None:
+            return self.draining
         with self._lock:
             return next(iter(self._down.values()), None)
 
@@ -94,6 +103,8 @@ def _handler(front: Front, backend: int, metrics: bool) -> type[BaseHTTPRequestH
 
         def _ready(self) -> None:
             why = front.why_down()
+            if why is None and self.path.startswith("/v2/health/"):
+                return self._reply(200, b"")
             if why is None:
                 try:
                     status, body = _fetch(backend, self.path, timeout=2)

@@ -52,12 +52,14 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO, TextIO
 
 from ..caches import use_kernel_caches
 from ..parallel.config import NO_MULTICAST
@@ -281,8 +283,8 @@ class ServerConfig:
 
 
 def server_command(cfg: ServerConfig, tritonserver: Path, backend_dir: Path) -> list[str]:
-    """Argument vector for ``tritonserver``. With ``cpu_only`` two harmless E-lines remain ("CudaDriverHelper has
-    not been initialized", "unable to create stream for <ensemble>: CUDA driver version is insufficient")."""
+    """Argument vector for ``tritonserver``. With ``cpu_only`` its GPU build still logs two CUDA probes as errors,
+    which no flag skips (``CUDA_PROBE_ERRORS``; ``launch_server`` drops them from a terminal's log)."""
     # The backend names its regions <prefix><n>; two servers with the same prefix on one host collide.
     shm_region_prefix = f"cosmos3_pb_{os.getpid()}_{cfg.grpc_port}_"
     a, private = cfg.address, cfg.private_address or cfg.address
@@ -393,6 +395,28 @@ def _reaper(pgid: int, shm_prefix: str | None) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
 
 
+# What the tritonserver build we run (a GPU build) logs as errors on a host without a CUDA driver, whatever the
+# deployment's device, and no flag avoids: its CUDA block manager at start (server.cc: "CudaDriverHelper has not been
+# initialized.", the driver's allocation granularity asked for unconditionally) and each ensemble's scheduler
+# (ensemble_scheduler.cc: "unable to create stream for cosmos3: CUDA driver version is insufficient for CUDA runtime
+# version", a cudaStreamCreate in its constructor). Nothing uses either on a CPU deployment.
+CUDA_PROBE_ERRORS = re.compile(
+    r'"CudaDriverHelper has not been initialized\."|"unable to create stream for [^:"]*: '
+    r"(CUDA driver version is insufficient|no CUDA-capable device)"
+)
+
+
+def relay_log(pipe: IO[bytes], out: TextIO, drop: re.Pattern[str]) -> None:
+    """Copy tritonserver's log, line by line, from `pipe` (bytes) to `out` (text) until the pipe closes, less the
+    lines `drop` matches."""
+    with pipe:
+        for raw in iter(pipe.readline, b""):
+            line = raw.decode(errors="replace")
+            if not drop.search(line):
+                out.write(line)
+                out.flush()
+
+
 def launch_server(cfg: ServerConfig, env: Mapping[str, str] | None = None) -> subprocess.Popen:
     """Start ``tritonserver`` in its own process group (so the stubs die with it). Does not wait for readiness:
     call ``wait_until_ready``.
@@ -413,12 +437,13 @@ def launch_server(cfg: ServerConfig, env: Mapping[str, str] | None = None) -> su
     if log_path is not None:
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         stdout = open(log_path, "ab", buffering=0)
+    relay = cfg.cpu_only and stdout is None  # a CPU deployment's log on the terminal: less the CUDA probes
     try:
         proc = subprocess.Popen(
             cmd,
             env=env,
             stdout=stdout,
-            stderr=subprocess.STDOUT if stdout else None,
+            stderr=subprocess.STDOUT if stdout else (subprocess.PIPE if relay else None),  # its log: on stderr
             stdin=subprocess.DEVNULL,
             start_new_session=True,
             preexec_fn=_die_with_parent(),
@@ -426,6 +451,8 @@ def launch_server(cfg: ServerConfig, env: Mapping[str, str] | None = None) -> su
     finally:
         if stdout is not None:
             stdout.close()
+    if relay:
+        threading.Thread(target=relay_log, args=(proc.stderr, sys.stderr, CUDA_PROBE_ERRORS), daemon=True).start()
     proc.command = cmd  # type: ignore[attr-defined]
     proc.log_path = log_path  # type: ignore[attr-defined]
     prefix = next((a.split("shm-region-prefix-name=", 1)[1] for a in cmd if "shm-region-prefix-name=" in a), None)
@@ -561,7 +588,27 @@ def stub_pids(proc: subprocess.Popen) -> dict[int, str]:
     return out
 
 
+def worker_pids(stubs: Iterable[int]) -> dict[int, int]:
+    """The live parallel workers (parallel/group.py) that these stubs started: worker pid → its stub's pid."""
+    parents, out = set(stubs), {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            state, ppid = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+            if (
+                state != "Z"
+                and int(ppid) in parents
+                and b"cosmos3_core.parallel.worker" in (entry / "cmdline").read_bytes()
+            ):
+                out[int(entry.name)] = int(ppid)
+        except (OSError, ValueError):
+            continue
+    return out
+
+
 __all__ = [
+    "worker_pids",
     "stub_pids",
     "pid_alive",
     "load_model",

@@ -48,6 +48,7 @@ from .launcher import (
     stop_server,
     stub_pids,
     wait_until_ready,
+    worker_pids,
 )
 
 REPO_TEMPLATE = Path(__file__).resolve().parents[2] / "model_repository"
@@ -142,11 +143,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"rendered {repo}", file=sys.stderr)
     if args.render_only:
         return 0
-    stopping = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
-    signal.signal(signal.SIGINT, lambda *_: stopping.set())
     private = [free_port(), free_port()]  # tritonserver's HTTP and metrics, on loopback behind the front
     front = Front(args.address, ports[1], ports[2], *private)
+    stopping = threading.Event()
+
+    def stop(*_) -> None:  # readiness answers 503 from this moment (a reload in progress finishes first)
+        front.drain(errors.DRAINING)
+        stopping.set()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
     try:
         return _serve(args, repo, deployment, ports, private, front, stopping)
     finally:
@@ -159,6 +165,12 @@ def _serve(args, repo: Path, deployment: Deployment, ports: list[int], private: 
     marks = CancelMarks(deployment.cancel_dir)
     cpu_only = not deployment.torch_device.startswith("cuda")
     front.set_down("server", errors.STARTING)
+    healed: set[str] = set()
+
+    def heal_parts(parts: list[str]) -> None:
+        healed.update(parts)
+        heal(parts, front, marks, private[0])
+
     while not stopping.is_set():
         cfg = ServerConfig(repo, ports[0], *private, args.address, cpu_only, extra=tuple(args.extra),
                            private_address="127.0.0.1")  # fmt: skip
@@ -174,15 +186,24 @@ def _serve(args, repo: Path, deployment: Deployment, ports: list[int], private: 
             f"ready in {waited:.1f}s: grpc {args.address}:{ports[0]}  http :{ports[1]}  metrics :{ports[2]}",
             file=sys.stderr,
         )
-        reason = supervise(proc, stopping, lambda parts: heal(parts, front, marks, private[0]))
-        if reason is None:  # asked to stop: readiness says so at once, then drain, then stop the server
-            front.set_down("drain", errors.DRAINING)
+        healed.clear()  # parts healed in this tritonserver's life
+        reason = supervise(proc, stopping, heal_parts)
+        if reason is None:  # asked to stop (readiness said so at once): drain, then stop the server
             drain(deployment, private[1], "127.0.0.1")
-            return stop_server(proc)
+            if not healed & {"denoise", "vae_decode"}:
+                return stop_server(proc)
+            # tritonserver still holds the requests of a dead decoupled instance (nothing can end them: see
+            # docs/operations.md) and would wait out its exit timeout for them; the drain is done, so stop it now
+            code = stop_server(proc, timeout_s=5)
+            print(f"stopped tritonserver (exit code {code}): it held requests of a dead instance", file=sys.stderr)
+            return 0
         front.set_down("server", errors.SERVER_RESTARTING)
         front.count_restart("tritonserver")
         print(f"{reason}; restarting tritonserver (its in-flight requests end with errors)", file=sys.stderr)
         stop_server(proc, timeout_s=5)
+        for part in errors.PARTS:  # a part whose reload failed: the new server loads it afresh
+            marks.clear(errors.down_mark(part))
+            front.clear(part)
     return 0
 
 
@@ -227,21 +248,30 @@ def drain(deployment: Deployment, metrics_port: int, host: str) -> None:
 def supervise(proc: subprocess.Popen, stopping: threading.Event, heal: Callable[[list[str]], None]) -> str | None:
     """Wait until asked to stop (→ None) or tritonserver exits or a part cannot be reloaded (→ why). A Python stub
     that dies is not restarted by Triton 2.51 (every later request of its model fails 'Stub process ... is not
-    healthy'): `heal` its part. Polled every 0.1 s, so that readiness turns 503 well within a second."""
+    healthy'), and a parallel worker that dies leaves its stub without its group until the next request: either
+    way `heal` the part. Polled every 0.1 s, so that readiness turns 503 well within a second; new workers (a group
+    that restarted) are looked for every second."""
     stubs = stub_pids(proc)
     expected = set(stubs.values())  # instance names: one that dies while another part reloads is found missing
+    workers = worker_pids(stubs)
+    ticks = 0
     while not stopping.wait(0.1):
         if proc.poll() is not None:
             return f"tritonserver exited with {proc.returncode}"
+        ticks += 1
+        if ticks % 10 == 0:
+            workers = worker_pids(stubs)
         dead = {name for pid, name in stubs.items() if not pid_alive(pid)}
+        dead |= {f"{stubs[stub]} (a parallel worker)" for pid, stub in workers.items() if not pid_alive(pid)}
         while dead:
-            parts = sorted({errors.part_of(name) or name for name in dead})
-            print(f"Python stub(s) died: {', '.join(sorted(dead))}; reloading {', '.join(parts)}", file=sys.stderr)
+            parts = sorted({errors.part_of(name.split()[0]) or name for name in dead})
+            print(f"died: {', '.join(sorted(dead))}; reloading {', '.join(parts)}", file=sys.stderr)
             try:
                 heal(parts)
             except RuntimeError as e:
                 return str(e)
             stubs = stub_pids(proc)
+            workers = worker_pids(stubs)
             dead = expected - set(stubs.values())
     return None
 

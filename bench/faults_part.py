@@ -1,0 +1,214 @@
+"""A dead part, measured: start the supervised server (`python -m cosmos3_core.triton.serve`, the tiny default unless
+--config says otherwise), and for each part send a request, SIGKILL that part's Python stub while the request is
+being denoised, and report
+
+- readiness: how long until the front's `/v2/health/ready` answers 503, and its text;
+- the request in flight: its error text (as the client prints it) and how long after the kill it came, or that it
+  finished (prefill's death: the request is past it);
+- service back: how long after the kill a new request was served (readiness polled, then one small request);
+- `cosmos3_restarts_total{part}` after it.
+
+Then (--drain) one request in flight and SIGINT: how long until readiness answers 503, and how the request ended.
+
+  python -m bench.faults_part --part denoise|vae_decode|prefill|all [--config configs/tiny.yaml] [--drain]
+      [--steps 50] [--json out/faults_part.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from client.stream import ServerError, generate
+from cosmos3_core.errors import model_of
+from cosmos3_core.triton.launcher import free_port
+
+PARTS = ("denoise", "vae_decode", "prefill")
+
+
+class Supervised:
+    """`python -m cosmos3_core.triton.serve` on free loopback ports, in a session of its own (its log in workdir)."""
+
+    def __init__(self, config: str, workdir: Path, env: dict[str, str] | None = None):
+        self.grpc, self.http, self.metrics = (free_port() for _ in range(3))
+        self.url, self.workdir = f"127.0.0.1:{self.grpc}", workdir.absolute()
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.log = open(workdir / "serve.log", "wb")  # noqa: SIM115 - closed by stop()
+        cmd = [sys.executable, "-m", "cosmos3_core.triton.serve", "--config", config, "--workdir", str(self.workdir),
+               "--grpc-port", str(self.grpc), "--http-port", str(self.http), "--metrics-port", str(self.metrics)]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=self.log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+
+    def ready(self) -> tuple[int, str]:
+        """(status of `/v2/health/ready`, its body); 0 when nothing answers."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.http}/v2/health/ready", timeout=2) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+        except OSError:
+            return 0, ""
+
+    def wait_ready(self, timeout_s: float) -> float:
+        t0 = time.monotonic()
+        while self.ready()[0] != 200:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"serve exited with {self.proc.returncode}: see {self.workdir / 'serve.log'}")
+            if time.monotonic() - t0 > timeout_s:
+                raise TimeoutError(f"not ready after {timeout_s:.0f}s: see {self.workdir / 'serve.log'}")
+            time.sleep(0.1)
+        return time.monotonic() - t0
+
+    def stub(self, part: str) -> int:
+        pattern = f"triton_python_backend_stub {self.workdir}/model_repository/{model_of(part)}/"
+        pids = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
+        if len(pids) != 1:
+            raise RuntimeError(f"expected one {model_of(part)} stub, found {pids}")
+        return int(pids[0])
+
+    def restarts(self) -> dict[str, float]:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics}/metrics", timeout=5).read().decode()
+        return {m[0]: float(m[1]) for m in re.findall(r'^cosmos3_restarts_total\{part="(\w+)"\} (\S+)$', text, re.M)}
+
+    def stop(self, timeout_s: float = 120) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self.log.close()
+        return self.proc.returncode
+
+
+class InFlight:
+    """One request in a thread: `started` is set at its first progress event; then `result` or `error` and `t_end`."""
+
+    def __init__(self, url: str, params: dict, seed: int):
+        self.started = threading.Event()
+        self.result = self.error = None
+        self.t_end: float | None = None
+        self.thread = threading.Thread(target=self._run, args=(url, params, seed), daemon=True)
+        self.thread.start()
+
+    def _run(self, url: str, params: dict, seed: int) -> None:
+        try:
+            self.result = generate(url, f"a red fox, take {seed}", {**params, "seed": seed},
+                                   on_event=lambda e, f: self.started.set(), timeout_s=300)  # fmt: skip
+        except ServerError as e:
+            self.error = str(e)
+        self.t_end = time.monotonic()
+        self.started.set()
+
+
+def kill_part(server: Supervised, part: str, steps: int, seed: int, back_timeout_s: float) -> dict:
+    """SIGKILL `part`'s stub while a request is being denoised; what the operator and the client saw."""
+    before = server.restarts().get(part, 0.0)
+    req = InFlight(server.url, {"steps": steps}, seed)
+    if not req.started.wait(120) or req.t_end is not None:
+        raise RuntimeError(f"the request did not start denoising: {req.error}")
+    pid = server.stub(part)
+    t_kill = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    status, body = server.ready()
+    while status == 200 and time.monotonic() - t_kill < 30:
+        time.sleep(0.02)
+        status, body = server.ready()
+    t_unready = time.monotonic() - t_kill
+    req.thread.join(300)
+    out = {
+        "part": part,
+        "readiness_false_s": round(t_unready, 2),
+        "readiness": f"{status} {json.loads(body).get('error', '') if body.startswith('{') else body}".strip(),
+        "in_flight": f"error: {req.error}" if req.error is not None else "finished",
+        "in_flight_end_s": round(req.t_end - t_kill, 2) if req.t_end is not None else None,
+    }
+    while True:  # service back: readiness, then one small request served
+        elapsed = time.monotonic() - t_kill
+        if elapsed > back_timeout_s:
+            out["served_again_s"] = None
+            break
+        if server.ready()[0] == 200:
+            try:
+                generate(server.url, "after the fault", {"steps": 2, "seed": seed + 1}, timeout_s=120)
+                out["served_again_s"] = round(time.monotonic() - t_kill, 2)
+                break
+            except ServerError as e:
+                out.setdefault("refused_meanwhile", str(e))
+        time.sleep(0.1)
+    out["restarts_total"] = server.restarts().get(part, 0.0) - before
+    return out
+
+
+def drain(server: Supervised, steps: int, seed: int) -> dict:
+    """SIGINT with a request in flight: readiness from the first moment, and the request's end."""
+    req = InFlight(server.url, {"steps": steps}, seed)
+    req.started.wait(120)
+    t_sig = time.monotonic()
+    server.proc.send_signal(signal.SIGINT)
+    status, _ = server.ready()
+    while status == 200 and time.monotonic() - t_sig < 30:
+        time.sleep(0.02)
+        status, _ = server.ready()
+    t_unready = time.monotonic() - t_sig
+    req.thread.join(300)
+    ok = req.result is not None and req.result.events[-1]["type"] == "done"
+    return {"part": "drain (SIGINT)", "readiness_false_s": round(t_unready, 2), "readiness": str(status),
+            "in_flight": "finished" if ok else f"error: {req.error}",
+            "in_flight_end_s": round(req.t_end - t_sig, 2) if req.t_end else None,
+            "exit_code": server.proc.wait(180)}  # fmt: skip
+
+
+def markdown(rows: list[dict]) -> str:
+    head = "| killed | readiness 503 after | readiness says | request in flight | its end after kill | served again after | restarts_total |"
+    lines = [head, "|" + "---|" * 7]
+    for r in rows:
+        cells = [r["part"], f"{r['readiness_false_s']} s", r["readiness"], r["in_flight"],
+                 f"{r['in_flight_end_s']} s", f"{r.get('served_again_s')} s", r.get("restarts_total", "")]  # fmt: skip
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.faults_part", description=__doc__.split("\n")[0])
+    ap.add_argument("--part", default="all", choices=(*PARTS, "all"))
+    ap.add_argument("--config", default="configs/tiny.yaml")
+    ap.add_argument("--steps", type=int, default=50, help="of the request in flight (long enough to kill mid-way)")
+    ap.add_argument("--drain", action="store_true", help="end with a drain (SIGINT) with a request in flight")
+    ap.add_argument("--back-timeout", type=float, default=300.0, help="give up waiting for service after this")
+    ap.add_argument("--workdir", default="build/faults_part")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+
+    server = Supervised(args.config, Path(args.workdir))
+    rows: list[dict] = []
+    try:
+        print(f"server ready in {server.wait_ready(900):.1f}s", file=sys.stderr)
+        for i, part in enumerate(PARTS if args.part == "all" else (args.part,)):
+            rows.append(kill_part(server, part, args.steps, 100 + 10 * i, args.back_timeout))
+            print(json.dumps(rows[-1]), file=sys.stderr)
+        if args.drain:
+            rows.append(drain(server, args.steps, 200))
+            print(json.dumps(rows[-1]), file=sys.stderr)
+    finally:
+        server.stop()
+    print(markdown(rows))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""A dead part heals alone (docs/operations.md), through the supervised server (`python -m cosmos3_core.triton.serve`:
+its front, a real tritonserver, real stubs). One server: each part's stub is SIGKILLed in turn while a request is
+being denoised, then the server drains.
+
+- readiness (the front's `/v2/health/ready`) answers 503 within 2 s of the kill, naming the part;
+- the request in flight gets the one text of that cause (errors.part_died) within 5 s when it needs the dead part
+  (denoise, vae_decode) and finishes when it does not (prefill: it is past it);
+- a new request is served within 90 s (the goal is 10 s on an idle machine: docs/operations.md), only the dead part
+  was reloaded (tritonserver kept its pid), and `cosmos3_restarts_total{part}` counted it;
+- a drain answers 503 from its first moment while the request in flight finishes.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.faults_part import Supervised, drain, kill_part
+from cosmos3_core import errors
+
+pytestmark = pytest.mark.served
+
+STEPS = 40  # x step_delay_s 0.05: ~2 s of denoising, enough to kill it mid-way
+
+
+@pytest.fixture(scope="module")
+def healing(served_deployment, tmp_path_factory):
+    server = Supervised(
+        str(served_deployment[0]), tmp_path_factory.mktemp("heal"), {"COSMOS3_FAULTS": "step_delay_s=0.05"}
+    )
+    try:
+        server.wait_ready(600)
+        yield server
+    finally:
+        server.stop()
+
+
+def tritonserver_pid(server: Supervised) -> int:
+    import subprocess
+
+    out = subprocess.run(["pgrep", "-P", str(server.proc.pid), "-x", "tritonserver"], capture_output=True, text=True)
+    return int(out.stdout.split()[0])
+
+
+@pytest.mark.parametrize("part", ["denoise", "vae_decode", "prefill"])
+def test_dead_part_is_seen_answered_and_reloaded(healing, part):
+    pid = tritonserver_pid(healing)
+    r = kill_part(healing, part, STEPS, seed=7, back_timeout_s=90)
+    print(r)
+    assert r["readiness_false_s"] < 2.0 and r["readiness"] == f"503 {errors.part_restarting(part)}", r
+    if part == "prefill":  # the request was past prefill: its remaining steps are alive
+        assert r["in_flight"] == "finished", r
+    else:
+        assert r["in_flight"] == f"error: {errors.part_died(part)}" and r["in_flight_end_s"] < 5.0, r
+    assert r["served_again_s"] is not None, r
+    assert r["restarts_total"] == 1 and tritonserver_pid(healing) == pid, r  # the part alone, not the server
+
+
+def test_drain_answers_503_at_once_and_finishes_in_flight(healing):
+    r = drain(healing, STEPS, seed=9)
+    print(r)
+    assert r["readiness_false_s"] < 0.5 and r["readiness"] == "503", r
+    assert r["in_flight"] == "finished" and r["exit_code"] == 0, r
