@@ -41,6 +41,7 @@ from .model.checkpoint import Checkpoint
 from .model.config import CheckpointError
 from .parallel.group import Group
 from .requests import RequestError, add_request_arguments, params_from_arguments, warmup_inputs
+from .safety import Refused
 from .stages import DecodeStage, PrefillStage
 from .wire import ChunkInfo, PrefillResult
 
@@ -64,8 +65,8 @@ class Generator:
     def __init__(self, deployment: Deployment, checkpoint: Checkpoint | None = None):
         self.deployment = d = deployment
         self.ckpt = checkpoint or d.open_checkpoint()
-        device, dtype = d.torch_device, d.torch_dtype
-        self.prefill = PrefillStage(self.ckpt, device, dtype, d.defaults, d.limits, d.lora)
+        device = d.torch_device
+        self.prefill = PrefillStage.from_deployment(self.ckpt, d, device)  # the deployment's guardrail, as served
         # one group for the denoise and the decode ranks (parallel/group.py), when the deployment splits either
         self.group = Group(d.worker_spec(self.ckpt.root, ("denoise", "decode"))) if d.parallel.ranks > 1 else None
         self.engine = DenoiseEngine.from_deployment(self.ckpt, d, group=self.group)
@@ -119,7 +120,7 @@ class Generator:
     ) -> tuple[np.ndarray, np.ndarray]:
         """uint8 frames and the waveform float32 [2, S] ([0, 0] without sound), as the server returns them."""
         out = self.generate(prompt, params, image, video=video)
-        return self.decode.run(out.latents), self.decode.audio(out.sound)
+        return self.decode.run(out.latents, params.get("enable_safety_check", True)), self.decode.audio(out.sound)
 
     def frames(self, prompt: str, params: dict, image: np.ndarray | None = None, **kw: Any) -> np.ndarray:
         """The uint8 frames of `frames_and_audio` (same arguments)."""
@@ -217,7 +218,12 @@ def main(argv: list[str] | None = None) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         torch.save(result.latents.cpu(), out)
     else:
-        write_frames(out, gen.decode.run(result.latents), p.fps, audio)  # .mp4 carries the audio track
+        try:  # the video guardrail, as the server runs it (the latents of a .pt are not checked, as the pipeline's)
+            frames = gen.decode.run(result.latents, p.enable_safety_check)
+        except Refused as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        write_frames(out, frames, p.fps, audio)  # .mp4 carries the audio track
     print(f"wrote {out}", file=sys.stderr)
     if args.audio_out and audio is not None:
         write_audio(args.audio_out, audio)

@@ -32,6 +32,7 @@ from .model.video_input import encode_video_condition
 from .parallel.group import Group
 from .parallel.vae import PatchDecoder
 from .requests import Defaults, GenerationParams, Limits, RequestError, validate
+from .safety import TEXT, VIDEO, Guardrail, Refused
 from .sampling import checkpoint_shift
 from .windows import pixel_frames_of_chunk
 from .wire import ChunkEvent, PrefillResult
@@ -46,8 +47,14 @@ class PrefillStage:
         defaults: Defaults,
         limits: Limits,
         lora: LoraSettings | None = None,
+        *,
+        safety: Guardrail | None = None,
+        safety_optional: bool = False,
     ):
-        """`lora`: the deployment's adapters; one on the UND tower changes the text K/V, so prefill applies it."""
+        """`lora`: the deployment's adapters; one on the UND tower changes the text K/V, so prefill applies it.
+        `safety`: the text guardrail every prompt passes before any work (None: no checks); `safety_optional`: a
+        request may opt out (`enable_safety_check` false)."""
+        self.safety, self.safety_optional = safety, safety_optional
         self.cfg = ckpt.config
         self.device, self.dtype = device, dtype
         self.defaults, self.limits = defaults, limits
@@ -64,6 +71,13 @@ class PrefillStage:
         except (ValueError, OSError) as e:  # a checkpoint without sound still serves everything else
             self.no_sound = str(e)
 
+    @classmethod
+    def from_deployment(cls, ckpt: Checkpoint, d: Deployment, device: str) -> PrefillStage:
+        """With the deployment's text guardrail (`safety.Unavailable` when it cannot be built here)."""
+        safety = Guardrail.load(d.safety_checker, device, TEXT)
+        return cls(ckpt, device, d.torch_dtype, d.defaults, d.limits, d.lora, safety=safety,
+                   safety_optional=d.safety_checker_optional)  # fmt: skip
+
     def validate(
         self,
         prompt: bytes | str,
@@ -76,6 +90,9 @@ class PrefillStage:
             prompt, params, image, self.defaults, self.limits, self.cfg.pixel_alignment, self.cfg.vae_scale_temporal,
             self.shift, video, raw_actions,
         )  # fmt: skip
+        if not p.enable_safety_check and self.safety is not None and not self.safety_optional:
+            raise RequestError("enable_safety_check", f"this deployment always runs the {self.safety.name} "
+                               "(its safety_checker_optional is false)")  # fmt: skip
         if p.enable_sound and self.no_sound is not None:
             raise RequestError("enable_sound", f"this checkpoint cannot make sound ({self.no_sound})")
         if p.action_mode:
@@ -110,6 +127,8 @@ class PrefillStage:
         video: np.ndarray | None = None,
         raw_actions: np.ndarray | None = None,
     ) -> PrefillResult:
+        if self.safety is not None and p.enable_safety_check:  # the prompt as given, before any work (the pipeline's)
+            self.safety.check_prompt(p.prompt)
         # an AR window is generated as a clip of window_frames: its templates describe that clip
         frames = p.num_frames if p.window_mode == "none" else p.window_frames
         if p.action_mode:  # the canvas's size and chunk + 1 frames, in the JSON caption
@@ -184,10 +203,21 @@ class DecodeStage:
     STREAM_IDLE_S = 900.0  # a stream whose chunks stopped (its request failed upstream) is dropped after this
 
     def __init__(
-        self, ckpt: Checkpoint, device: str, dtype: torch.dtype, compile: bool = False, group: Group | None = None
+        self,
+        ckpt: Checkpoint,
+        device: str,
+        dtype: torch.dtype,
+        compile: bool = False,
+        group: Group | None = None,
+        safety: Guardrail | None = None,
     ):
         """`group`: decode each chunk split by rows over its decode ranks (parallel/vae.py). `startup`: seconds
-        per part of this load (the server logs them)."""
+        per part of this load (the server logs them). `safety`: the video guardrail every piece of frames passes
+        before it is returned (None: no checks)."""
+        self.safety = safety
+        # stream id → (why the guardrail blocked one of its pieces, when): its later pieces are refused too, never
+        # sent. Kept past `drop` (pieces launched before the request's end may still be finishing), until idle
+        self.blocked: dict[str, tuple[str, float]] = {}
         t = time.perf_counter()
         self.startup: dict[str, float] = {}
 
@@ -225,13 +255,30 @@ class DecodeStage:
     def from_deployment(cls, ckpt: Checkpoint, d: Deployment, device: str, group: Group | None = None) -> DecodeStage:
         """`group`: a running group to decode over (the CLI's, shared with its engine); else one of the
         deployment's `parallel.vae` ranks is started when that is above 1."""
+        safety = Guardrail.load(d.safety_checker, device, VIDEO)  # first: a missing guardrail fails before the VAE
         if group is None and d.parallel.vae > 1:
             group = Group(d.worker_spec(ckpt.root, ("decode",)))
-        return cls(ckpt, device, d.torch_dtype, d.compile, group if d.parallel.vae > 1 else None)
+        return cls(ckpt, device, d.torch_dtype, d.compile, group if d.parallel.vae > 1 else None, safety)
 
-    def run(self, latents: torch.Tensor) -> np.ndarray:
-        """normalised latents [1, C, T, h, w] → uint8 [T', H, W, 3]."""
-        return self.codec.decode(latents).numpy()
+    def run(self, latents: torch.Tensor, safety_check: bool = True) -> np.ndarray:
+        """normalised latents [1, C, T, h, w] → uint8 [T', H, W, 3], through the video guardrail unless the
+        request opted out (`safety_check` False). Raises `safety.Refused` when the guardrail blocks them."""
+        return self.checked(self.codec.decode(latents).numpy(), safety_check)
+
+    def checked(self, frames: np.ndarray, safety_check: bool = True, stream_id: str = "", first_frame: int = 0,
+                last: bool = True) -> np.ndarray:  # fmt: skip
+        """uint8 frames [T, H, W, 3] (`first_frame`.. of stream `stream_id`'s video) → as the guardrail returns
+        them. A blocked piece raises `Refused`, and so does every later piece of its stream."""
+        if stream_id in self.blocked:
+            raise Refused("video", (self.blocked.pop(stream_id) if last else self.blocked[stream_id])[0])
+        if self.safety is None or not safety_check:
+            return frames
+        try:
+            return self.safety.check_frames(frames, first_frame)
+        except Refused as e:
+            if stream_id and not last:
+                self.blocked[stream_id] = (str(e).removeprefix("video: "), time.monotonic())
+            raise
 
     def start_chunk(self, stream_id: str, latents: torch.Tensor, last: bool) -> HostFrames:
         """Launch one chunk of a stream; the result waits for its frames on the host. Chunks of one stream must
@@ -239,6 +286,8 @@ class DecodeStage:
         now = time.monotonic()
         for sid in [s for s, (_, t) in self.streams.items() if now - t > self.STREAM_IDLE_S]:
             del self.streams[sid]
+        for sid in [s for s, (_, t) in self.blocked.items() if now - t > self.STREAM_IDLE_S]:
+            del self.blocked[sid]
         if stream_id not in self.streams:
             decoder = StreamDecoder(self.codec)
         elif (decoder := self.streams.pop(stream_id)[0]) is None:
@@ -270,17 +319,20 @@ class DecodeStage:
         [T, H, W, 3]) and returns them with the event completed (`frames`, `frame_offset`, `timings.decode_s`)
         and the waveform of `sound` (the done event's sound latents; [0, 0] without)."""
         t = time.time()
-        frames = self.start_chunk(event["id"], latents, last=event["type"] == "done")
+        last = event["type"] == "done"
+        frames = self.start_chunk(event["id"], latents, last)
 
         def finish() -> tuple[np.ndarray, ChunkEvent, np.ndarray]:
             audio = self.audio(sound)
             video = frames().numpy()
             if faults.FAIL_DECODE_SEED is not None and event.get("seed") == faults.FAIL_DECODE_SEED:
                 raise faults.InjectedFault(f"injected fault in the decode (seed {event['seed']})")
-            event["frames"] = int(video.shape[0])
             event["frame_offset"] = pixel_frames_of_chunk(
                 event["latent_offset"], event["latent_frames"], self.temporal
             )[0]
+            # every piece passes the guardrail before it leaves: the frames as it returns them, or `Refused`
+            video = self.checked(video, not event.pop("unchecked", False), event["id"], event["frame_offset"], last)
+            event["frames"] = int(video.shape[0])
             event["timings"]["decode_s"] = time.time() - t
             return video, event, audio
 

