@@ -59,7 +59,9 @@ def test_frames_come_back_as_the_checker_returns_them(offline):
 def test_opting_out_needs_the_deployment_to_allow_it(nano_ckpt):
     guard = Guardrail(StandIn(), "stand-in")
     ckpt = Checkpoint.open(nano_ckpt)
-    strict = PrefillStage(ckpt, "cpu", torch.float32, Defaults(32, 48, 9), Limits(), safety=guard, safety_optional=False)
+    strict = PrefillStage(
+        ckpt, "cpu", torch.float32, Defaults(32, 48, 9), Limits(), safety=guard, safety_optional=False
+    )
     with pytest.raises(RequestError, match=r"^enable_safety_check: this deployment always runs the stand-in") as e:
         strict.validate("a dock", {"enable_safety_check": False}, None)
     assert e.value.field == "enable_safety_check"
