@@ -1,7 +1,7 @@
 """The README's commands stay true, and no docs command rots unseen.
 
 - Every line of the README's "Try every mode" block runs as written (the only change: `--url` of this test's server
-  appended to a client call), in order, in a scratch directory whose `.venv/bin/python` is this interpreter, against
+  appended to a client call), in order, in a scratch directory whose `.venv` is this interpreter's, against
   one server rendered from `configs/tiny.yaml` with the default tiny checkpoint — what `make serve` starts. Each
   must exit 0 and write every file it names (`--out`, `--audio-out`, `--actions-out`).
 - Every fenced shell command in README.md and docs/*.md is one of those lines or carries a marker comment, on its own
@@ -143,8 +143,7 @@ def tiny_server(tmp_path_factory):
 
 @pytest.mark.served
 def test_try_every_mode_runs_as_written(tiny_server, tmp_path):
-    (tmp_path / ".venv" / "bin").mkdir(parents=True)
-    (tmp_path / ".venv" / "bin" / "python").symlink_to(sys.executable)
+    (tmp_path / ".venv").symlink_to(sys.prefix)  # this interpreter's venv: its python finds its packages
     for line in readme_try_block():
         command = split_comment(line)[0]
         run = f"{command} --url {tiny_server}" if " -m client " in command else line
