@@ -26,6 +26,7 @@ import triton_python_backend_utils as pb_utils
 from ..engine import DenoiseEngine, QueueFull
 from ..model.checkpoint import Checkpoint
 from ..requests import RequestError, parse_parameters_json, validate, warmup_inputs
+from ..safety import Refused
 from ..sampling import checkpoint_shift
 from ..stages import DecodeStage, PrefillStage
 from ..wire import PrefillResult, RequestMeta
@@ -36,6 +37,7 @@ from .glue import (
     DecodeMetrics,
     EngineMetrics,
     EngineThread,
+    RefusalMetric,
     Responder,
     TritonSink,
     deployment_from_args,
@@ -56,7 +58,8 @@ class PrefillModel:
     def __init__(self, args):
         t0 = time.perf_counter()
         d, device = deployment_from_args(args)
-        self.stage = PrefillStage(d.open_checkpoint(), device, d.torch_dtype, d.defaults, d.limits)
+        self.stage = PrefillStage.from_deployment(d.open_checkpoint(), d, device)  # with its text guardrail
+        self.refusals = RefusalMetric({"model": args["model_name"], "instance": args["model_instance_name"]})
         self.tickets = Tickets(tickets_dir(d.cancel_dir))
         self.marks = CancelMarks(d.cancel_dir)  # a later part marked down by the supervisor (glue.down_refusal)
         # how requests ended here: one count each, the only one (outcomes.py)
@@ -95,6 +98,9 @@ class PrefillModel:
             raw_actions = input_array(request, "raw_actions")
             p = self.stage.validate(prompt.reshape(-1)[0], params, image, video, raw_actions)
             wire = self.stage.run(p, image, video, raw_actions).to_wire()
+        except Refused as e:  # the guardrail's: counted, and its text names the guardrail, not the prompt
+            self.refusals.refused()
+            return error_response(str(e))
         except RequestError as e:
             self.outcomes.count_now("bad_input")
             return error_response(str(e))
