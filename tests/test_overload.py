@@ -37,8 +37,12 @@ def test_tickets_count_claim_release_expire(tmp_path):
     assert tickets.held() == 1
     tickets.claim(c.id)  # an expired one that reaches the engine after all is counted again
     assert tickets.held() == 2
-    tickets.release(a.id), tickets.release(c.id)
+    d = tickets.take(3)
+    tickets.clear("engine")  # the denoise model starting: a dead incarnation's waiting requests never end
+    assert tickets.held() == 1
+    tickets.clear("door")
     assert tickets.held() == 0
+    tickets.release(d.id)  # a late release of a dropped ticket is harmless
     with pytest.raises(ValueError):
         Ticket.decode("../x 1.0")
 

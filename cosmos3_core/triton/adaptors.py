@@ -135,6 +135,7 @@ class DenoiseModel:
         )
         self.marks = CancelMarks(d.cancel_dir)
         self.tickets = Tickets(tickets_dir(d.cancel_dir))
+        self.tickets.clear("engine")  # a previous incarnation's waiting requests are never answered (admission.py)
         self.responder = Responder(device)
         self.engine_thread = EngineThread(self.engine, self.marks, d.drain_timeout_s)
 

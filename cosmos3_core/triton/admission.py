@@ -13,8 +13,9 @@ own cancel dir), because the door, prefill and denoise run in different stub pro
   <id>.engine  claimed by the denoise model when the request reaches it; released by its first event.
 A `.door` ticket whose request never reaches the denoise model (the client cancelled it between the steps, the
 ensemble stopped it) would be held forever: one older than `DOOR_TTL_S` is dropped when the door counts. An
-`.engine` ticket always ends (every engine request ends with an event; a dead stub restarts the whole server, whose
-door starts with no tickets).
+`.engine` ticket always ends (every engine request ends with an event), except in a denoise stub that died: the denoise
+model drops every `.engine` ticket when it starts (a reload of the part, or of the whole server), the door every
+`.door` one.
 
 Stdlib only: the door's stub imports nothing heavy.
 """
@@ -107,8 +108,9 @@ class Tickets:
         for state in ("door", "engine"):
             self._path(ident, state).unlink(missing_ok=True)
 
-    def clear(self) -> None:
-        """A server starting: no request is in it."""
+    def clear(self, state: str) -> None:
+        """Drop every ticket in `state` ("door" or "engine"): the model that holds such requests is starting, so those
+        of a dead incarnation never end (Triton answers nothing for a dead decoupled stub's requests)."""
         for entry in os.scandir(self.dir):
-            if entry.name.endswith((".door", ".engine")):
+            if entry.name.endswith(f".{state}"):
                 Path(entry.path).unlink(missing_ok=True)

@@ -35,7 +35,7 @@ class AdmitModel:
         self.max_queue = int(deployment["max_queue"])
         self.marks = CancelMarks(deployment["cancel_dir"])
         self.tickets = Tickets(tickets_dir(deployment["cancel_dir"]))
-        self.tickets.clear()  # a (re)started server holds no request
+        self.tickets.clear("door")  # those of a dead incarnation; a live request is counted again by the engine
         self._family = pb_utils.MetricFamily(
             name="cosmos3_requests_total", description="Requests ended, by outcome", kind=pb_utils.MetricFamily.COUNTER
         )
