@@ -23,6 +23,10 @@ Events go to the request's `Sink`: `progress` after each step, `chunk` per finis
 then exactly one of `done` (the last frames; with them the sound latents and the generated actions, when the request
 has them) or `error`.
 
+LoRA (lora_store.py, docs/lora.md): `submit` checks a request's adapter (an error names `lora` / `lora.name`);
+admission pins it in a slot of the engine's adapter pool, loading it first if needed, and `_finish` unpins it. When
+every slot is pinned by other adapters the head waits (FIFO), so no adapter is evicted under a live request.
+
 Robot actions: a request's action band [chunk, action_dim] starts as noise drawn after the vision (and sound) noise
 (policy, inverse dynamics) or as the given actions (forward dynamics: clean, never stepped); its own UniPC twin steps
 it with the guided action velocity; channels at or above the domain's raw width are zeroed after every step.

@@ -13,11 +13,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from cosmos3_core.attention import SdpaAttention
 from cosmos3_core.deployment import Deployment
 from cosmos3_core.generate import Generator, main
 from cosmos3_core.lora_store import METADATA_KEY, WEIGHTS
 from cosmos3_core.model.lora import AdapterRows, delta
 from cosmos3_core.requests import RequestError
+from cosmos3_core.step import DenoiseStep
 from cosmos3_core.tools.make_lora import make_lora
 from tests.conftest import reference_pipeline, rel_l2, run_reference
 
@@ -247,3 +249,34 @@ def test_grouped_delta_equals_each_group_alone():
         want = (x[start:end] @ (lin.lora_A[slot] * scale).t()) @ lin.lora_B[slot].t()
         assert torch.equal(out[start:end], want)
     assert rows.scale[1] == 0
+
+
+class _BucketedSdpa(SdpaAttention):
+    """SDPA whose packs may run in bucketed layouts: on the CPU (nothing captured) a bucket's padding rows and spare
+    segment slots run eagerly — the geometry a FlashInfer bucket's capture replays on the GPU."""
+
+    bucketable = True
+
+
+def test_bucketed_layout_with_adapters_equals_exact(gen):
+    """Two mixes in one bucket (its adapter groups' ends rewritten with the geometry, spare slots empty): each
+    request as in an exact layout."""
+    engine = gen.engine
+    exact = engine.step
+    engine.step = DenoiseStep(engine.model, engine.pool, attention=_BucketedSdpa(engine.pool), cuda_graphs=False,
+                              graph_buckets=(1024,))  # fmt: skip
+    try:
+        mixes = [
+            [{**T2V, "seed": 4, "lora": {"name": "gen"}}, {**T2V, "seed": 8}],
+            [{**T2V, "seed": 6, "height": 64, "lora": {"name": "mlp", "scale": 0.5}}, {**T2V, "seed": 4}],
+        ]
+        for mix in mixes:
+            packed = gen.run_together([gen.prefill.run(gen.prefill.validate(PROMPT, p, None), None) for p in mix])
+            assert next(reversed(engine.step.layouts))[0][0] == "bucket"
+            engine.step, bucketed = exact, engine.step
+            for p, r in zip(mix, packed):
+                assert rel_l2(r.latents, gen.latents(PROMPT, p)) <= 1e-6
+            engine.step = bucketed
+        assert len(engine.step.layouts) == 1  # one bucket served both mixes (SDPA's key: the same prefixes)
+    finally:
+        engine.step = exact
