@@ -12,7 +12,7 @@ adapter that cannot serve this checkpoint (keys, shapes, rank over `max_lora_ran
 weights) — that request fails, and nothing of the adapter is kept. A subfolder added while serving is found on its
 first use; a changed weights file (mtime, size) is read again once no live request holds the old one.
 
-Threads: `check` runs on a request thread (it reads and checks the file, or finds the adapter resident); `acquire`
+Threads: `check` runs on a request thread (it reads and checks the file once per version of it); `acquire`
 and `release` on the thread that runs the model (the engine's, prefill's), which alone writes the pool.
 """
 
@@ -171,7 +171,8 @@ class LoraStore:
         self.shapes = adaptable_shapes(cfg)
         self._lock = threading.Lock()
         self.resident: OrderedDict[int, tuple[str, tuple]] = OrderedDict()  # slot → (name, key); LRU first
-        self.towers: dict[tuple[str, tuple], frozenset[str]] = {}  # (name, key) → its towers, while resident
+        # (name, key) → its towers, for every adapter version checked good: a later check reads nothing
+        self.known: dict[tuple[str, tuple], frozenset[str]] = {}
         self.pins = [0] * pool.slots  # live holders per slot
         self.loads = 0  # adapters written into a slot (first uses and reloads after an eviction)
 
@@ -181,13 +182,18 @@ class LoraStore:
         return (str(path), st.st_mtime_ns, st.st_size)
 
     def check(self, name: object) -> LoraRef:
-        """The adapter `name`, checked: resident (no read), or read from its folder now. RequestError otherwise."""
+        """The adapter `name`, checked: known good (no read; `acquire` reads it again if it is not resident), or read
+        from its folder now. RequestError otherwise."""
         key = self._key(name)  # type: ignore[arg-type]  # checks the name first
         with self._lock:
-            if (name, key) in self.resident.values():
-                return LoraRef(name, key, self.towers[(name, key)], None)  # type: ignore[arg-type,index]
+            towers = self.known.get((name, key))  # type: ignore[arg-type]
+        if towers is not None:
+            return LoraRef(name, key, towers, None)  # type: ignore[arg-type]
         adapter = read_adapter(name, Path(key[0]), self.shapes, self.settings.max_lora_rank)  # type: ignore[arg-type]
-        return LoraRef(name, key, frozenset(adapter.towers(self.shapes)), adapter)  # type: ignore[arg-type]
+        towers = frozenset(adapter.towers(self.shapes))
+        with self._lock:
+            self.known[(name, key)] = towers  # type: ignore[index]
+        return LoraRef(name, key, towers, adapter)  # type: ignore[arg-type]
 
     def acquire(self, ref: LoraRef) -> int | None:
         """A slot holding `ref`'s adapter, pinned for the caller until `release`; None while every slot is pinned
@@ -200,12 +206,11 @@ class LoraStore:
                 if not free and not idle:
                     return None
                 slot = free[0] if free else idle[0]
-                self.towers.pop(self.resident.pop(slot, None), None)  # type: ignore[arg-type]
+                self.resident.pop(slot, None)
                 adapter = ref.adapter
-                if adapter is None:  # it was resident when checked, and evicted since: read it again
+                if adapter is None:  # known good but not resident (evicted since, or never loaded here): read it
                     adapter = read_adapter(ref.name, Path(ref.key[0]), self.shapes, self.settings.max_lora_rank)
                 self.pool.write(slot, adapter)
-                self.towers[(ref.name, ref.key)] = ref.towers
                 self.loads += 1
             self.resident[slot] = (ref.name, ref.key)
             self.resident.move_to_end(slot)
