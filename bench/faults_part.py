@@ -174,8 +174,9 @@ def markdown(rows: list[dict]) -> str:
     head = "| killed | readiness 503 after | readiness says | request in flight | its end after kill | served again after | restarts_total |"
     lines = [head, "|" + "---|" * 7]
     for r in rows:
+        back = f"{r['served_again_s']} s" if r.get("served_again_s") else f"exit code {r.get('exit_code', '-')}"
         cells = [r["part"], f"{r['readiness_false_s']} s", r["readiness"], r["in_flight"],
-                 f"{r['in_flight_end_s']} s", f"{r.get('served_again_s')} s", r.get("restarts_total", "")]  # fmt: skip
+                 f"{r['in_flight_end_s']} s", back, r.get("restarts_total", "-")]  # fmt: skip
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 
