@@ -60,3 +60,17 @@ def test_drain_answers_503_at_once_and_finishes_in_flight(healing):
     print(r)
     assert r["readiness_false_s"] < 0.5 and r["readiness"] == "503", r
     assert r["in_flight"] == "finished" and r["exit_code"] == 0, r
+
+
+def test_client_prints_the_table_text_for_tritons_and_grpcs_own_words():
+    """What Triton says itself of a dead stub, and gRPC of a server gone, become the texts of those causes."""
+    triton = (
+        "in ensemble 'cosmos3', Failed to process the request(s) for model instance 'cosmos3_vae_decode_0_0', "
+        "message: Stub process 'cosmos3_vae_decode_0_0' is not healthy."
+    )
+    assert errors.client_text(triton, "h:1") == errors.part_died("vae_decode")
+    for gone in ("[StatusCode.UNAVAILABLE] Socket closed", "The stream is no longer in valid state",
+                 "[StatusCode.UNAVAILABLE] failed to connect to all addresses"):  # fmt: skip
+        assert errors.client_text(gone, "h:1") == errors.unreachable("h:1")
+    ours = errors.part_died("denoise")
+    assert errors.client_text(f"in ensemble 'cosmos3', {ours}", "h:1") == ours
