@@ -36,7 +36,6 @@ import yaml
 from .. import errors
 from ..deployment import DEFAULT_CONFIG, Deployment
 from ..model.provision import resolve_checkpoint
-from .admission import Tickets, tickets_dir
 from .cancel import CancelMarks
 from .front import Front
 from .launcher import (
@@ -286,8 +285,6 @@ def heal(parts: list[str], front: Front, marks: CancelMarks, http_port: int) -> 
     for part in parts:
         took = load_model(http_port, errors.model_of(part))
         print(f"{errors.model_of(part)} reloaded in {took:.1f}s", file=sys.stderr)
-        if part == "denoise":  # the dead engine's waiting requests never release their tickets (admission.py);
-            Tickets(tickets_dir(marks.dir)).clear()  # none is new: prefill refused every request meanwhile
         marks.clear(errors.down_mark(part))
         front.clear(part)
 
