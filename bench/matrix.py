@@ -6,7 +6,7 @@ One server per (model, precision), on the shipped config (`MODELS`; Nano's modes
 action heads, warmed with every Nano config's `warmup_requests`, so its buckets are derived from all of them;
 compile off: the matrix checks paths, `bench.served` times them). For each cache setting and each row kind
 (`ROWS`: t2v + i2v, AR chained, AR kv, sound, action) a cell:
-- runs each request of the row alone (`STEPS` steps; SeaCache `SEA_STEPS`, so that steps are skipped);
+- runs each request of the row alone (`STEPS` steps; SeaCache `SEA_STEPS`; `FRAMES` frames but AR and action);
 - runs a mixed pack of 3 concurrent requests: the row's kind beside a t2v and an i2v (t2v + i2v + t2v for the
   t2v/i2v row) and checks each against its solo run (frames within bf16 tolerance, `PACK_TOL`; actions and audio
   present where the request asks for them);
@@ -55,7 +55,8 @@ ROWS = {  # row → (request kind for bench.served.variant_request, extra parame
     "sound": ("t2v+sound", {}),
     "action": ("policy", {}),
 }
-STEPS, SEA_STEPS = 2, 6
+STEPS, SEA_STEPS = 2, 4
+FRAMES = 33  # t2v / i2v / sound requests: the paths at a fraction of 121 frames' decode (AR and action set their own)
 SEA = {"cache": {"policy": "sea"}}
 PACK_TOL = 0.05  # relative L2 of a packed request's frames against its solo run's (bf16, random weights)
 
@@ -80,7 +81,7 @@ class Cell:
     def __init__(self, url: str, d: Deployment, row: str, cached: bool, action: dict | None = None):
         self.url, self.row, self.cached = url, row, cached
         size = (d.defaults.height, d.defaults.width)
-        steps = {"steps": SEA_STEPS if cached else STEPS, **(SEA if cached else {})}
+        steps = {"steps": SEA_STEPS if cached else STEPS, **(SEA if cached else {}), "num_frames": FRAMES}
         kind, extra = ROWS[row]
         main = variant_request(kind, {**steps, **extra}, *size, action)
         t2v, i2v = variant_request("t2v", steps, *size), variant_request("i2v", steps, *size)

@@ -384,6 +384,9 @@ def main() -> int:
     ap.add_argument("--config", default="configs/bench_edge.yaml")
     ap.add_argument("--c1", type=int, default=3, help="sequential single-shot requests")
     ap.add_argument("--c4", type=int, default=8, help="single-shot requests at concurrency 4")
+    ap.add_argument(
+        "--frames", type=int, nargs="+", default=[], help="then --c1 single-shot requests at each frame count"
+    )
     ap.add_argument("--ar", type=int, default=0, help="AR streams at c=1 and at c=4 (×4)")
     ap.add_argument("--ar-params", default='{"window_mode": "chained", "num_frames": 45}')
     ap.add_argument("--params", default="{}", help="JSON request parameters for single-shot runs")
@@ -462,6 +465,9 @@ def main() -> int:
             generate(url, PROMPT, {**(params if args.c1 or args.c4 else ar), "steps": 2})  # first-request effects
         if args.c1 and not requests:
             result["c1"] = drive(url, params, args.c1, 1)
+            for frames in args.frames:  # another length on the same server: its first request untimed
+                generate(url, PROMPT, {**params, "num_frames": frames, "steps": 2})
+                result[f"c1@{frames}"] = drive(url, {**params, "num_frames": frames}, args.c1, 1)
         if args.c4 and not requests:
             result["c4"] = drive(url, params, args.c4, 4)
         if args.ar:
@@ -489,7 +495,8 @@ def main() -> int:
         result["diffusers_variants"] = diffusers_variants(configured, chosen, args.diffusers)
     if args.inprocess or (args.diffusers and not requests):  # same run, same request, once the server is gone
         result |= side_by_side(configured, params, args.inprocess, 0 if requests else args.diffusers)
-    keys = [*(f"c{c}:{v}" for v in requests for c in (1, 4, 8)), "c1", "c4", "ar_c1", "ar_c4"]
+    keys = [*(f"c{c}:{v}" for v in requests for c in (1, 4, 8)), "c1", *(f"c1@{f}" for f in args.frames), "c4",
+            "ar_c1", "ar_c4"]  # fmt: skip
     for key in keys:
         if key in result:
             r = result[key]

@@ -231,8 +231,9 @@ class StepLayout:
                 faults.maybe_fail_capture()
         except Exception as e:  # noqa: BLE001 - the step runs eagerly instead (the caller's next line)
             self.capturable = False
-            del graph  # its allocations return to the shared pool
-            torch.cuda.synchronize()  # a failed capture leaves no sticky error: a real one raises here, and heals
+            # the failed graph's pool (shared by every layout) is not reused: the step moves all captures to a new
+            # one (`DenoiseStep`); a failed capture leaves no sticky error, a real one raises here and the tick heals
+            torch.cuda.synchronize()
             print(f"cosmos3: capture of a {self.packed.tokens.shape[0]}-row layout failed; it runs eagerly "
                   f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})", file=sys.stderr)  # fmt: skip
             self.capture_failed = True

@@ -31,6 +31,7 @@ no-residual layouts, all W8A16 and all W8A8; other keys capture on their second 
 
 from __future__ import annotations
 
+import gc
 from collections import OrderedDict
 
 import torch
@@ -87,13 +88,25 @@ class DenoiseStep:
         self.row_shapes: set[tuple[int, int, int, int]] | None = None
 
     def reset(self) -> None:
-        """After a failed forward: drop every layout and its graph, and start a new graph memory pool (the old one
-        is freed with the last graph that used it), so nothing a failed pass touched is replayed or reused."""
+        """After a failed forward: drop every layout and its graph, and start a new graph memory pool, so nothing a
+        failed pass touched is replayed or reused."""
         self.layouts.clear()
-        if self.cuda_graphs:
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-            self.graph_pool = torch.cuda.graph_pool_handle()
+        self._new_graph_pool()
+
+    def _new_graph_pool(self) -> None:
+        """Release every kept layout's graph and give them all a new pool (the old one is freed with its last
+        graph). After a failed capture the old pool may not be reused: the failed graph released its share of it,
+        and a pool nothing holds cannot take another capture."""
+        if not self.cuda_graphs:
+            return
+        for layout in self.layouts.values():
+            layout.release_graph()
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        self.graph_pool = torch.cuda.graph_pool_handle()
+        for layout in self.layouts.values():
+            layout.graph_pool = self.graph_pool
 
     def bucket(self, segments: list[Segment], total: int, attention: Backend) -> tuple[int, int, int] | None:
         """→ the bucket of a pack of these segments (`total` rows): (rows, sound rows, action rows), or None when
@@ -191,8 +204,11 @@ class DenoiseStep:
                 held = [v for v in self.layouts.values() if v.graph is not None]
                 if len(held) >= self.max_captures:
                     held[0].release_graph()  # the least recently used capture makes room
+            failed = layout.capture_failed
             fwd = layout.run(capture=self.max_captures > 0)
             self.captures += layout.graph is not None and not had_graph
+            if layout.capture_failed and not failed:  # it ran eagerly; later captures go to a new pool
+                self._new_graph_pool()
         p = self.model.cfg.latent_patch_size
         out: list[RowOutput] = []
         seg = at = at_a = 0  # at, at_a: the next row of the sound, action predictions
