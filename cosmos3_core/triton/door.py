@@ -20,7 +20,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 import yaml
 
-from ..errors import DRAINING, OVER_CAPACITY
+from ..errors import DRAINING, OVER_CAPACITY, down_mark, part_restarting
 from .admission import Tickets, tickets_dir
 from .cancel import CancelMarks
 
@@ -46,6 +46,11 @@ class AdmitModel:
         return [self._one() for _ in requests]
 
     def _one(self) -> Any:
+        # a part the supervisor reloads (docs/operations.md): Triton would send the request to its dead instance
+        down = next((p for p in ("prefill", "denoise", "vae_decode") if self.marks.is_marked(down_mark(p))), None)
+        if down is not None:
+            self.rejected.increment(1)
+            return pb_utils.InferenceResponse(error=pb_utils.TritonError(part_restarting(down)))
         ticket = None if self.marks.is_draining() else self.tickets.take(self.max_queue)
         if ticket is None:
             self.rejected.increment(1)

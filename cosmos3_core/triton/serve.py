@@ -268,8 +268,8 @@ def supervise(proc: subprocess.Popen, stopping: threading.Event, heal: Callable[
             print(f"died: {', '.join(sorted(dead))}; reloading {', '.join(parts)}", file=sys.stderr)
             try:
                 heal(parts)
-            except RuntimeError as e:
-                return str(e)
+            except Exception as e:  # noqa: BLE001 - whatever failed, a whole restart heals it
+                return f"reloading {', '.join(parts)} failed: {e}"
             stubs = stub_pids(proc)
             workers = worker_pids(stubs)
             dead = expected - set(stubs.values())
