@@ -160,10 +160,14 @@ class Defaults:
     overlap_frames: int = 8  # chained overlap, pixel frames (2 latent; the minimum)
     context_frames: int = 61  # kv context horizon, pixel frames (16 latent); 0 keeps everything
     cache: SeaCacheParams | None = None  # step caching of every request (AR windows too); None: off (the pipeline's)
+    resolution_tier: int = 480  # an action request's, when it names none (the pipeline's default)
 
     def __post_init__(self) -> None:  # a config's `cache:` mapping, checked like a request's
         if not isinstance(self.cache, (SeaCacheParams, type(None))):
             object.__setattr__(self, "cache", parse_cache(self.cache))
+        if isinstance(self.resolution_tier, bool) or self.resolution_tier not in RESOLUTION_BINS:
+            tiers = ", ".join(map(str, RESOLUTION_BINS))
+            raise ValueError(f"defaults.resolution_tier: must be one of {tiers}, got {self.resolution_tier!r:.64}")
 
 
 @dataclass(frozen=True)
@@ -399,7 +403,7 @@ def validate(
         raise RequestError("negative_prompt", f"must be a string, got {type(negative).__name__}")
     decode_text(negative, "negative_prompt", limits)
 
-    action = _validate_action(params, image, video, raw_actions, limits, alignment)
+    action = _validate_action(params, image, video, raw_actions, limits, alignment, defaults.resolution_tier)
     if action is not None:  # the tier's canvas, chunk + 1 frames, one window
         height, width = action["geometry"].canvas
         num_frames, mode, window, keep = action["chunk_size"] + 1, "none", (0, 0, 0), "first"
@@ -487,9 +491,10 @@ def _validate_action(
     raw_actions: np.ndarray | None,
     limits: Limits,
     alignment: int,
+    default_tier: int,
 ) -> dict[str, Any] | None:
     """`parameters.action` with its conditioning and raw actions (the pipeline's checks, P:301-396 and 1039-1058,
-    plus ours) → its fields and geometry; None without `action`."""
+    plus ours) → its fields and geometry; None without `action`. `default_tier`: the tier of a request naming none."""
     if "action" not in params:
         if raw_actions is not None:
             raise RequestError("raw_actions", "only applies with `action` (mode forward_dynamics)")
@@ -520,7 +525,7 @@ def _validate_action(
         raise RequestError(
             "action.domain", f"must be an embodiment with a known action width ({known}), got {domain!r:.100}"
         )
-    tier = spec.get("resolution_tier", 480)
+    tier = spec.get("resolution_tier", default_tier)
     if isinstance(tier, bool) or tier not in RESOLUTION_BINS:
         raise RequestError(
             "action.resolution_tier", f"must be one of {', '.join(map(str, RESOLUTION_BINS))}, got {tier!r:.100}"

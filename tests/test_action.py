@@ -312,6 +312,19 @@ def test_checkpoint_without_action_head_refuses(nano_ckpt, stage):
         small.validate(PROMPT, act(resolution_tier=480), make_image(64, 64))
 
 
+def test_a_request_naming_no_tier_takes_the_deployments(stage):
+    """`defaults.resolution_tier` (configs/tiny.yaml: 256, within its 512×512 limits); unset, the pipeline's 480."""
+    ckpt, limits = Checkpoint.open(stage[0].root), Limits(max_height=512, max_width=512)
+    tier256 = PrefillStage(ckpt, "cpu", torch.float32, Defaults(32, 48, 9, resolution_tier=256), limits)
+    p = tier256.validate(PROMPT, act(), make_image(64, 64))
+    assert (p.resolution_tier, p.height, p.width) == (256, 256, 256)
+    tier480 = PrefillStage(ckpt, "cpu", torch.float32, Defaults(32, 48, 9), limits)
+    with pytest.raises(RequestError, match="^action.resolution_tier: its 640x640 canvas exceeds the limits 512x512"):
+        tier480.validate(PROMPT, act(), make_image(64, 64))
+    with pytest.raises(ValueError, match="^defaults.resolution_tier: must be one of 256, 480, 704, 720, got 300"):
+        Defaults(resolution_tier=300)
+
+
 def test_action_params_echo_and_roundtrip(stage):
     p = stage[1].validate(PROMPT, act("inverse_dynamics", chunk=8, resolution_tier=256), None, make_clip(3, 40, 56))
     assert (p.task, p.num_frames, (p.height, p.width), p.frame_size) == ("action", 9, (192, 320), (32, 48))

@@ -184,3 +184,11 @@ def test_a_config_error_is_one_clear_error(tmp_path):
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error")]
     assert r.returncode == 2 and len(errors) == 1 and "defaults.t2v: unknown keys ['bogus']" in errors[0], r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_a_cpu_servers_log_has_no_cuda_probe_errors(pair):
+    """tritonserver (a GPU build) logs two CUDA probes as errors on a host without a CUDA driver, whatever the
+    deployment's device (`launcher.CUDA_PROBE_ERRORS`); a CPU deployment's log on the terminal drops them, only them."""
+    text = pair[1].log.read_text()
+    assert "successfully loaded 'cosmos3'" in text  # tritonserver's own log comes through
+    assert "CudaDriverHelper" not in text and "unable to create stream" not in text, text[-3000:]
