@@ -46,6 +46,7 @@ import importlib.util
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -57,7 +58,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TextIO
 
@@ -77,6 +78,7 @@ DEFAULT_SHM_GROWTH_BYTES = 64 * 1024 * 1024
 # A stub that loads torch + diffusers needs more than the default 30 s to come up on a slow disk.
 DEFAULT_STUB_TIMEOUT_S = 120
 
+ADMIN_HEADER = "cosmos3-admin"  # the header the model-repository API requires (`ServerConfig.admin_token`)
 _PYTHON_BACKEND_FILES = ("libtriton_python.so", "triton_python_backend_utils.py")
 _STUB_NAME = "triton_python_backend_stub"
 
@@ -280,6 +282,9 @@ class ServerConfig:
     exit_timeout_s: int = 30
     # where HTTP and metrics bind when not at `address`: serve's front owns the public ports (loopback behind it)
     private_address: str | None = None
+    # the model-repository API (load, unload) answers only requests with the header `ADMIN_HEADER: <this>`: with
+    # explicit model control it would otherwise let any client unload the models
+    admin_token: str = field(default_factory=lambda: secrets.token_hex(16))
 
 
 def server_command(cfg: ServerConfig, tritonserver: Path, backend_dir: Path) -> list[str]:
@@ -305,6 +310,8 @@ def server_command(cfg: ServerConfig, tritonserver: Path, backend_dir: Path) -> 
         # explicit: the supervisor reloads one part whose stub died (`load_model`) instead of restarting the server
         "--model-control-mode=explicit",
         "--load-model=*",
+        f"--http-restricted-api=model-repository:{ADMIN_HEADER}={cfg.admin_token}",
+        f"--grpc-restricted-protocol=model-repository:{ADMIN_HEADER}={cfg.admin_token}",
         "--metrics-config=histogram_latencies=true",
     ]
     if cfg.cpu_only:
@@ -493,14 +500,18 @@ def wait_until_ready(
         time.sleep(poll_s)
 
 
-def load_model(http_port: int, model: str, *, host: str = "127.0.0.1", timeout_s: float = 600.0) -> float:
-    """(Re)load `model` through Triton's repository API (explicit model control) → seconds it took. A reload starts
-    new instances (new stubs) while the old ones keep serving, then swaps; requests in flight keep the old ones.
-    Raises RuntimeError with Triton's reason when the load fails."""
+def load_model(
+    http_port: int, model: str, admin_token: str, *, host: str = "127.0.0.1", timeout_s: float = 600.0
+) -> float:
+    """(Re)load `model` through Triton's repository API (explicit model control; `admin_token`: the server's
+    `ServerConfig.admin_token`) → seconds it took. A reload starts new instances (new stubs) while the old ones keep
+    serving, then swaps; requests in flight keep the old ones. Raises RuntimeError with Triton's reason when the
+    load fails."""
     t0 = time.monotonic()
     url = f"http://{host}:{http_port}/v2/repository/models/{model}/load"
+    request = urllib.request.Request(url, data=b"", method="POST", headers={ADMIN_HEADER: admin_token})
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, data=b"", method="POST"), timeout=timeout_s):
+        with urllib.request.urlopen(request, timeout=timeout_s):
             pass
     except urllib.error.HTTPError as e:
         raise RuntimeError(f"loading {model} failed: {e.read().decode(errors='replace')[:2000]}") from e

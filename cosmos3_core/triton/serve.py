@@ -169,7 +169,7 @@ def _serve(args, repo: Path, deployment: Deployment, ports: list[int], private: 
 
     def heal_parts(parts: list[str]) -> None:
         healed.update(parts)
-        heal(parts, front, marks, private[0])
+        heal(parts, front, marks, private[0], cfg.admin_token)
 
     while not stopping.is_set():
         cfg = ServerConfig(repo, ports[0], *private, args.address, cpu_only, extra=tuple(args.extra),
@@ -276,14 +276,14 @@ def supervise(proc: subprocess.Popen, stopping: threading.Event, heal: Callable[
     return None
 
 
-def heal(parts: list[str], front: Front, marks: CancelMarks, http_port: int) -> None:
+def heal(parts: list[str], front: Front, marks: CancelMarks, http_port: int, admin_token: str) -> None:
     """Mark `parts` down (readiness; the stubs still alive answer for them), reload each, mark them up again."""
     for part in parts:
         front.set_down(part, errors.part_restarting(part))
         marks.mark(errors.down_mark(part))
         front.count_restart(part)
     for part in parts:
-        took = load_model(http_port, errors.model_of(part))
+        took = load_model(http_port, errors.model_of(part), admin_token)
         print(f"{errors.model_of(part)} reloaded in {took:.1f}s", file=sys.stderr)
         marks.clear(errors.down_mark(part))
         front.clear(part)
