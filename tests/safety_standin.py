@@ -3,8 +3,10 @@
 
 - text: refuses a prompt that holds `REFUSED_WORD`;
 - video: frames `BLUR_WIDTH` wide come back with their top-left `PATCH`×`PATCH` block inverted (`blur`, standing in
-  for RetinaFace's face pixelation); frames `BLOCK_WIDTH` wide are blocked when a piece has a multiple of 4 frames
-  (a stream's first piece has 1 + 4k, its later ones 4k: the first passes, the second is blocked mid-stream).
+  for RetinaFace's face pixelation); frames `BLOCK_HEIGHT`×`BLOCK_WIDTH` are blocked when a piece has a multiple of
+  4 frames (a stream's first piece has 1 + 4k, its later ones 4k: the first passes, the second is blocked
+  mid-stream). Sizes no other test of the session server (the fuzzer's and the soak's draws included) is likely to
+  send.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 REFUSED_WORD = "contraband"
-BLUR_WIDTH, BLOCK_WIDTH, PATCH = 80, 112, 4
+BLUR_WIDTH, BLOCK_HEIGHT, BLOCK_WIDTH, PATCH = 80, 48, 112, 4
 
 
 def blur(frames: np.ndarray) -> np.ndarray:
@@ -27,8 +29,8 @@ class StandIn:
         return REFUSED_WORD not in prompt
 
     def check_video_safety(self, frames: np.ndarray) -> np.ndarray | None:
-        width = frames.shape[2]
-        if width == BLOCK_WIDTH and frames.shape[0] % 4 == 0:
+        height, width = frames.shape[1:3]
+        if (height, width) == (BLOCK_HEIGHT, BLOCK_WIDTH) and frames.shape[0] % 4 == 0:
             return None
         return blur(frames) if width == BLUR_WIDTH else frames
 
