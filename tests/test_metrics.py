@@ -89,7 +89,8 @@ def test_every_request_counted_once(server):
     before = server.metrics(settle=True)
     small = {"steps": 1, "num_frames": 1, "height": 32, "width": 32}
     long = {"num_frames": 33, "height": 128, "width": 128, "steps": 60, "seed": 9}
-    words = "word " * 300  # each branch within the prompt limits; both together need more K/V pages than the pool
+    words = "x " + "word " * 80  # each branch within prefill's 600 tokens; both together need 69 K/V pages of 64
+    denoise_bad_input = engine_bad_input(server)
     runs = [lambda i=i: generate(server.url, f"burst {i}", {**small, "seed": i}) for i in range(16)]
     seen = Counter(dict(run_pool(range(len(runs)), len(runs), lambda i: (i, outcome_of(runs[i])))).values())
     assert seen["rejected"] >= 1 and seen["completed"] >= 1, seen  # the burst overran the queue, and was served
@@ -115,3 +116,14 @@ def test_every_request_counted_once(server):
         time.sleep(0.1)
     assert counted == seen, f"counted {dict(counted)}, the clients saw {dict(seen)}"
     assert sum(counted.values()) == sent
+    assert engine_bad_input(server) == denoise_bad_input + 1  # the pool's size: only the engine knows it
+
+
+def engine_bad_input(server) -> float:
+    """`cosmos3_requests_total{model="cosmos3_denoise", outcome="bad_input"}` (the fixture's scrape sums models)."""
+    import re
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
+    pattern = r'^cosmos3_requests_total\{(?=[^}]*model="cosmos3_denoise")(?=[^}]*outcome="bad_input")[^}]*\} (\S+)$'
+    return sum(float(v) for v in re.findall(pattern, text, re.M))
