@@ -2,10 +2,11 @@
 
   python -m bench.lora_delta [--variant edge] [--rows 96768] [--rank 32] [--adapters 1 4]
 
-For each adaptable linear shape of the variant (random_checkpoint's configs: Edge's attention and MLP), bf16, a pack
-of `rows` rows split into as many equal segments as adapters: the base linear alone, then `adapted` (the linear plus
-the grouped delta) — milliseconds per call (CUDA events, median of 20 after 5 warm) and the ratio. One JSON line
-per (shape, adapters). The rows: Edge t2v 832×480×121, both CFG branches (2 × 48,384 tokens).
+For each adaptable linear shape of the variant (random_checkpoint's presets: Edge's attention and MLP), bf16, a pack
+of `rows` rows split into as many equal segments as adapters (a pool of max(adapters) slots): the base linear alone,
+then the linear plus each kernel's delta (`grouped_delta`, `dense_delta`) — milliseconds per call (CUDA events,
+median of 20 after 5 warm) and the ratio. One JSON line per (shape, adapters, kernel). The rows: Edge t2v
+832×480×121, both CFG branches (2 × 48,384 tokens).
 """
 
 from __future__ import annotations
@@ -17,8 +18,12 @@ import statistics
 import torch
 from torch import nn
 
-from cosmos3_core.model.lora import AdapterRows, adapted
+from cosmos3_core.model.lora import AdapterRows, dense_delta, grouped_delta
 from cosmos3_core.model.random_checkpoint import PRESETS
+
+
+def adapted_with(kernel, lin: nn.Module, x: torch.Tensor, rows: AdapterRows) -> torch.Tensor:
+    return kernel(lin(x), x, lin, rows)
 
 
 def time_ms(fn, *args, reps: int = 20) -> float:
@@ -52,7 +57,7 @@ def main() -> None:
         lin = nn.Linear(fan_in, fan_out, bias=False, device=dev, dtype=dt)
         slots = max(args.adapters)
         lin.register_buffer("lora_A", torch.randn(slots, args.rank, fan_in, device=dev, dtype=dt) * 0.01)
-        lin.register_buffer("lora_B", torch.randn(slots, fan_out, args.rank, device=dev, dtype=dt) * 0.01)
+        lin.register_buffer("lora_B", torch.randn(slots, args.rank, fan_out, device=dev, dtype=dt) * 0.01)
         x = torch.randn(args.rows, fan_in, device=dev, dtype=dt)
         with torch.inference_mode():
             base = time_ms(lin, x)
@@ -64,10 +69,12 @@ def main() -> None:
                     torch.tensor([1.0] * n + [0.0], device=dev),
                     torch.tensor(ends, dtype=torch.int32, device=dev),
                 )
-                t = time_ms(adapted, lin, x, args.rows, rows)
-                print(json.dumps({"shape": name, "in": fan_in, "out": fan_out, "rows": args.rows, "rank": args.rank,
-                                  "adapters": n, "base_ms": round(base, 4), "adapted_ms": round(t, 4),
-                                  "ratio": round(t / base, 3)}))  # fmt: skip
+                for kernel in (grouped_delta, dense_delta):
+                    t = time_ms(adapted_with, kernel, lin, x, rows)
+                    print(json.dumps({"shape": name, "in": fan_in, "out": fan_out, "rows": args.rows,
+                                      "rank": args.rank, "slots": slots, "adapters": n, "kernel": kernel.__name__,
+                                      "base_ms": round(base, 4), "adapted_ms": round(t, 4),
+                                      "ratio": round(t / base, 3)}))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from cosmos3_core.attention import SdpaAttention
 from cosmos3_core.deployment import Deployment
 from cosmos3_core.generate import Generator, main
 from cosmos3_core.lora_store import METADATA_KEY, WEIGHTS
-from cosmos3_core.model.lora import AdapterRows, delta
+from cosmos3_core.model.lora import AdapterRows, dense_delta, grouped_delta
 from cosmos3_core.requests import RequestError
 from cosmos3_core.step import DenoiseStep
 from cosmos3_core.tools.make_lora import make_lora
@@ -231,24 +231,28 @@ def test_config_refuses_what_adapters_are_not_served_with(tmp_path, loras):
 
 
 def test_grouped_delta_equals_each_group_alone():
-    """The segmented delta: each group of rows through its own slot and scale, as a loop over groups computes it;
-    an empty group and scale 0 (no adapter) give exact zeros."""
+    """The segmented delta: each group of rows through its own slot and scale, as a loop over groups computes it
+    (the CPU's grouped GEMMs exactly, CUDA's dense form to rounding); an empty group and scale 0 (no adapter) add
+    exact zeros."""
     g = torch.Generator().manual_seed(0)
     lin = torch.nn.Linear(24, 16, bias=False)
     lin.register_buffer("lora_A", torch.randn(3, 8, 24, generator=g))
-    lin.register_buffer("lora_B", torch.randn(3, 16, 8, generator=g))
+    lin.register_buffer("lora_B", torch.randn(3, 8, 16, generator=g))
     x = torch.randn(256, 24, generator=g)
-    groups = [(0, 64, 2, 1.0), (64, 64, 0, 0.0), (64, 192, 1, 0.5), (192, 256, 2, -2.0)]  # (start, end, slot, scale)
+    # (start, end, slot, scale): an empty group, then one without an adapter
+    groups = [(0, 64, 2, 1.0), (64, 64, 1, 3.0), (64, 128, 0, 0.0), (128, 192, 1, 0.5), (192, 256, 2, -2.0)]
     rows = AdapterRows(
         torch.tensor([s for _, _, s, _ in groups]),
         torch.tensor([c for *_, c in groups], dtype=torch.float32),
         torch.tensor([e for _, e, _, _ in groups], dtype=torch.int32),
     )
-    out = delta(x, lin, rows)
+    y = torch.randn(256, 16, generator=g)
+    out, dense = grouped_delta(y, x, lin, rows), dense_delta(y, x, lin, rows)
     for start, end, slot, scale in groups:
-        want = (x[start:end] @ (lin.lora_A[slot] * scale).t()) @ lin.lora_B[slot].t()
+        want = y[start:end] + (x[start:end] @ (lin.lora_A[slot] * scale).t()) @ lin.lora_B[slot]
         assert torch.equal(out[start:end], want)
-    assert rows.scale[1] == 0
+    assert rel_l2(dense, out) < 1e-6
+    assert torch.equal(out[64:128], y[64:128]) and torch.equal(dense[64:128], y[64:128])  # scale 0: y itself
 
 
 class _BucketedSdpa(SdpaAttention):

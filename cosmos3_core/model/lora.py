@@ -7,22 +7,27 @@ linears of every layer of both towers (an adapter on the UND tower changes the t
 
 `AdapterPool(model, slots, rank)`: for each adaptable linear of the towers the model holds, two device buffers
 registered on that linear (non-persistent: never in a state dict) — `lora_A` [slots, R, in] and `lora_B`
-[slots, out, R] in the model's activation dtype, R the pool rank (`max_lora_rank` rounded up to a multiple of 8,
-grouped GEMM's alignment). An adapter of rank r ≤ R is written into a slot zero-padded (rows r..R of A, columns of
-B), modules it does not target stay zero. The buffers never move or grow, so a captured graph that reads a slot
-stays valid whatever adapter is written there next.
+[slots, R, out] (B transposed: all slots form one [slots·R, out] matrix) in the model's activation dtype, R the pool
+rank (`max_lora_rank` rounded up to a multiple of 8, GEMM alignment). An adapter of rank r ≤ R is written into a
+slot zero-padded (rows r..R of A and of Bᵀ), modules it does not target stay zero. The buffers never move or grow,
+so a captured graph that reads a slot stays valid whatever adapter is written there next.
 
 `AdapterRows`: a pack's choice, per group of rows — group g is rows [offs[g-1], offs[g]) (offs[-1] = 0), reads
 slot `slot[g]` scaled by `scale[g]` (0: no adapter, the delta is exactly zero). A packed step has one group per
 segment slot (its rows, SEGMENT_ALIGN-padded) plus one for the rows after the last segment, buffers its layout owns
 (cosmos3_core/graphs.py); prefill has one group, the whole text.
 
-`delta(x [N, in], linear, rows) → [N, out]`: two grouped GEMMs over the pack (`torch.nn.functional.grouped_mm`:
-CUDA's grouped kernel for bf16, a per-group matmul on the CPU), each group through its own slot's A then B —
-no loop over requests, no host synchronisation (capturable). A row's delta depends only on its group's rows, and a
-group's GEMMs have the same shape whatever it is packed with, so a request's result does not depend on its
-neighbours (bit for bit on CPU). `adapted(linear, x, a16_rows, rows)`: `fp8.linear` plus the delta; with
-`rows` None (a pack with no adapter) it is `fp8.linear` alone, today's kernels.
+Two ways to add the rows' deltas, each one pass over the pack — no loop over requests, no host synchronisation
+(capturable) — picked by measurement on the H200 at Edge's shapes (bench/lora_delta.py, docs/lora.md):
+- `grouped_delta` (the CPU's): two grouped GEMMs (`torch.nn.functional.grouped_mm`), each group through its own
+  slot's A then B. A row's delta depends only on its group's rows and a group's GEMMs have the same shape whatever
+  it is packed with, so a request's result does not depend on its neighbours, bit for bit on the CPU.
+- `dense_delta` (CUDA's): one GEMM through every slot's A at once (`x [A_0; ...]ᵀ`, [N, slots·R]), each row's
+  columns of other slots zeroed and its own scaled, then `y + h [Bᵀ_0; ...]` as one GEMM with the add in its
+  epilogue: ordinary cuBLAS GEMMs, where grouped GEMMs of R columns run far below the GPU's peak; cheap while
+  slots·R is small beside the linear's width.
+`adapted(linear, x, a16_rows, rows)`: `fp8.linear` plus the delta; with `rows` None (a pack with no adapter) it is
+`fp8.linear` alone, today's kernels.
 """
 
 from __future__ import annotations
@@ -111,7 +116,7 @@ class AdapterPool:
                     if lin is None:  # relu2: no gate_proj
                         continue
                     a = torch.zeros(slots, self.rank, lin.in_features, dtype=dtype, device=device)
-                    b = torch.zeros(slots, lin.out_features, self.rank, dtype=dtype, device=device)
+                    b = torch.zeros(slots, self.rank, lin.out_features, dtype=dtype, device=device)
                     lin.register_buffer("lora_A", a, persistent=False)
                     lin.register_buffer("lora_B", b, persistent=False)
                     self.linears[f"layers.{i}.{path}"] = lin
@@ -126,23 +131,35 @@ class AdapterPool:
                 a, b = adapter.modules[name]
                 r = a.shape[0]
                 lin.lora_A[slot, :r].copy_(a)
-                lin.lora_B[slot, :, :r].copy_(b)
+                lin.lora_B[slot, :r].copy_(b.t())
 
     def bytes(self) -> int:
         return sum(lin.lora_A.nbytes + lin.lora_B.nbytes for lin in self.linears.values())
 
 
-def delta(x: torch.Tensor, lin: nn.Module, rows: AdapterRows) -> torch.Tensor:
-    """x [N, in] → each group's `scale · B_slot (A_slot x)`, [N, out] in x's dtype (see the module docstring)."""
+def grouped_delta(y: torch.Tensor, x: torch.Tensor, lin: nn.Module, rows: AdapterRows) -> torch.Tensor:
+    """y [N, out] + each group's `scale · B_slot (A_slot x)` for x [N, in], in x's dtype (two grouped GEMMs)."""
     a = lin.lora_A[rows.slot] * rows.scale.to(x.dtype)[:, None, None]  # [G, R, in]
     h = torch.nn.functional.grouped_mm(x, a.transpose(1, 2), offs=rows.offs)  # [N, R]
-    return torch.nn.functional.grouped_mm(h, lin.lora_B[rows.slot].transpose(1, 2), offs=rows.offs)  # [N, out]
+    return y + torch.nn.functional.grouped_mm(h, lin.lora_B[rows.slot], offs=rows.offs)  # [G, R, out] → [N, out]
+
+
+def dense_delta(y: torch.Tensor, x: torch.Tensor, lin: nn.Module, rows: AdapterRows) -> torch.Tensor:
+    """`grouped_delta`'s sum through every slot at once: h = x [Aᵀ of all slots], each row keeping its own slot's
+    R columns times its scale, then y + h [Bᵀ of all slots] (the add in the GEMM's epilogue)."""
+    n, (slots, r) = x.shape[0], lin.lora_A.shape[:2]
+    index = torch.arange(n, dtype=rows.offs.dtype, device=x.device)
+    group = torch.searchsorted(rows.offs, index, right=True).clamp_(max=len(rows.offs) - 1)  # [N]: each row's group
+    keep = torch.zeros(n, slots, dtype=x.dtype, device=x.device)
+    keep.scatter_(1, rows.slot[group, None], rows.scale[group, None].to(x.dtype))  # [N, slots]: its scale, once
+    h = torch.mm(x, lin.lora_A.view(slots * r, -1).t()).view(n, slots, r) * keep[:, :, None]
+    return torch.addmm(y, h.view(n, slots * r), lin.lora_B.view(slots * r, -1))
 
 
 def adapted(lin: nn.Module, x: torch.Tensor, a16_rows: int, rows: AdapterRows | None) -> torch.Tensor:
-    """`fp8.linear(lin, x, a16_rows)` plus the rows' adapter deltas; exactly `fp8.linear` when `rows` is None or
-    the linear has no slots (the pool covers only the adaptable linears)."""
+    """`fp8.linear(lin, x, a16_rows)` plus the rows' adapter deltas (CUDA: `dense_delta`, else `grouped_delta`);
+    exactly `fp8.linear` when `rows` is None or the linear has no slots (the pool covers the adaptable linears)."""
     y = linear(lin, x, a16_rows)
     if rows is None or not hasattr(lin, "lora_A"):
         return y
-    return y + delta(x, lin, rows)
+    return (dense_delta if x.is_cuda else grouped_delta)(y, x, lin, rows)
