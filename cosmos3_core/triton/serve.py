@@ -169,7 +169,7 @@ def _serve(args, repo: Path, deployment: Deployment, ports: list[int], private: 
 
     def heal_parts(parts: list[str]) -> None:
         healed.update(parts)
-        heal(parts, front, marks, private[0], cfg.admin_token)
+        heal(parts, front, marks, private[0], cfg.admin_token)  # cfg: the running tritonserver's (below)
 
     while not stopping.is_set():
         cfg = ServerConfig(repo, ports[0], *private, args.address, cpu_only, extra=tuple(args.extra),
