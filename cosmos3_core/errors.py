@@ -15,7 +15,8 @@ from __future__ import annotations
 import re
 
 PARTS = ("admit", "prefill", "denoise", "vae_decode")  # the ensemble's steps, in order
-RETRY_PART_S = 10  # a part's reload on the tiny default takes less (docs/operations.md has the measured times)
+# the goal for a part's reload on the tiny default; on a loaded 2-core machine it took 20-35 s (docs/operations.md)
+RETRY_PART_S = 10
 RETRY_SERVER_S = 30
 
 # The one text of a refusal for load, the same on every replica: a client or a mesh retries it elsewhere.
