@@ -13,10 +13,10 @@ LAYERS: list[set[str]] = [
     {"__init__", "faults", "media", "inputs", "windows", "requests", "sampling", "cache", "kv_pool", "model.__init__", "model.config",
      "model.prompts", "model.embodiments", "model.wan_decoder", "model.fp8", "model.attend", "model.tiny",
      "model.random_checkpoint", "model.provision", "tools.__init__", "tools.make_fp8", "caches", "parallel.__init__", "parallel.config",
-     "parallel.comm", "parallel.group"},
+     "parallel.comm", "parallel.group", "errors", "safety", "model.lora", "tools.guardrail_snapshot"},
     {"model.layers", "model.rotary", "model.conditioning", "model.sound", "model.video_input", "model.action", "rows",
      "wire", "tools.make_tiny"},
-    {"attention", "model.checkpoint"},
+    {"attention", "model.checkpoint", "lora_store"},
     {"model.towers"},
     {"graphs"},
     {"step"},
@@ -27,7 +27,8 @@ LAYERS: list[set[str]] = [
     {"scheduler"},
     {"engine"},
     {"generate"},
-    {"triton.__init__", "triton.cancel", "triton.launcher", "triton.glue", "triton.serve", "tools.warm"},
+    {"triton.__init__", "triton.cancel", "triton.launcher", "triton.glue", "triton.serve", "triton.admission",
+     "triton.door", "triton.front", "triton.outcomes", "tools.warm", "tools.make_lora"},
     {"triton.adaptors"},
 ]  # fmt: skip
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
