@@ -1,7 +1,8 @@
 """The README's commands stay true, and no docs command rots unseen.
 
 - Every line of the README's "Try every mode" block runs as written (the only change: `--url` of this test's server
-  appended to a client call), in order, in a scratch directory whose `.venv` is this interpreter's, against
+  appended to a client call), after the lines whose outputs it reads (independent lines at once, as several users
+  would send them: cheaper on 2 cores), in a scratch directory whose `.venv` is this interpreter's, against
   one server rendered from `configs/tiny.yaml` with the default tiny checkpoint — what `make serve` starts. Each
   must exit 0 and write every file it names (`--out`, `--audio-out`, `--actions-out`).
 - Every fenced shell command in README.md and docs/*.md is one of those lines or carries a marker comment, on its own
@@ -37,6 +38,7 @@ MODES = {
 }
 COMMENT = re.compile(r"(?:^|\s)#\s")
 OUTPUTS = re.compile(r"--(?:out|audio-out|actions-out)\s+(\S+)")
+INPUTS = re.compile(r"--(?:image|video|raw-actions)\s+(\S+)")
 
 
 def fenced_blocks(path: Path) -> list[tuple[str, list[str]]]:
@@ -141,14 +143,30 @@ def tiny_server(tmp_path_factory):
         stop_server(proc)
 
 
+def waves(lines: list[str]) -> list[list[str]]:
+    """The lines grouped for running at once: a line comes in the wave after the last line that writes a file it
+    reads (`--image`, `--video`, `--raw-actions`), so each wave's requests share the server's packed forwards."""
+    level: list[int] = []
+    writer: dict[str, int] = {}
+    for i, line in enumerate(lines):
+        reads = INPUTS.findall(split_comment(line)[0])
+        level.append(1 + max((level[writer[r]] for r in reads if r in writer), default=-1))
+        writer.update({out: i for out in OUTPUTS.findall(line)})
+    return [[line for line, lv in zip(lines, level) if lv == w] for w in range(max(level) + 1)]
+
+
 @pytest.mark.served
 def test_try_every_mode_runs_as_written(tiny_server, tmp_path):
     (tmp_path / ".venv").symlink_to(sys.prefix)  # this interpreter's venv: its python finds its packages
-    for line in readme_try_block():
-        command = split_comment(line)[0]
-        run = f"{command} --url {tiny_server}" if " -m client " in command else line
-        proc = subprocess.run(["bash", "-c", run], cwd=tmp_path, capture_output=True, text=True, timeout=180)
-        assert proc.returncode == 0, f"{line}\nexit {proc.returncode}:\n{proc.stderr[-2000:]}"
-        for out in OUTPUTS.findall(line):
-            path = tmp_path / out
-            assert path.is_file() and path.stat().st_size > 0, f"{line}\ndid not write {out}:\n{proc.stderr[-2000:]}"
+    for wave in waves(readme_try_block()):
+        procs = []
+        for line in wave:
+            command = split_comment(line)[0]
+            run = f"{command} --url {tiny_server}" if " -m client " in command else line
+            procs.append(subprocess.Popen(["bash", "-c", run], cwd=tmp_path, stderr=subprocess.PIPE, text=True))
+        for line, proc in zip(wave, procs):
+            stderr = proc.communicate(timeout=300)[1]
+            assert proc.returncode == 0, f"{line}\nexit {proc.returncode}:\n{stderr[-2000:]}"
+            for out in OUTPUTS.findall(line):
+                path = tmp_path / out
+                assert path.is_file() and path.stat().st_size > 0, f"{line}\ndid not write {out}:\n{stderr[-2000:]}"
