@@ -167,7 +167,15 @@ def test_the_cosmos_guardrail_package_on_random_weights(tmp_path):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     script = textwrap.dedent(f"""
         import numpy as np
-        from cosmos3_core.safety import Guardrail, Refused
+        from cosmos3_core.safety import Guardrail, Refused, Unavailable
+        if ANSWER == "missing":  # an empty cache, offline: the load fails with one line naming the checkpoints
+            try:
+                Guardrail.load("cosmos", "{device}", "text")
+                raise AssertionError("loaded")
+            except Unavailable as e:
+                assert "cannot load the guardrail's checkpoints" in str(e) and "\\n" not in str(e), str(e)
+            print("ok")
+            raise SystemExit
         text = Guardrail.load("cosmos", "{device}", "text")
         guard = text.checker.text_guardrail.safety_models[1]
         if ANSWER == "safe":
@@ -191,8 +199,11 @@ def test_the_cosmos_guardrail_package_on_random_weights(tmp_path):
                 pass
         print("ok")
     """)  # fmt: skip
-    for answer in ("safe", "unsafe"):
-        cache = write_guardrail_cache(tmp_path / answer, qwen="tiny", answer=answer)
+    for answer in ("safe", "unsafe", "missing"):
+        cache = tmp_path / answer
+        cache.mkdir()
+        if answer != "missing":
+            write_guardrail_cache(cache, qwen="tiny", answer=answer)
         env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "home")}
         run = subprocess.run([sys.executable, "-c", f"ANSWER = {answer!r}\n" + script], env=env, cwd=Path.cwd(),
                              capture_output=True, text=True, timeout=600)  # fmt: skip
