@@ -55,7 +55,10 @@ def test_ctrl_c_cancels_on_the_server_and_exits_at_once(server, tmp_path):
     ended = {k: m.get(k, 0) - before.get(k, 0) for k in m if k.startswith("cosmos3_requests_total:")}
     assert ended["cosmos3_requests_total:cancelled"] == 1 and sum(ended.values()) == 1, ended
     steps_run = m["cosmos3_request_steps_total"] - before["cosmos3_request_steps_total"]
-    assert steps_run < 60, "the request ran to its last step: the client did not cancel it"
+    # the engine stops within a step of the cancellation: at most a step past what the client had seen, and one more
+    # that the client had not yet read (measured: seen 1, ran 2, pages freed 0.3 s after the SIGINT)
+    seen_step = int(re.findall(rb"(\d+)/60", seen)[-1])
+    assert steps_run <= seen_step + 2, f"the client saw step {seen_step}, the engine ran {steps_run}"
 
 
 def test_timings_add_up_and_cache_skipped_printed(server, tmp_path):
