@@ -26,6 +26,7 @@ from __future__ import annotations
 import inspect
 import json
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +38,8 @@ from .config import ModelConfig
 __all__ = ["SoundSpec", "decode_sound", "initial_noise", "load_sound_tokenizer", "sound_position_ids"]
 
 SOUND_DIR = "sound_tokenizer"
+# torch's FutureWarning at every tokenizer load: diffusers builds its convs with the deprecated weight_norm
+WEIGHT_NORM_NOTICE = r"`torch\.nn\.utils\.weight_norm` is deprecated"
 
 
 def _tokenizer_defaults() -> dict[str, object]:
@@ -135,7 +138,9 @@ def load_sound_tokenizer(
     from torch.nn.utils import remove_weight_norm
 
     SoundSpec.open(root)  # the same errors as the pipeline's check before anything is loaded
-    tok = Cosmos3AVAEAudioTokenizer.from_pretrained(Path(root) / SOUND_DIR, torch_dtype=dtype)
+    with warnings.catch_warnings():  # WEIGHT_NORM_NOTICE: diffusers' to act on, noise in a server's log
+        warnings.filterwarnings("ignore", WEIGHT_NORM_NOTICE, FutureWarning)
+        tok = Cosmos3AVAEAudioTokenizer.from_pretrained(Path(root) / SOUND_DIR, torch_dtype=dtype)
     if fold:
         for module in tok.decoder.modules():
             if hasattr(module, "weight_g"):
