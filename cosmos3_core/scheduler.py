@@ -120,7 +120,8 @@ class Job:
 
 @dataclass
 class EngineStats:
-    """Plain counters, bumped by the engine thread (and `rejected` by the submitting one), read by metrics."""
+    """Plain counters, bumped by the engine thread, read by metrics. The outcomes are the engine's own view (the
+    offline CLI's); served, `cosmos3_requests_total` counts each request where it ended (triton/outcomes.py)."""
 
     ticks: int = 0
     request_steps: int = 0
@@ -129,7 +130,6 @@ class EngineStats:
     completed: int = 0
     cancelled: int = 0
     failed: int = 0
-    rejected: int = 0
     tick_failures: int = 0  # packed forwards that raised (their requests failed; the engine healed)
     queue_times: deque = field(default_factory=lambda: deque(maxlen=10000))
 
