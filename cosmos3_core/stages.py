@@ -268,7 +268,11 @@ class DecodeStage:
     def checked(self, frames: np.ndarray, safety_check: bool = True, stream_id: str = "", first_frame: int = 0,
                 last: bool = True) -> np.ndarray:  # fmt: skip
         """uint8 frames [T, H, W, 3] (`first_frame`.. of stream `stream_id`'s video) → as the guardrail returns
-        them. A blocked piece raises `Refused`, and so does every later piece of its stream."""
+        them. A blocked piece raises `Refused`, and so does every later piece of its stream. Pieces are finished
+        (and so checked) by one thread, the only one that touches `blocked`."""
+        now = time.monotonic()
+        for sid in [s for s, (_, t) in self.blocked.items() if now - t > self.STREAM_IDLE_S]:
+            del self.blocked[sid]
         if stream_id in self.blocked:
             raise Refused("video", (self.blocked.pop(stream_id) if last else self.blocked[stream_id])[0])
         if self.safety is None or not safety_check:
@@ -277,7 +281,7 @@ class DecodeStage:
             return self.safety.check_frames(frames, first_frame)
         except Refused as e:
             if stream_id and not last:
-                self.blocked[stream_id] = (str(e).removeprefix("video: "), time.monotonic())
+                self.blocked[stream_id] = (str(e).removeprefix("video: "), now)
             raise
 
     def start_chunk(self, stream_id: str, latents: torch.Tensor, last: bool) -> HostFrames:
@@ -286,8 +290,6 @@ class DecodeStage:
         now = time.monotonic()
         for sid in [s for s, (_, t) in self.streams.items() if now - t > self.STREAM_IDLE_S]:
             del self.streams[sid]
-        for sid in [s for s, (_, t) in self.blocked.items() if now - t > self.STREAM_IDLE_S]:
-            del self.blocked[sid]
         if stream_id not in self.streams:
             decoder = StreamDecoder(self.codec)
         elif (decoder := self.streams.pop(stream_id)[0]) is None:
