@@ -135,7 +135,8 @@ class Responder:
 
 class TritonSink:
     """Engine events of one request → responses through the responder. The first event releases the request's
-    admission ticket: it no longer waits (admission.py)."""
+    admission ticket: it no longer waits (admission.py). A request the engine ends early (cancelled, failed,
+    rejected) is counted here; a finished one by decode (outcomes.py)."""
 
     def __init__(
         self,
@@ -246,7 +247,8 @@ def to_decode_s(done: ChunkEvent) -> float:
 class DecodeLoop:
     """vae_decode's thread: takes requests in arrival order, launches each chunk's decode on the GPU and hands it
     to the responder, which waits for its frames on the host and sends them while the GPU decodes the next one.
-    A cancelled request marks its id for the engine (cancel.py) and drops its decoder cache.
+    A cancelled request marks its id for the engine (cancel.py) and drops its decoder cache. It counts the requests
+    that end here: completed, a piece that did not decode, a client gone after the engine's last step (outcomes.py).
 
     A stream's latest progress (or mid-stream chunk) keeps its FINAL back until the stream's next event: while
     denoise works on a request, this process holds one of its steps too, so that when the denoise stub dies (the
