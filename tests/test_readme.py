@@ -111,6 +111,29 @@ def test_first_commands_and_every_mode():
     assert not missing, f"README.md's {TRY_HEADING!r} lacks a command for {missing}"
 
 
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_docs_links_resolve():
+    """Every relative link in README.md and docs/*.md names a file that exists, and its #anchor a heading there."""
+    broken = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", path.read_text()):
+            if re.match(r"[a-z]+:", target):
+                continue
+            file, _, frag = target.partition("#")
+            dest = (path.parent / file).resolve() if file else path
+            if not dest.exists():
+                broken.append(f"{path.relative_to(ROOT)}: {target}: no such file")
+            elif frag and dest.suffix == ".md":
+                headings = [line.lstrip("#") for line in dest.read_text().splitlines() if re.match(r"#+ ", line)]
+                if frag not in {slug(h) for h in headings}:
+                    broken.append(f"{path.relative_to(ROOT)}: {target}: no such heading")
+    assert not broken, "broken links:\n" + "\n".join(broken)
+
+
 def test_every_docs_command_is_run_or_marked():
     tried = set(readme_try_block())
     problems = []
