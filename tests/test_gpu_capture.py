@@ -26,37 +26,46 @@ SCRIPT = textwrap.dedent(
     """
     import sys, threading
     from cosmos3_core.deployment import Deployment
-    from cosmos3_core.generate import Generator
+    from cosmos3_core.engine import DenoiseEngine
+    from cosmos3_core.generate import _CollectSink
+    from cosmos3_core.stages import PrefillStage
 
     ckpt, precision, attention, expect_failed = *sys.argv[1:4], int(sys.argv[4])
     warm = {"height": 64, "width": 96, "num_frames": 9, "steps": 2}
     d = Deployment(checkpoint=ckpt, device="cuda", dtype="bfloat16", precision=precision, attention=attention,
                    warmup_requests=[warm])
-    gen = Generator(d)  # warmup on this thread, as the model's initialize does
+    # the denoise stub's process: the engine and its warmup on this thread (the model's initialize), no decode
+    # stage (a stage warming on a thread of its own could leave a cuBLAS handle in the pool a new thread reuses)
+    checkpoint = d.open_checkpoint()
+    prefill = PrefillStage(checkpoint, "cuda", d.torch_dtype, d.defaults, d.limits)
+    engine = DenoiseEngine.from_deployment(checkpoint, d)
+    engine.warmup([prefill.validate("warmup", warm, None)])
     # 8 steps: W8A8 between the policy's W8A16 first and last 3, a layout the FP8 warmup ran once (its 1-step
     # request), so the engine thread's first use of it would capture
     params = [{**warm, "steps": 8, "seed": 1},  # the warmup's layouts: captured at their first serving use
               {"height": 96, "width": 64, "num_frames": 5, "steps": 4, "seed": 2}]  # a layout first seen serving
-    out = {}
-
     # prefill here: in the server it is another process, so the engine thread's first cuBLAS use is the denoise's
-    prefilled = [gen.prefill.run(gen.prefill.validate("a red fox", p, None), None) for p in params]
+    prefilled = [prefill.run(prefill.validate("a red fox", p, None), None) for p in params]
+    out = {"latents": []}
 
-    def serve():  # the engine thread
-        try:
-            out["latents"] = [gen.run(pre).latents for pre in prefilled]
-        except Exception as e:
-            out["error"] = repr(e)[:2000]
-        out["captures"] = gen.engine.step.captures
+    def serve():  # the engine thread: only the engine's ticks, as served
+        for pre in prefilled:
+            sink = _CollectSink(pre.params.steps, False)
+            engine.submit(pre, sink)
+            engine.run_until_idle()
+            if sink.failure is not None:
+                out["error"] = sink.failure[:2000]
+                return
+            out["latents"].append(sink.latents)
 
     t = threading.Thread(target=serve)
     t.start()
     t.join()
-    failed = sum(getattr(layout, "capture_failed", False) for layout in gen.engine.step.layouts.values())
-    summary = {"error": out.get("error"), "captures": out["captures"], "failed captures": failed}
-    assert "latents" in out and failed == expect_failed, summary
+    failed = sum(getattr(layout, "capture_failed", False) for layout in engine.step.layouts.values())
+    summary = {"error": out.get("error"), "captures": engine.step.captures, "failed captures": failed}
+    assert "error" not in out and failed == expect_failed, summary
     assert all(bool(x.float().isfinite().all()) for x in out["latents"])
-    print("captures", out["captures"])
+    print("captures", engine.step.captures)
     """
 )
 
