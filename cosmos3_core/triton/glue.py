@@ -409,6 +409,8 @@ class EngineMetrics:
         self.counters = {
             "ticks": family("cosmos3_engine_ticks_total", "Packed denoise forwards run", C),
             "request_steps": family("cosmos3_request_steps_total", "Request-steps advanced (> ticks when shared)", C),
+            "tick_failures": family("cosmos3_tick_failures_total", "Packed forwards that raised (their requests "
+                                    "ended; the engine healed)", C),  # fmt: skip
         }
         self.queue_time = family("cosmos3_queue_seconds", "Submit to admission", H, buckets=self.QUEUE_BUCKETS)
         # how requests ended in the engine (its sinks count them; completed is decode's: outcomes.py)
