@@ -5,8 +5,9 @@ request sent.
 
   python -m bench.overload --config configs/tiny.yaml --factor 3 [--json out.json]
 
-Prints: accepted / refused / other errors / lost; refusal latency (send → the error) p50 and max; accepted end-to-end
-p50 and p99 (and the solo request's, for scale); the delta of `cosmos3_requests_total` by outcome and whether
+Prints: accepted / refused / other errors / lost; refusal latency (send → the error, as the client sees it) p50 and
+max; the door's own time per request inside the server (Triton's queue and request durations of `cosmos3_admit`, for
+the admitted ones); accepted end-to-end p50 and p99 (and the solo request's, for scale); the delta of `cosmos3_requests_total` by outcome and whether
 sent = completed + rejected + failed + cancelled. Exit 1 when something was lost, a refusal took longer than
 `--refusal-bound-s` (default 0.1), an accepted request failed, or the counters do not add up.
 """
@@ -40,6 +41,18 @@ def outcome_counts(metrics_url: str) -> dict[str, float]:
     out = dict.fromkeys(OUTCOMES, 0.0)
     for m in re.finditer(r'^cosmos3_requests_total\{[^}]*outcome="(\w+)"[^}]*\} (\S+)$', text, re.M):
         out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    return out
+
+
+def door_stats(metrics_url: str) -> dict[str, float]:
+    """Triton's own cumulative statistics of the door (`cosmos3_admit`) for the requests it admitted: their count and
+    the microseconds they spent in its queue and in the whole step (queue + execute)."""
+    text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
+    out = {}
+    for key, name in (("admitted", "request_success"), ("queue_us", "queue_duration_us"),
+                      ("step_us", "request_duration_us")):  # fmt: skip
+        m = re.search(rf'^nv_inference_{name}\{{[^}}]*model="cosmos3_admit"[^}}]*\}} (\S+)$', text, re.M)
+        out[key] = float(m.group(1)) if m else 0.0
     return out
 
 
@@ -146,16 +159,20 @@ def main() -> int:
         wait_until_ready(ports[1], proc=proc, timeout_s=600)
         solo = fire(url, 1, params)[0]  # warms the server; the scale of one request alone
         time.sleep(1.0)  # the engine publishes its counters every 0.2 s
-        before = outcome_counts(metrics_url)
+        before, door0 = outcome_counts(metrics_url), door_stats(metrics_url)
         t0 = time.perf_counter()
         outcomes = fire(url, n, params)
         wall = time.perf_counter() - t0
         time.sleep(1.0)
-        after = outcome_counts(metrics_url)
+        after, door1 = outcome_counts(metrics_url), door_stats(metrics_url)
     finally:
         stop_server(proc)
     report = {"config": args.config, "max_queue": deployment.max_queue, "factor": args.factor, "params": params,
               "solo_s": solo["latency_s"], "wall_s": wall, **summarize(outcomes, before, after)}  # fmt: skip
+    # inside the server, the door's own time per admitted request (Triton's statistics; refusals cost the same)
+    admitted = max(door1["admitted"] - door0["admitted"], 1.0)
+    report["door_queue_ms"] = (door1["queue_us"] - door0["queue_us"]) / admitted / 1000
+    report["door_step_ms"] = (door1["step_us"] - door0["step_us"]) / admitted / 1000
     print(json.dumps(report, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))

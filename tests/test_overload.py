@@ -23,13 +23,15 @@ from cosmos3_core.triton.admission import DOOR_TTL_S, Ticket, Tickets, tickets_d
 
 def test_tickets_count_claim_release_expire(tmp_path):
     tickets = Tickets(tmp_path / "tickets")
-    a, b = tickets.take(2), tickets.take(2)
-    assert a and b and tickets.take(2) is None and tickets.held() == 2
+    (a,) = tickets.take(3)
+    b, c = tickets.take(3, 5)  # a batch of 5 arrivals: 2 more fit
+    assert tickets.take(3) == [] and tickets.held() == 3
+    tickets.release(c.id)
     assert Ticket.decode(a.encode()) == a
     tickets.claim(a.id)  # reached the engine: held until its first event
     tickets.release(b.id)  # failed in prefill
     assert tickets.held() == 1
-    c = tickets.take(2)
+    (c,) = tickets.take(2)
     old = time.time() - DOOR_TTL_S - 1  # c never reached the engine (cancelled between the steps): it expires
     os.utime(tickets.dir / f"{c.id}.door", (old, old))
     assert tickets.held() == 1
@@ -37,7 +39,7 @@ def test_tickets_count_claim_release_expire(tmp_path):
     assert tickets.held() == 1
     tickets.claim(c.id)  # an expired one that reaches the engine after all is counted again
     assert tickets.held() == 2
-    d = tickets.take(3)
+    (d,) = tickets.take(3)
     tickets.clear("engine")  # the denoise model starting: a dead incarnation's waiting requests never end
     assert tickets.held() == 1
     tickets.clear("door")

@@ -67,16 +67,17 @@ class Tickets:
             raise ValueError(f"ticket id must be alphanumeric, got {ident!r}")
         return self.dir / f"{ident}.{state}"
 
-    def take(self, limit: int) -> Ticket | None:
-        """A ticket for a new request, or None when `limit` are held (the caller refuses it)."""
+    def take(self, limit: int, n: int = 1) -> list[Ticket]:
+        """Tickets for up to `n` new requests (in their order), as many as keep `limit` or fewer held: one count for a
+        whole batch of arrivals. The requests beyond them are refused by the caller."""
         fd = os.open(self.dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)  # several door instances: counting and taking are one step
-            if self.held() >= limit:
-                return None
-            ticket = Ticket(uuid.uuid4().hex, time.time())
-            self._path(ticket.id, "door").touch()
-            return ticket
+            now = time.time()
+            tickets = [Ticket(uuid.uuid4().hex, now) for _ in range(max(0, min(n, limit - self.held())))]
+            for ticket in tickets:
+                self._path(ticket.id, "door").touch()
+            return tickets
         finally:
             os.close(fd)
 

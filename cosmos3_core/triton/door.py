@@ -4,8 +4,10 @@ Input `prompt` (BYTES [1, 1]: the model batches, each request is a batch of one;
 step first, not read); output `ticket` (BYTES [1, 1], `admission.Ticket`) for prefill. Each execute answers every
 request queued meanwhile (up to the config's max_batch_size) in one round trip. A refusal is a Triton error whose text
 is `errors.OVER_CAPACITY` (or `errors.DRAINING` while the server drains), counted as
-`cosmos3_requests_total{outcome="rejected"}` with this model's labels. Its execute touches a few small files per request: its own Triton queue (bounded by the config's queue policy)
-holds at most what arrived during one execute, so the answer comes within milliseconds of arrival.
+`cosmos3_requests_total{outcome="rejected"}` with this model's labels (outcomes.py; published by a thread of its own
+every 0.2 s). Its execute reads a few marks and counts the tickets once per batch, then touches one file per admitted
+request: its own Triton queue (bounded by the config's queue policy) holds at most what arrived during one execute, so
+the answer comes within milliseconds of arrival.
 
 Imports no torch: the stub of this step starts in well under a second. Only imported inside a Triton Python stub.
 """
@@ -13,6 +15,7 @@ Imports no torch: the stub of this step starts in well under a second. Only impo
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +26,7 @@ import yaml
 from ..errors import DRAINING, OVER_CAPACITY, down_mark, part_restarting
 from .admission import Tickets, tickets_dir
 from .cancel import CancelMarks
+from .outcomes import Outcomes
 
 
 class AdmitModel:
@@ -36,25 +40,40 @@ class AdmitModel:
         self.marks = CancelMarks(deployment["cancel_dir"])
         self.tickets = Tickets(tickets_dir(deployment["cancel_dir"]))
         self.tickets.clear("door")  # those of a dead incarnation; a live request is counted again by the engine
-        self._family = pb_utils.MetricFamily(
-            name="cosmos3_requests_total", description="Requests ended, by outcome", kind=pb_utils.MetricFamily.COUNTER
-        )
-        labels = {"model": args["model_name"], "instance": args["model_instance_name"], "outcome": "rejected"}
-        self.rejected = self._family.Metric(labels=labels)
+        # counted in execute, handed to Triton by a thread: a metric update is a round trip to the server, which a
+        # refusal must not wait for
+        self.outcomes = Outcomes({"model": args["model_name"], "instance": args["model_instance_name"]}, ("rejected",))
+        self._stop = threading.Event()
+        self._publisher = threading.Thread(target=self._publish, name="cosmos3-door-metrics", daemon=True)
+        self._publisher.start()
 
     def execute(self, requests: list[Any]) -> list[Any]:
-        return [self._one() for _ in requests]
+        """One answer for the whole batch (the arrivals queued during the previous execute), in arrival order."""
+        refusal = self._refusal()
+        tickets = [] if refusal else self.tickets.take(self.max_queue, len(requests))
+        responses = []
+        for i in range(len(requests)):
+            if i < len(tickets):
+                out = pb_utils.Tensor("ticket", np.array([[tickets[i].encode().encode()]], dtype=np.object_))
+                responses.append(pb_utils.InferenceResponse(output_tensors=[out]))  # a batch of one
+            else:
+                self.outcomes.count("rejected")
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(refusal or OVER_CAPACITY)))
+        return responses
 
-    def _one(self) -> Any:
+    def _refusal(self) -> str | None:
+        """Why every request now is refused whatever the queue, or None."""
         # a part the supervisor reloads (docs/operations.md): Triton would send the request to its dead instance
         down = next((p for p in ("prefill", "denoise", "vae_decode") if self.marks.is_marked(down_mark(p))), None)
         if down is not None:
-            self.rejected.increment(1)
-            return pb_utils.InferenceResponse(error=pb_utils.TritonError(part_restarting(down)))
-        ticket = None if self.marks.is_draining() else self.tickets.take(self.max_queue)
-        if ticket is None:
-            self.rejected.increment(1)
-            message = DRAINING if self.marks.is_draining() else OVER_CAPACITY
-            return pb_utils.InferenceResponse(error=pb_utils.TritonError(message))
-        out = pb_utils.Tensor("ticket", np.array([[ticket.encode().encode()]], dtype=np.object_))  # a batch of one
-        return pb_utils.InferenceResponse(output_tensors=[out])
+            return part_restarting(down)
+        return DRAINING if self.marks.is_draining() else None
+
+    def _publish(self) -> None:
+        while not self._stop.wait(0.2):
+            self.outcomes.publish()
+
+    def finalize(self) -> None:
+        self._stop.set()
+        self._publisher.join(5)
+        self.outcomes.publish()
