@@ -165,10 +165,15 @@ class TritonSink:
         final: bool,
         sound: Any = EMPTY_SOUND,
         actions: Any = EMPTY_ACTIONS,
+        as_error: str | None = None,
     ) -> None:
+        """`as_error`: send this Triton error instead of the event."""
         if self.tickets is not None:
             self.tickets.release(self.meta.id)
             self.tickets = None
+        if as_error is not None:
+            self.responder.send(self.sender, lambda: error_response(as_error), final)
+            return
         self.responder.send(self.sender, lambda: latents_response(latents, event, sound, actions), final)
 
     def progress(self, step: int, steps: int, window: int, windows: int) -> None:
@@ -199,7 +204,10 @@ class TritonSink:
         event: ErrorEvent = {"type": "error", "id": self.meta.id if self.meta else "", "message": message}
         if self.outcomes is not None and not (self.meta and decode_failures(self.marks).is_marked(self.meta.id)):
             self.outcomes.count(outcome or ("cancelled" if self.cancel_seen else "failed"))
-        self._send(EMPTY_LATENTS, event, final=True)
+        # while vae_decode is down the event's decode step would reach the dead instance, which Triton answers in its
+        # own words, a second later: say it here (the request's decode step died with the instance: it is lost anyway)
+        direct = message if self.marks.is_marked(down_mark("vae_decode")) else None
+        self._send(EMPTY_LATENTS, event, final=True, as_error=direct)
         self._forget()
 
     def cancelled(self) -> bool:
