@@ -96,8 +96,8 @@ class DenoiseEngine:
         self.warmup_parts: dict[str, float] = {}  # seconds per part of the last warmup (the server logs them)
         self.model = ckpt.load_transformer({GEN}, device, dtype)
         self.fp8_policy = ckpt.fp8.policy if ckpt.fp8 is not None else None
-        if lora is not None and (parallel is not None or compile):
-            raise ValueError("lora_dir: adapters need a single-GPU denoise without compile")
+        if lora is not None and parallel is not None:
+            raise ValueError("lora_dir: adapters need a single-GPU denoise (parallel cfg and ulysses must be 1)")
         self.loras = open_store(lora, ckpt, self.model)
         kernels = GenKernels.compiled() if compile else EAGER
         if parallel is None:

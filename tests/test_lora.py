@@ -217,7 +217,6 @@ def test_config_refuses_what_adapters_are_not_served_with(tmp_path, loras):
     import yaml
 
     for extra, words in [
-        ({"compile": True}, "lora_dir: adapters are not served with compile"),
         ({"precision": "fp8"}, "lora_dir: adapters are not served with precision fp8"),
         ({"parallel": {"cfg": 2}}, "lora_dir: adapters need a single-GPU denoise"),
         ({"lora_dir": str(tmp_path / "missing")}, "lora_dir:"),
@@ -284,3 +283,11 @@ def test_bucketed_layout_with_adapters_equals_exact(gen):
         assert len(engine.step.layouts) == 1  # one bucket served both mixes (SDPA's key: the same prefixes)
     finally:
         engine.step = exact
+
+
+def test_compiled_kernels_with_adapters_equal_eager(nano_ckpt, loras, gen):
+    """`compile: true`: the compiled GEN kernels take the pack's adapters (compiled, the delta is the dense form)."""
+    compiled = Generator(Deployment(checkpoint=str(nano_ckpt), device="cpu", dtype="float32", compile=True,
+                                    lora_dir=str(loras), max_loras=3, max_lora_rank=8))  # fmt: skip
+    params = {**T2V, "seed": 11, "lora": {"name": "both", "scale": 0.5}}
+    assert rel_l2(compiled.latents(PROMPT, params), gen.latents(PROMPT, params)) < 1e-5

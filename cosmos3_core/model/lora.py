@@ -157,9 +157,11 @@ def dense_delta(y: torch.Tensor, x: torch.Tensor, lin: nn.Module, rows: AdapterR
 
 
 def adapted(lin: nn.Module, x: torch.Tensor, a16_rows: int, rows: AdapterRows | None) -> torch.Tensor:
-    """`fp8.linear(lin, x, a16_rows)` plus the rows' adapter deltas (CUDA: `dense_delta`, else `grouped_delta`);
-    exactly `fp8.linear` when `rows` is None or the linear has no slots (the pool covers the adaptable linears)."""
+    """`fp8.linear(lin, x, a16_rows)` plus the rows' adapter deltas (eager on the CPU: `grouped_delta`; on CUDA or
+    compiled: `dense_delta` — grouped_mm's compile-time kernel takes bf16 only); exactly `fp8.linear` when `rows` is
+    None or the linear has no slots (the pool covers the adaptable linears)."""
     y = linear(lin, x, a16_rows)
     if rows is None or not hasattr(lin, "lora_A"):
         return y
-    return (dense_delta if x.is_cuda else grouped_delta)(y, x, lin, rows)
+    dense = x.is_cuda or torch.compiler.is_compiling()
+    return (dense_delta if dense else grouped_delta)(y, x, lin, rows)
