@@ -3,7 +3,7 @@ concurrent t2v / i2v / action requests on three adapters — one on the generati
 scales 1 and 0.5 — equal the offline Generator's on the same deployment bit for bit (same code, device and dtype;
 the offline path is checked against diffusers in test_lora.py), a third adapter waiting for a slot instead of
 evicting one in use; `done.params` echoes `lora`; the client's `--lora NAME --lora-scale S`; bad input naming its
-field, the server serving the next request."""
+field, the server serving the next request; an adapter added while serving."""
 
 from __future__ import annotations
 
@@ -120,12 +120,15 @@ BAD = [  # (parameters.lora, the error's start)
 ]
 
 
-def test_bad_lora_input_named_and_the_server_serves_on(lora_server):
+def test_bad_lora_input_named_and_the_server_serves_on(lora_server, deployment, action_ckpt, offline):
     for value, message in BAD:
         params = json.dumps({"num_frames": 1, "steps": 1, "lora": value})  # NaN as JSON's NaN token
         with pytest.raises(ServerError) as e:
             generate(lora_server.url, PROMPT, params)
         assert message in str(e.value), (value, str(e.value))
         assert lora_server.alive()
-    ok = generate(lora_server.url, PROMPT, {"num_frames": 1, "steps": 1, "lora": {"name": "gen"}})
-    assert ok.video.shape[0] == 1 and lora_server.alive()
+    # and an adapter added while serving is served, no restart
+    make_lora(action_ckpt, f"{deployment.lora_dir}/added_later", rank=2, targets=("und", "add_v_proj"), seed=9)
+    params = {"num_frames": 1, "steps": 1, "lora": {"name": "added_later"}}
+    ok = generate(lora_server.url, PROMPT, params)
+    assert np.array_equal(ok.video, offline.frames(PROMPT, params)) and lora_server.alive()
