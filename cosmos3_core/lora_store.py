@@ -127,7 +127,7 @@ def read_adapter(name: str, path: Path, shapes: dict[str, tuple[str, int, int]],
     if not pairs:
         raise RequestError("lora", f"{name}: no LoRA weights in {path.name}")
     r0, alpha0 = config.get("r"), config.get("lora_alpha")
-    modules, rank = {}, 0
+    modules = {}
     for module, ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
             raise RequestError("lora", f"{name}: {module} has lora_{''.join(ab)} but not both lora_A and lora_B")
@@ -159,8 +159,7 @@ def read_adapter(name: str, path: Path, shapes: dict[str, tuple[str, int, int]],
         if not math.isfinite(scaling):
             raise RequestError("lora", f"{name}: {module}'s lora_alpha / r is not finite")
         modules[module] = (a.contiguous(), (b * scaling).contiguous())
-        rank = max(rank, r)
-    return Adapter(name, modules, rank)
+    return Adapter(name, modules)
 
 
 class LoraStore:

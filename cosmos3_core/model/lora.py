@@ -47,7 +47,7 @@ ADAPTABLE: dict[str, tuple[str, ...]] = {
     "gen": ("self_attn.add_q_proj", "self_attn.add_k_proj", "self_attn.add_v_proj", "self_attn.to_add_out",
             "mlp_moe_gen.gate_proj", "mlp_moe_gen.up_proj", "mlp_moe_gen.down_proj"),
 }  # fmt: skip
-RANK_ALIGN = 8  # grouped GEMM on CUDA: every dimension a multiple of 16 bytes
+RANK_ALIGN = 8  # GEMMs on CUDA: every dimension a multiple of 16 bytes
 
 
 def adaptable_shapes(cfg: ModelConfig) -> dict[str, tuple[str, int, int]]:
@@ -75,7 +75,6 @@ class Adapter:
 
     name: str
     modules: dict[str, tuple[torch.Tensor, torch.Tensor]]
-    rank: int  # the largest r over its modules
 
     def towers(self, shapes: dict[str, tuple[str, int, int]]) -> set[str]:
         return {shapes[m][0] for m in self.modules}
@@ -132,9 +131,6 @@ class AdapterPool:
                 r = a.shape[0]
                 lin.lora_A[slot, :r].copy_(a)
                 lin.lora_B[slot, :r].copy_(b.t())
-
-    def bytes(self) -> int:
-        return sum(lin.lora_A.nbytes + lin.lora_B.nbytes for lin in self.linears.values())
 
 
 def grouped_delta(y: torch.Tensor, x: torch.Tensor, lin: nn.Module, rows: AdapterRows) -> torch.Tensor:
