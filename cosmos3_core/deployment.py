@@ -53,8 +53,6 @@ def _check_lora(raw: dict[str, Any], parallel: ParallelConfig, where: str) -> No
     raw["lora_dir"] = str(Path(lora_dir).resolve())  # the rendered deployment's stages may run elsewhere
     if parallel.denoise_ranks > 1:
         raise ValueError(f"{where}: lora_dir: adapters need a single-GPU denoise (parallel cfg and ulysses must be 1)")
-    if raw.get("precision", "checkpoint") == "fp8":
-        raise ValueError(f"{where}: lora_dir: adapters are not served with precision fp8 yet")
 
 
 @dataclass(frozen=True)
@@ -103,7 +101,8 @@ class Deployment:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     # LoRA adapters chosen per request (`parameters.lora`, docs/lora.md): each subfolder of lora_dir is one, as
     # transformer.save_lora_adapter writes it; max_loras resident at once (least recently used out, never one a live
-    # request uses), each of rank ≤ max_lora_rank. "": none. Not with FP8 or a parallel denoise (refused)
+    # request uses), each of rank ≤ max_lora_rank. "": none. FP8: the delta in the activation dtype over the FP8 base.
+    # Not with a parallel denoise (refused)
     lora_dir: str = ""
     max_loras: int = 4
     max_lora_rank: int = 64

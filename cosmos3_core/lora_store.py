@@ -228,11 +228,9 @@ class LoraStore:
 
 def open_store(settings: LoraSettings | None, ckpt: Checkpoint, model: nn.Module) -> LoraStore | None:
     """The adapter store of a stage's model (None without `lora_dir`); what adapters cannot be served with yet is
-    refused here, naming the setting."""
+    refused here, naming the setting. FP8 layer linears take the delta in the activation dtype over their output."""
     if settings is None:
         return None
-    if ckpt.fp8 is not None:
-        raise ValueError("lora_dir: adapters are not served over FP8 linears yet (precision / an FP8 checkpoint)")
     if model.device.type == "cuda" and model.dtype != torch.bfloat16:
         raise ValueError(f"lora_dir: adapters on CUDA need dtype bfloat16 (grouped GEMM); got {model.dtype}")
     pool = AdapterPool(model, settings.max_loras, settings.max_lora_rank)

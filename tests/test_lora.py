@@ -7,6 +7,7 @@ error naming its field, the next request served; the maths alone (grouped deltas
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -217,7 +218,6 @@ def test_config_refuses_what_adapters_are_not_served_with(tmp_path, loras):
     import yaml
 
     for extra, words in [
-        ({"precision": "fp8"}, "lora_dir: adapters are not served with precision fp8"),
         ({"parallel": {"cfg": 2}}, "lora_dir: adapters need a single-GPU denoise"),
         ({"lora_dir": str(tmp_path / "missing")}, "lora_dir:"),
         ({"max_loras": 0}, "max_loras:"),
@@ -291,3 +291,37 @@ def test_compiled_kernels_with_adapters_equal_eager(nano_ckpt, loras, gen):
                                     lora_dir=str(loras), max_loras=3, max_lora_rank=8))  # fmt: skip
     params = {**T2V, "seed": 11, "lora": {"name": "both", "scale": 0.5}}
     assert rel_l2(compiled.latents(PROMPT, params), gen.latents(PROMPT, params)) < 1e-5
+
+
+def test_fp8_base_with_adapters(nano_ckpt, loras, tmp_path):
+    """`precision: fp8`: the adapter's delta, in the activation dtype, over the FP8 linears. W8A16 (2 steps, inside
+    the official first / last windows) equals the adapter over a 16-bit checkpoint of the dequantized weights (what
+    W8A16 computes); a pack of W8A16 and W8A8 rows with adapters equals each request alone, bit for bit."""
+    from safetensors.torch import load_file
+
+    from cosmos3_core.model.checkpoint import Checkpoint
+    from cosmos3_core.model.fp8 import Fp8Linear, dequantize
+    from cosmos3_core.model.layers import GEN, UND
+
+    shutil.copytree(nano_ckpt, tmp_path / "dequantized")
+    weights = tmp_path / "dequantized" / "transformer" / "diffusion_pytorch_model.safetensors"
+    state = load_file(weights)
+    fp8 = Checkpoint.open(nano_ckpt, "fp8").load_transformer({UND, GEN}, "cpu", torch.float32)
+    for name, m in fp8.named_modules():
+        if isinstance(m, Fp8Linear):
+            state[name + ".weight"] = dequantize(m.weight, m.weight_scale, torch.float32)
+    save_file(state, weights)
+
+    def generator(ckpt: Path, **kw) -> Generator:
+        return Generator(Deployment(checkpoint=str(ckpt), device="cpu", dtype="float32", lora_dir=str(loras),
+                                    max_loras=3, max_lora_rank=8, **kw))  # fmt: skip
+
+    ours = generator(nano_ckpt, precision="fp8", fp8_policy={"reasoner": "a16"})
+    params = {**T2V, "lora": {"name": "both", "scale": 0.5}}
+    ref = generator(tmp_path / "dequantized").latents(PROMPT, params)
+    assert rel_l2(ours.latents(PROMPT, params), ref) <= 1e-5
+    mixed = [{**T2V, "steps": 7, "lora": {"name": "both"}}, {**T2V, "steps": 4, "seed": 5, "lora": {"name": "mlp"}}]
+    packed = ours.run_together([ours.prefill.run(ours.prefill.validate(PROMPT, p, None), None) for p in mixed])
+    assert ours.engine.stats.max_requests_in_tick == 2
+    for p, r in zip(mixed, packed):  # the 4th tick: the 7-step request's W8A8 row beside the other's W8A16 row
+        assert torch.equal(r.latents, ours.latents(PROMPT, p))
