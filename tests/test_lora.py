@@ -103,20 +103,22 @@ def test_both_towers_adapter_at_half_scale_i2v_matches_diffusers(gen, loras, pip
 
 
 def test_action_request_adapter_matches_diffusers(action_ckpt, tmp_path):
+    """A policy request with sound: vision latents, actions and the waveform."""
     from tests.test_action import CASES, cli_args, inputs_of, reference
 
     make_lora(action_ckpt, tmp_path / "loras" / "robot", rank=4, targets=("gen", "und"), seed=7, std=0.2)
-    case = CASES[0]  # policy, an image, a 10-wide domain
+    case = CASES[-1]  # policy, an image, a 9-wide domain, with sound
     image, clip, raw = inputs_of(case)
     args = cli_args(action_ckpt, "configs/tiny.yaml", case, tmp_path, image, clip, raw, steps=2)
     args[args.index("--config") + 1] = _roomy_config(tmp_path)
     assert main([*args, "--lora", str(tmp_path / "loras" / "robot"), "--lora-scale", "0.8"]) == 0
     pipe = reference_pipeline(action_ckpt)
-    ref_v, ref_a, _ = with_adapter(
+    ref_v, ref_a, ref_s = with_adapter(
         pipe, tmp_path / "loras" / "robot", 0.8, lambda: reference(pipe, case, image, clip, raw, steps=2)
     )
     assert rel_l2(torch.load(tmp_path / "v.pt"), ref_v) <= 1e-4
     assert rel_l2(torch.load(tmp_path / "a.pt"), ref_a) <= 1e-4
+    assert rel_l2(torch.load(tmp_path / "s.pt"), ref_s) <= 1e-4
 
 
 def _roomy_config(tmp_path: Path) -> str:
