@@ -76,6 +76,11 @@ class Supervised:
             raise RuntimeError(f"expected one {model_of(part)} stub, found {pids}")
         return int(pids[0])
 
+    def gauge(self, name: str) -> float:
+        """A cosmos3_* sample summed over its instances."""
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics}/metrics", timeout=5).read().decode()
+        return sum(float(v) for v in re.findall(rf"^{name}\{{[^}}]*\}} (\S+)$", text, re.M))
+
     def restarts(self) -> dict[str, float]:
         text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics}/metrics", timeout=5).read().decode()
         return {m[0]: float(m[1]) for m in re.findall(r'^cosmos3_restarts_total\{part="(\w+)"\} (\S+)$', text, re.M)}
@@ -95,16 +100,17 @@ class Supervised:
 class InFlight:
     """One request in a thread: `started` is set at its first progress event; then `result` or `error` and `t_end`."""
 
-    def __init__(self, url: str, params: dict, seed: int):
+    def __init__(self, url: str, params: dict, seed: int, prompt: str | None = None):
         self.started = threading.Event()
         self.result = self.error = None
         self.t_end: float | None = None
-        self.thread = threading.Thread(target=self._run, args=(url, params, seed), daemon=True)
+        prompt = prompt or f"a red fox, take {seed}"
+        self.thread = threading.Thread(target=self._run, args=(url, prompt, params, seed), daemon=True)
         self.thread.start()
 
-    def _run(self, url: str, params: dict, seed: int) -> None:
+    def _run(self, url: str, prompt: str, params: dict, seed: int) -> None:
         try:
-            self.result = generate(url, f"a red fox, take {seed}", {**params, "seed": seed},
+            self.result = generate(url, prompt, {**params, "seed": seed},
                                    on_event=lambda e, f: self.started.set(), timeout_s=300)  # fmt: skip
         except ServerError as e:
             self.error = str(e)
@@ -112,12 +118,24 @@ class InFlight:
         self.started.set()
 
 
-def kill_part(server: Supervised, part: str, steps: int, seed: int, back_timeout_s: float) -> dict:
-    """SIGKILL `part`'s stub while a request is being denoised; what the operator and the client saw."""
+def kill_part(
+    server: Supervised, part: str, steps: int, seed: int, back_timeout_s: float, queued_prompt: str | None = None
+) -> dict:
+    """SIGKILL `part`'s stub while a request is being denoised; what the operator and the client saw. With
+    `queued_prompt`: two requests of it, the second waiting in the engine's queue for K/V pages at the kill (the
+    prompt must be long enough that two overrun the pool, short enough that one fits)."""
     before = server.restarts().get(part, 0.0)
-    req = InFlight(server.url, {"steps": steps}, seed)
+    req = InFlight(server.url, {"steps": steps}, seed, queued_prompt)
     if not req.started.wait(120) or req.t_end is not None:
         raise RuntimeError(f"the request did not start denoising: {req.error}")
+    waiting = None
+    if queued_prompt is not None:
+        waiting = InFlight(server.url, {"steps": steps}, seed + 1, queued_prompt)
+        deadline = time.monotonic() + 60
+        while server.gauge("cosmos3_queue_depth") < 1:
+            if time.monotonic() > deadline or waiting.t_end is not None:
+                raise RuntimeError(f"the second request did not wait in the engine's queue: {waiting.error}")
+            time.sleep(0.05)
     pid = server.stub(part)
     t_kill = time.monotonic()
     os.kill(pid, signal.SIGKILL)
@@ -134,6 +152,11 @@ def kill_part(server: Supervised, part: str, steps: int, seed: int, back_timeout
         "in_flight": f"error: {req.error}" if req.error is not None else "finished",
         "in_flight_end_s": round(req.t_end - t_kill, 2) if req.t_end is not None else None,
     }
+    if waiting is not None:
+        waiting.thread.join(30)
+        out["queued"] = "no answer within 30 s" if waiting.t_end is None else (
+            f"error: {waiting.error}" if waiting.error is not None else "finished")  # fmt: skip
+        out["queued_end_s"] = round(waiting.t_end - t_kill, 2) if waiting.t_end is not None else None
     while True:  # service back: readiness, then one small request served
         elapsed = time.monotonic() - t_kill
         if elapsed > back_timeout_s:

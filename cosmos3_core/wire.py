@@ -24,7 +24,7 @@ from .requests import GenerationParams
 if TYPE_CHECKING:  # the client reads events through this module without importing torch
     import torch
 
-EVENT_TYPES = ("progress", "chunk", "done", "error")
+EVENT_TYPES = ("progress", "chunk", "done", "error", "accepted")
 
 
 class ProgressEvent(TypedDict):
@@ -76,7 +76,16 @@ class ErrorEvent(TypedDict):
     message: str
 
 
-Event = ProgressEvent | ChunkEvent | ErrorEvent
+class AcceptedEvent(TypedDict):
+    """Server-internal, never sent to a client: the denoise model took the request. vae_decode answers nothing for it
+    but holds its step (triton/glue.DecodeLoop), so that a process besides denoise holds every request denoise holds
+    and can answer for it should denoise die."""
+
+    type: Literal["accepted"]
+    id: str
+
+
+Event = ProgressEvent | ChunkEvent | ErrorEvent | AcceptedEvent
 
 
 def encode_event(event: Event) -> str:

@@ -44,13 +44,17 @@ def tritonserver_pid(server: Supervised) -> int:
 @pytest.mark.parametrize("part", ["denoise", "vae_decode", "prefill"])
 def test_dead_part_is_seen_answered_and_reloaded(healing, part):
     pid = tritonserver_pid(healing)
-    r = kill_part(healing, part, STEPS, seed=7, back_timeout_s=90)
+    # denoise: a second request waits in the engine's queue (two of these prompts overrun the 64-page pool)
+    queued = "x " + "word " * 45 if part == "denoise" else None
+    r = kill_part(healing, part, STEPS, seed=7, back_timeout_s=90, queued_prompt=queued)
     print(r)
     assert r["readiness_false_s"] < 2.0 and r["readiness"] == f"503 {errors.part_restarting(part)}", r
     if part == "prefill":  # the request was past prefill: its remaining steps are alive
         assert r["in_flight"] == "finished", r
     else:
         assert r["in_flight"] == f"error: {errors.part_died(part)}" and r["in_flight_end_s"] < 5.0, r
+    if queued:  # it had sent nothing yet: vae_decode held its `accepted` step
+        assert r["queued"] == f"error: {errors.part_died(part)}" and r["queued_end_s"] < 5.0, r
     assert r["served_again_s"] is not None, r
     assert r["restarts_total"] == 1 and tritonserver_pid(healing) == pid, r  # the part alone, not the server
 

@@ -153,6 +153,7 @@ class DenoiseModel:
                     input_torch(request, "cond_latent"),
                     input_torch(request, "cond_actions"),
                 )
+                sink.accepted()  # before the engine may send: vae_decode holds a step of it from now on
                 self.engine.submit(result, sink)
             except QueueFull as e:
                 self._reject(request, sink, str(e), "rejected")

@@ -27,7 +27,7 @@ from ..engine import DenoiseEngine, EngineBroken
 from ..errors import down_mark, drain_timeout, part_died, part_restarting, part_stopped
 from ..requests import RequestError
 from ..stages import DecodeStage
-from ..wire import ChunkEvent, ChunkInfo, ErrorEvent, Event, RequestMeta, decode_event, encode_event
+from ..wire import AcceptedEvent, ChunkEvent, ChunkInfo, ErrorEvent, Event, RequestMeta, decode_event, encode_event
 from .admission import Tickets
 from .cancel import CancelMarks
 from .outcomes import AT_DECODE, AT_DENOISE, Outcomes, decode_failures
@@ -176,6 +176,12 @@ class TritonSink:
             return
         self.responder.send(self.sender, lambda: latents_response(latents, event, sound, actions), final)
 
+    def accepted(self) -> None:
+        """Before the engine may send anything: vae_decode holds this step (wire.AcceptedEvent). Not the request's
+        first word: it still waits, its ticket is kept."""
+        event: AcceptedEvent = {"type": "accepted", "id": self.meta.id}
+        self.responder.send(self.sender, lambda: latents_response(EMPTY_LATENTS, event), final=False)
+
     def progress(self, step: int, steps: int, window: int, windows: int) -> None:
         self._send(EMPTY_LATENTS, self.meta.progress(step, steps, window, windows), final=False)
 
@@ -258,8 +264,9 @@ class DecodeLoop:
     A cancelled request marks its id for the engine (cancel.py) and drops its decoder cache. It counts the requests
     that end here: completed, a piece that did not decode, a client gone after the engine's last step (outcomes.py).
 
-    A stream's latest progress (or mid-stream chunk) keeps its FINAL back until the stream's next event: while
-    denoise works on a request, this process holds one of its steps too, so that when the denoise stub dies (the
+    A stream's latest step keeps its FINAL back until the stream's next event (from the engine's `accepted`, which
+    is answered with nothing, then each progress or mid-stream chunk): while denoise holds a request, this process
+    holds one of its steps too, so that when the denoise stub dies (the
     supervisor marks it down) the request still gets an error, from here. Triton 2.51 answers nothing for a dead
     decoupled stub's requests."""
 
@@ -287,6 +294,9 @@ class DecodeLoop:
                 stream = None
             if stream is not None and (held := self.held.pop(stream["id"], None)) is not None:
                 self.responder.send(held, lambda: None, final=True)  # its previous step is done now
+            if stream is not None and stream["type"] == "accepted":  # held, answered with nothing
+                self.held[stream["id"]] = sender
+                continue
             build = self._launch(request)
             keep = stream is not None and stream["type"] in ("progress", "chunk") and stream["id"] not in self.failed
             keep = keep and not request.is_cancelled()
