@@ -57,7 +57,8 @@ ROWS = {  # row → (request kind for bench.served.variant_request, extra parame
 }
 STEPS, SEA_STEPS = 2, 4
 FRAMES = 33  # t2v / i2v / sound requests: the paths at a fraction of 121 frames' decode (AR and action set their own)
-SEA = {"cache": {"policy": "sea"}}
+# SeaCache that reuses every step its gate allows (steps 1 and 2 of 4): the reuse path runs, not only the recording
+SEA = {"cache": {"policy": "sea", "threshold": 1e9, "retention_steps": 1, "cache_end_steps": 1}}
 PACK_TOL = 0.05  # relative L2 of a packed request's frames against its solo run's (bf16, random weights)
 
 

@@ -110,6 +110,7 @@ class Deployment:
     @property
     def lora(self) -> LoraSettings | None:
         return LoraSettings(self.lora_dir, self.max_loras, self.max_lora_rank) if self.lora_dir else None
+
     # the guardrail (safety.py): cosmos (NVIDIA's, as diffusers runs it: prompt, then every piece of frames), none, or
     # module:callable (a factory returning a checker). Not given: none; the configs of real checkpoints say cosmos
     safety_checker: str = "none"

@@ -34,7 +34,10 @@ from .wire import PrefillResult
 
 __all__ = ["DenoiseEngine", "EngineBroken", "QueueFull", "Sink"]
 
-BUCKET_PAD_WARN = 0.10  # a given bucket list that pads a warmup request's pack by more is warned about at load
+MAX_FAILED_TICKS = 3  # packed forwards in a row that may fail (and heal) before the engine gives up
+# a given bucket list that pads a warmup request's pack by more is warned about at load; derived buckets take a pack
+# only if they pad it by at most this (smaller requests keep exact layouts)
+BUCKET_PAD_WARN = 0.10
 
 
 class EngineBroken(RuntimeError):
@@ -91,6 +94,7 @@ class DenoiseEngine:
         the adapters requests may choose (lora_store.py), in a pool of device slots on the GEN tower's linears."""
         cfg = self.cfg = ckpt.config
         self.derive_buckets = graph_buckets is None
+        self.failed_ticks = 0  # packed forwards that raised since the last one that ran (`_heal`)
         graph_buckets = graph_buckets or ()
         self.device, self.dtype = device, dtype
         self.warmup_parts: dict[str, float] = {}  # seconds per part of the last warmup (the server logs them)
@@ -136,8 +140,10 @@ class DenoiseEngine:
             attention=d.attention,
             cuda_graphs=d.cuda_graphs,
             parallel=DenoiseParallel(group) if group is not None and d.parallel.denoise_ranks > 1 else None,
-            # without graphs, padding only costs; None (not given): the warmup derives them
-            graph_buckets=(None if d.graph_buckets is None else tuple(d.graph_buckets)) if d.cuda_graphs else (),
+            # without graphs (or captures), padding only costs; None (not given): the warmup derives them
+            graph_buckets=(None if d.graph_buckets is None else tuple(d.graph_buckets))
+            if d.cuda_graphs and d.max_captures
+            else (),
             max_captures=d.max_captures,
             fp8_attention=d.fp8_attention,
             lora=d.lora,
@@ -156,6 +162,7 @@ class DenoiseEngine:
         except Exception as e:  # noqa: BLE001 - a fault of the tick: its requests end, the engine heals
             self._heal(jobs, e)
             return 0
+        self.failed_ticks = 0
         stats = self.scheduler.stats
         stats.ticks += 1
         stats.request_steps += len(jobs)
@@ -167,22 +174,26 @@ class DenoiseEngine:
     def _heal(self, jobs: list[Job], error: Exception) -> None:
         """A packed forward raised (out of memory, a CUDA or kernel error, an injected fault): each of its requests
         ends with one error, the step drops every layout and graph (nothing the failed pass touched is reused), and
-        the next tick runs eagerly into fresh layouts. A device left unusable (a sticky CUDA error) raises
-        `EngineBroken`: no later request could be served in this process."""
+        the next tick runs eagerly into fresh layouts. `EngineBroken` instead (the host restarts the engine, and
+        ends every request with its cause) when the device is left unusable (a sticky CUDA error) or when
+        MAX_FAILED_TICKS ticks in a row failed: an engine that fails every request must not stay up."""
         first = str(error).splitlines()[0] if str(error) else ""
-        self.scheduler.fail_jobs(jobs, f"denoise step failed ({type(error).__name__}: {first}); the request was "
-                                       "ended, the engine recovered and serves new requests; retry")  # fmt: skip
-        self.scheduler.stats.tick_failures += 1
+        cause = f"{type(error).__name__}: {first}"
+        self.failed_ticks += 1
         try:
-            reset = getattr(self.step, "reset", None)
-            if reset is not None:
-                reset()
+            self.step.reset()
             if self.device.startswith("cuda"):  # a sticky error shows on any later work
                 torch.ones(1, device=self.device).add_(1).item()
         except Exception as e:  # noqa: BLE001
-            raise EngineBroken(f"the denoise device is unusable after a failed step ({type(e).__name__}: {e})") from e
-        print(f"cosmos3: a denoise step failed and the engine recovered ({len(jobs)} requests ended): "
-              f"{type(error).__name__}: {first}", file=sys.stderr)  # fmt: skip
+            raise EngineBroken(f"the denoise device is unusable after a failed step ({cause}; then "
+                               f"{type(e).__name__}: {e})") from e  # fmt: skip
+        if self.failed_ticks >= MAX_FAILED_TICKS:
+            raise EngineBroken(f"{self.failed_ticks} denoise steps in a row failed (the last: {cause})") from error
+        self.scheduler.fail_jobs(jobs, f"denoise step failed ({cause}); the request was ended, the engine "
+                                       "recovered and serves new requests; retry")  # fmt: skip
+        self.scheduler.stats.tick_failures += 1
+        print(f"cosmos3: a denoise step failed and the engine recovered ({len(jobs)} requests ended): {cause}",
+              file=sys.stderr)  # fmt: skip
 
     def _row(self, job: Job) -> Row:
         patch, steps = self.cfg.latent_patch_size, len(job.timesteps)
@@ -277,7 +288,7 @@ class DenoiseEngine:
         if step is not None:
             shapes, step.row_shapes = step.row_shapes or set(), None
             if bucketed and self.derive_buckets:
-                step.buckets = derive_buckets(shapes)
+                step.buckets, step.pad_limit = derive_buckets(shapes), BUCKET_PAD_WARN
                 print(f"cosmos3: graph_buckets derived from warmup_requests: {list(step.buckets)}", file=sys.stderr)
                 t_captures += self._capture_buckets()
             elif bucketed and step.buckets:
@@ -289,6 +300,7 @@ class DenoiseEngine:
         if self.device.startswith("cuda"):
             torch.cuda.synchronize()
         self.scheduler.stats = EngineStats()  # serving counts start after warmup
+        faults.restart_counts()
         total = time.perf_counter() - t0
         self.warmup_parts = {"bucket captures": t_captures, "requests": total - t_captures}
         return total

@@ -4,9 +4,9 @@
                           this gives served tests the step time of a real model)
   fail_step_seed=<int>    a request with this seed raises inside its denoise step (fails that request only)
   fail_decode_seed=<int>  a request with this seed raises in vae_decode's send thread, on its last piece
-  fail_forward=<int>      the n-th packed denoise forward of the process (1: the first) raises, once (a fault of
-                          the tick, not of one request: the engine must fail that tick's requests and heal)
-  fail_capture=<int>      the n-th CUDA graph capture of the process raises inside the capture, once (the layout
+  fail_forward=<int>      the n-th packed denoise forward after the warmup (1: the first served) raises, once (a
+                          fault of the tick, not of one request: the engine must fail that tick's requests and heal)
+  fail_capture=<int>      the n-th CUDA graph capture after the warmup raises inside the capture, once (the layout
                           must run that step eagerly and never capture again)
 
 Read once at import; production servers never set it.
@@ -43,6 +43,11 @@ def _nth(kind: str, n: int | None) -> None:
     _counts[kind] += 1
     if _counts[kind] == n:
         raise InjectedFault(f"injected fault in {kind} {n}")
+
+
+def restart_counts() -> None:
+    """The engine's warmup ends: `fail_forward` / `fail_capture` count served work from here."""
+    _counts.update(dict.fromkeys(_counts, 0))
 
 
 def maybe_fail_forward() -> None:

@@ -86,6 +86,9 @@ class DenoiseStep:
         self.captures = 0  # graphs captured so far (replaced or dropped ones too)
         # when a set: each running row's (rows, sound, action, branches) is added (the warmup derives buckets so)
         self.row_shapes: set[tuple[int, int, int, int]] | None = None
+        # a pack runs in a bucket only if that pads it by at most this share (None: any bucket it fits). Derived
+        # buckets set it: smaller requests than the warmup's keep exact layouts rather than compute padding
+        self.pad_limit: float | None = None
 
     def reset(self) -> None:
         """After a failed forward: drop every layout and its graph, and start a new graph memory pool, so nothing a
@@ -116,7 +119,9 @@ class DenoiseStep:
         sound, action = sum(s.sound for s in segments), sum(s.action for s in segments)
         need = bucket_rows_needed(total, sound, action)
         rows = next((b for b in self.buckets if b >= need), None)
-        return None if rows is None else (rows, _pow2(sound), _pow2(action))
+        if rows is None or (self.pad_limit is not None and rows > need * (1 + self.pad_limit)):
+            return None
+        return rows, _pow2(sound), _pow2(action)
 
     def layout(self, rows: list[Row]) -> tuple[StepLayout, list[Segment]]:
         """`rows`: W8A16 rows first (see `__call__`)."""

@@ -490,5 +490,5 @@ def test_fp8_warmup_compiles_w8a16_w8a8_and_mixed_layouts(fp8_ckpts):
     took = engine.warmup([prefill.validate("warmup", {"steps": 20}, None)])
     assert {tuple(row[-1] for row in key[0]) for key in engine.step.layouts} == {(True, False), (True,), (False,)}
     parts = engine.warmup_parts  # the server logs startup's parts
-    assert set(parts) == {"bucket captures", "requests"} and 0 < parts["requests"] < took, (parts, took)
+    assert set(parts) == {"bucket captures", "requests"} and 0 < parts["requests"] <= took, (parts, took)
     assert engine.stats.ticks == 0 and not engine.has_work()

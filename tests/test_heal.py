@@ -17,6 +17,7 @@ import torch
 
 from cosmos3_core import faults
 from cosmos3_core.deployment import Deployment
+from cosmos3_core.engine import DenoiseEngine
 from cosmos3_core.generate import Generator, _CollectSink
 from cosmos3_core.graphs import StepLayout
 from cosmos3_core.step import DenoiseStep, derive_buckets
@@ -26,7 +27,7 @@ REQUESTS = [
     ("a red fox", {"num_frames": 9, "height": 64, "width": 96, "steps": 3, "seed": 1}),
     ("a blue boat", {"num_frames": 5, "height": 64, "width": 64, "steps": 3, "seed": 2}),
 ]
-WARM = {"num_frames": 9, "height": 64, "width": 96, "steps": 2}
+WARM = {"num_frames": 9, "height": 128, "width": 192, "steps": 2}  # 72 tokens a branch: buckets 128, 256
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +49,10 @@ def test_a_failed_forward_ends_its_tick_and_the_engine_heals(gen, monkeypatch):
     monkeypatch.setattr(faults, "FAIL_FORWARD", 2)  # the second packed forward from now: both requests are in it
     monkeypatch.setitem(faults._counts, "forward", 0)
     sinks = submit_all(gen)
-    gen.engine.run_until_idle()
+    gen.engine.tick()  # the first forward runs
+    assert gen.engine.step.layouts
+    gen.engine.tick()  # the second raises: its requests end, the step's layouts go
+    assert not gen.engine.step.layouts and not gen.engine.has_work()
     for sink in sinks:
         assert sink.latents is None and "denoise step failed (InjectedFault" in (sink.failure or "")
         assert "retry" in sink.failure  # type: ignore[operator]
@@ -57,6 +61,27 @@ def test_a_failed_forward_ends_its_tick_and_the_engine_heals(gen, monkeypatch):
     after = gen.run_together([gen.prefill.run(gen.prefill.validate(p, q, None), None) for p, q in REQUESTS])
     for ours, alone in zip(after, solo):
         assert torch.equal(ours.latents, alone)
+
+
+def test_failing_every_tick_gives_up(gen, monkeypatch):
+    """A forward that fails every time: the engine heals MAX_FAILED_TICKS - 1 times, then says it is broken (the
+    host restarts it) rather than stay up failing every request."""
+    from cosmos3_core.engine import MAX_FAILED_TICKS, EngineBroken
+
+    def always(*_):
+        raise faults.InjectedFault("injected: every forward fails")
+
+    monkeypatch.setattr(gen.engine, "step", gen.engine.step)
+    monkeypatch.setattr(type(gen.engine.step), "__call__", always)
+    for i in range(MAX_FAILED_TICKS):
+        submit_all(gen)
+        if i < MAX_FAILED_TICKS - 1:
+            gen.engine.tick()
+        else:
+            with pytest.raises(EngineBroken, match=f"{MAX_FAILED_TICKS} denoise steps in a row failed"):
+                gen.engine.tick()
+    gen.engine.abort_all("test over")
+    gen.engine.failed_ticks = 0
 
 
 def test_a_layout_captures_only_on_a_thread_that_ran_it_eagerly(gen):
@@ -84,18 +109,35 @@ def warm_engine(nano_ckpt, buckets):
     return gen, [gen.prefill.validate("warmup", {**WARM, "guidance_scale": 4.0}, None)]
 
 
+@pytest.mark.parametrize(
+    ("given", "cuda_graphs", "max_captures", "derive", "buckets"),
+    [(None, True, 16, True, ()), ([], True, 16, False, ()), ([128], True, 16, False, (128,)),
+     (None, False, 16, False, ()), (None, True, 0, False, ())],
+)  # fmt: skip
+def test_the_deployment_says_whether_buckets_are_derived(nano_ckpt, given, cuda_graphs, max_captures, derive, buckets):
+    """Not given: derived at warmup; `[]`: none; without graphs or captures: none (padding would only cost)."""
+    d = Deployment(checkpoint=str(nano_ckpt), device="cpu", dtype="float32", graph_buckets=given,
+                   cuda_graphs=cuda_graphs, max_captures=max_captures)  # fmt: skip
+    eng = DenoiseEngine.from_deployment(d.open_checkpoint(), d)
+    assert eng.derive_buckets is derive and eng.step.buckets == buckets
+
+
 def test_buckets_are_derived_from_warmup_requests(nano_ckpt, capfd):
     gen, warmup = warm_engine(nano_ckpt, None)
     gen.engine.warmup(warmup)
     step = gen.engine.step
     cfg = gen.engine.cfg
-    h, w = cfg.token_grid(64, 96)
+    h, w = cfg.token_grid(128, 192)
     per_branch = ((9 - 1) // cfg.vae_scale_temporal + 1) * h * w  # the row builder's tokens of one branch
     assert step.buckets == derive_buckets({(per_branch, 0, 0, 2)})
     assert len(step.buckets) == 2  # one and both CFG branches running
     assert "graph_buckets derived from warmup_requests" in capfd.readouterr().err
     gen.latents("a red fox", {**WARM, "steps": 3, "seed": 1})
     assert any(key[0][0] == "bucket" for key in step.layouts)  # served in a derived bucket
+    step.layouts.clear()
+    small = {"num_frames": 1, "height": 32, "width": 32, "steps": 2, "seed": 2, "guidance_scale": 1.0}
+    gen.latents("a small one", small)  # one 64-row segment: the 128 bucket would pad it 100 %
+    assert all(key[0][0] != "bucket" for key in step.layouts)  # an exact layout instead
 
 
 def test_buckets_that_pad_a_warmup_request_are_warned_about(nano_ckpt, capfd):

@@ -19,7 +19,7 @@ the residual, through the output heads: no collective). A recording row's runnin
 block-stack residual [N + T_s + T_a, hidden] with the other outputs (Ulysses ranks all-gather its rows, other CFG
 groups' leaders send it in the flat tensor), so the scheduler records what one process would.
 
-A lost worker (group.WorkerLost) fails the tick, hence its live requests (`EngineThread` → `fail_live`). The pool
+A lost worker (group.WorkerLost) fails the tick, hence its live requests (the engine heals it: `DenoiseEngine._heal`). The pool
 pages of requests that were live when a group was lost are gone with it: the first step after a restart fails
 too unless nothing was live (`_seen`).
 """
@@ -223,6 +223,11 @@ class ParallelStep:
     @property
     def captures(self) -> int:
         return self.local.captures
+
+    def reset(self) -> None:
+        """After a failed forward: rank 0's layouts and graphs go (`DenoiseStep.reset`); a failure inside a group
+        session ends the group, which restarts with fresh steps on every rank."""
+        self.local.reset()
 
     def __call__(self, rows: list[Row]) -> list[RowOutput]:
         """Each row's running branches over the group, its reusing ones (step caching) here (`strip_reused`)."""

@@ -137,7 +137,7 @@ class DenoiseModel:
         self.tickets = Tickets(tickets_dir(d.cancel_dir))
         self.tickets.clear("engine")  # a previous incarnation's waiting requests are never answered (admission.py)
         self.responder = Responder(device)
-        self.engine_thread = EngineThread(self.engine, self.marks, d.drain_timeout_s)
+        self.engine_thread = EngineThread(self.engine, self.marks, d.drain_timeout_s, self._flush)
 
     def execute(self, requests):
         for request in requests:
@@ -166,6 +166,11 @@ class DenoiseModel:
     def _reject(self, request, sink, message, outcome):
         sink = sink or TritonSink(request, self.responder, None, self.marks, outcomes=self.metrics.outcomes)
         sink.error(message, outcome)
+
+    def _flush(self) -> None:
+        """The engine is broken and the process exits next: send what is queued (each request's error), publish."""
+        self.metrics.close()
+        self.responder.close(timeout=5)
 
     def finalize(self):
         self.engine_thread.close(timeout=30)

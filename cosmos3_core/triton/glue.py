@@ -427,8 +427,7 @@ class EngineMetrics:
         self.counters = {
             "ticks": family("cosmos3_engine_ticks_total", "Packed denoise forwards run", C),
             "request_steps": family("cosmos3_request_steps_total", "Request-steps advanced (> ticks when shared)", C),
-            "tick_failures": family("cosmos3_tick_failures_total", "Packed forwards that raised (their requests "
-                                    "ended; the engine healed)", C),  # fmt: skip
+            "tick_failures": family("cosmos3_tick_failures_total", "Packed forwards that raised (requests ended)", C),
         }
         self.queue_time = family("cosmos3_queue_seconds", "Submit to admission", H, buckets=self.QUEUE_BUCKETS)
         # how requests ended in the engine (its sinks count them; completed is decode's: outcomes.py)
@@ -530,8 +529,17 @@ class DecodeMetrics:
 class EngineThread:
     """Runs `engine.tick()` until stopped; a failing tick fails the requests in it, never the thread."""
 
-    def __init__(self, engine: DenoiseEngine, marks: CancelMarks, drain_timeout_s: float):
+    def __init__(
+        self,
+        engine: DenoiseEngine,
+        marks: CancelMarks,
+        drain_timeout_s: float,
+        on_broken: Callable[[], None] | None = None,
+    ):
+        """`on_broken`: called after an `EngineBroken` ended every request and before the process exits (the model
+        flushes its responses and metrics there: an exit drops what is still queued)."""
         self.engine, self.marks, self.drain_timeout_s = engine, marks, drain_timeout_s
+        self.on_broken = on_broken
         self.drain_since: float | None = None
         self.decode_down = False
         self.stop = threading.Event()
@@ -549,6 +557,8 @@ class EngineThread:
             except EngineBroken as e:  # the device is gone: end everything and let Triton restart this model
                 message = log_exception("denoise engine", e)
                 self.engine.abort_all(f"{message}; the denoise model restarts, retry")
+                if self.on_broken is not None:
+                    self.on_broken()
                 os._exit(1)  # the stub's death is what Triton (and the supervisor) act on
             except Exception as e:  # noqa: BLE001
                 self.engine.fail_live(log_exception("denoise tick", e))
