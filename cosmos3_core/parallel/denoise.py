@@ -19,9 +19,9 @@ the residual, through the output heads: no collective). A recording row's runnin
 block-stack residual [N + T_s + T_a, hidden] with the other outputs (Ulysses ranks all-gather its rows, other CFG
 groups' leaders send it in the flat tensor), so the scheduler records what one process would.
 
-A lost worker (group.WorkerLost) fails the tick, hence its live requests (the engine heals it: `DenoiseEngine._heal`). The pool
-pages of requests that were live when a group was lost are gone with it: the first step after a restart fails
-too unless nothing was live (`_seen`).
+A lost worker (group.WorkerLost) fails the tick, hence its live requests (every live one is in the tick;
+`DenoiseEngine._heal` ends them). The pool pages of requests that were live when a group was lost are gone with it:
+the first step after a restart fails too unless nothing was live (`_seen`).
 """
 
 from __future__ import annotations
