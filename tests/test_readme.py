@@ -1,10 +1,10 @@
 """The README's commands stay true, and no docs command rots unseen.
 
 - Every line of the README's "Try every mode" block runs as written (the only change: `--url` of this test's server
-  appended to a client call), after the lines whose outputs it reads (independent lines at once, as several users
-  would send them: cheaper on 2 cores), in a scratch directory whose `.venv` is this interpreter's, against
-  one server rendered from `configs/tiny.yaml` with the default tiny checkpoint — what `make serve` starts. Each
-  must exit 0 and write every file it names (`--out`, `--audio-out`, `--actions-out`).
+  appended to a client call), as soon as the lines whose outputs it reads have written them (independent lines at
+  once, as several users would send them: cheaper on 2 cores), in a scratch directory whose `.venv` is this
+  interpreter's, against one server rendered from `configs/tiny.yaml` with the default tiny checkpoint — what
+  `make serve` starts. Each must exit 0 and write every file it names (`--out`, `--audio-out`, `--actions-out`).
 - Every fenced shell command in README.md and docs/*.md is one of those lines or carries a marker comment, on its own
   line or as its block's first line (then it covers the block): `# GPU-only`, `# not run by tests: <why>`, or
   `# run by <file>` where <file> contains the command.
@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -166,30 +167,44 @@ def tiny_server(tmp_path_factory):
         stop_server(proc)
 
 
-def waves(lines: list[str]) -> list[list[str]]:
-    """The lines grouped for running at once: a line comes in the wave after the last line that writes a file it
-    reads (`--image`, `--video`, `--raw-actions`), so each wave's requests share the server's packed forwards."""
-    level: list[int] = []
+def prerequisites(lines: list[str]) -> list[set[int]]:
+    """Per line, the earlier lines that write a file it reads (`--image`, `--video`, `--raw-actions`)."""
     writer: dict[str, int] = {}
+    needs = []
     for i, line in enumerate(lines):
-        reads = INPUTS.findall(split_comment(line)[0])
-        level.append(1 + max((level[writer[r]] for r in reads if r in writer), default=-1))
+        needs.append({writer[r] for r in INPUTS.findall(split_comment(line)[0]) if r in writer})
         writer.update({out: i for out in OUTPUTS.findall(line)})
-    return [[line for line, lv in zip(lines, level) if lv == w] for w in range(max(level) + 1)]
+    return needs
 
 
 @pytest.mark.served
 def test_try_every_mode_runs_as_written(tiny_server, tmp_path):
     (tmp_path / ".venv").symlink_to(sys.prefix)  # this interpreter's venv: its python finds its packages
-    for wave in waves(readme_try_block()):
-        procs = []
-        for line in wave:
-            command = split_comment(line)[0]
-            run = f"{command} --url {tiny_server}" if " -m client " in command else line
-            procs.append(subprocess.Popen(["bash", "-c", run], cwd=tmp_path, stderr=subprocess.PIPE, text=True))
-        for line, proc in zip(wave, procs):
-            stderr = proc.communicate(timeout=300)[1]
-            assert proc.returncode == 0, f"{line}\nexit {proc.returncode}:\n{stderr[-2000:]}"
-            for out in OUTPUTS.findall(line):
-                path = tmp_path / out
-                assert path.is_file() and path.stat().st_size > 0, f"{line}\ndid not write {out}:\n{stderr[-2000:]}"
+    lines = readme_try_block()
+    needs, done, running = prerequisites(lines), set(), {}
+    pending = set(range(len(lines)))
+    deadline = time.monotonic() + 600
+    try:
+        while pending or running:
+            for i in sorted(i for i in pending if needs[i] <= done):  # each line once the files it reads exist
+                command = split_comment(lines[i])[0]
+                run = f"{command} --url {tiny_server}" if " -m client " in command else lines[i]
+                with open(tmp_path / f"{i}.stderr", "w") as err:
+                    running[i] = subprocess.Popen(["bash", "-c", run], cwd=tmp_path, stderr=err)
+                pending.discard(i)
+            for i, proc in list(running.items()):
+                if proc.poll() is None:
+                    continue
+                del running[i]
+                stderr = (tmp_path / f"{i}.stderr").read_text()[-2000:]
+                assert proc.returncode == 0, f"{lines[i]}\nexit {proc.returncode}:\n{stderr}"
+                for out in OUTPUTS.findall(lines[i]):
+                    path = tmp_path / out
+                    assert path.is_file() and path.stat().st_size > 0, f"{lines[i]}\ndid not write {out}:\n{stderr}"
+                done.add(i)
+            assert time.monotonic() < deadline, f"still running after 600 s: {[lines[i] for i in running]}"
+            time.sleep(0.05)
+    finally:
+        for proc in running.values():  # a failed line: the others end with it
+            proc.kill()
+            proc.wait()
