@@ -15,8 +15,9 @@ from __future__ import annotations
 import re
 
 PARTS = ("admit", "prefill", "denoise", "vae_decode")  # the ensemble's steps, in order
-# the goal for a part's reload on the tiny default; on a loaded 2-core machine it took 20-35 s (docs/operations.md)
-RETRY_PART_S = 10
+# what a part's reload took on the tiny default on a loaded 2-core machine: 21-29 s (docs/operations.md; the goal is
+# 10 s). The text tells clients the measured figure, not the goal
+RETRY_PART_S = 30
 RETRY_SERVER_S = 30
 
 # The one text of a refusal for load, the same on every replica: a client or a mesh retries it elsewhere.
