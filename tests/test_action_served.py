@@ -121,3 +121,19 @@ def test_client_writes_actions(action_server, tmp_path):
     assert main(args) == 0
     actions = json.loads((tmp_path / "a.json").read_text())
     assert np.asarray(actions).shape == (4, 9) and np.load(tmp_path / "v.npy").shape == (5, 32, 48, 3)
+
+
+def test_stops_promptly_after_a_request_triton_refused(action_server):
+    """Last in this module (it stops the server): a request Triton itself refuses (raw_actions' data type, against
+    the ensemble's config) keeps a reference to the ensemble in Triton 2.51, which then never unloads; the drained
+    supervisor stops tritonserver once every stub is gone instead of waiting out its 30 s exit timeout."""
+    import time
+
+    from cosmos3_core.triton.launcher import stop_server
+
+    with pytest.raises(ServerError, match="input 'raw_actions'"):
+        generate(action_server.url, PROMPT, act256("forward_dynamics", domain="av"), make_image(40, 56),
+                 raw_actions=np.zeros((4, 9), np.int32))  # fmt: skip
+    t0 = time.monotonic()
+    assert stop_server(action_server.proc) == 0
+    assert time.monotonic() - t0 < 15.0

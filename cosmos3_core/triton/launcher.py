@@ -541,19 +541,29 @@ def _log_tail(proc: subprocess.Popen | None, n: int = 4000) -> str:
     return "\n--- model load errors ---\n" + "\n".join(dict.fromkeys(why)) + "\n--- log tail ---\n" + text[-n:]
 
 
-def stop_server(proc: subprocess.Popen, timeout_s: float = 45.0) -> int:
-    """SIGINT (Triton's graceful shutdown: waits up to --exit-timeout-secs for in-flight requests),
-    then SIGKILL of the process group (server + stubs) if it hangs. Returns the exit code.
+def stop_server(proc: subprocess.Popen, timeout_s: float = 45.0, unloaded_grace_s: float = 2.0) -> int:
+    """SIGINT (Triton's graceful shutdown: waits up to --exit-timeout-secs for in-flight requests, then unloads
+    every model), then SIGKILL of the process group (server + stubs) if it hangs. Returns the exit code; 0 too when
+    it was killed `unloaded_grace_s` after its last Python stub exited: every step of every request had ended and
+    each model was unloaded, yet Triton 2.51 waits out its exit timeout for a request it refused itself. (A request
+    whose input has the wrong shape or data type for the ensemble `cosmos3` is answered with the error at once, but
+    its gRPC stream frontend keeps a reference to the ensemble, which then never counts as unloaded.)
 
     Triton removes the stubs' /dev/shm regions only on a clean exit; when the exit timeout expires
     (e.g. an ensemble request that never completed) or on SIGKILL they stay behind, 64 MiB each, so
     the regions named with this server's unique prefix are unlinked here."""
+    unloaded = False
     if proc.poll() is None:
-        try:
-            proc.send_signal(signal.SIGINT)
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            pass
+        had_stubs = bool(stub_pids(proc))  # none yet (still starting): only the timeout applies
+        proc.send_signal(signal.SIGINT)
+        deadline, stubs_gone = time.monotonic() + timeout_s, None
+        while proc.poll() is None and time.monotonic() < deadline:
+            if had_stubs and stubs_gone is None and not stub_pids(proc):
+                stubs_gone = time.monotonic()
+            if stubs_gone is not None and time.monotonic() - stubs_gone > unloaded_grace_s:
+                unloaded = True
+                break
+            time.sleep(0.1)
     if proc.poll() is None:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -577,7 +587,7 @@ def stop_server(proc: subprocess.Popen, timeout_s: float = 45.0) -> int:
     if reaper is not None:
         reaper.stdin.close()
         reaper.wait(10)
-    return proc.returncode
+    return 0 if unloaded else proc.returncode
 
 
 def stub_pids(proc: subprocess.Popen) -> dict[int, str]:
