@@ -158,21 +158,25 @@ class Server:
         return out
 
 
-@pytest.fixture(scope="session")
-def server(served_deployment, tmp_path_factory):
+def running_server(deployment, workdir: Path, faults: str = ""):
+    """A real tritonserver on `deployment` (free loopback ports), ready → yields its `Server`, stopped after.
+    `faults`: COSMOS3_FAULTS for its processes (cosmos3_core/faults.py). For module or session fixtures."""
     from cosmos3_core.triton.launcher import server_env, stop_server, wait_until_ready
     from cosmos3_core.triton.serve import start
 
-    env = {
-        **server_env(),
-        "COSMOS3_FAULTS": "step_delay_s=0.02,fail_step_seed=666,fail_decode_seed=667",
-    }  # see cosmos3_core/faults.py
-    proc, ports, _ = start(served_deployment[1], tmp_path_factory.mktemp("serve"), env)
+    env = {**server_env(), **({"COSMOS3_FAULTS": faults} if faults else {})}
+    proc, ports, _ = start(deployment, workdir, env)
     try:
         wait_until_ready(ports[1], proc=proc, timeout_s=300)
         yield Server(*ports, proc=proc)
     finally:
         stop_server(proc)
+
+
+@pytest.fixture(scope="session")
+def server(served_deployment, tmp_path_factory):
+    faults = "step_delay_s=0.02,fail_step_seed=666,fail_decode_seed=667"
+    yield from running_server(served_deployment[1], tmp_path_factory.mktemp("serve"), faults)
 
 
 @pytest.fixture(scope="session")

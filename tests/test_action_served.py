@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from client.stream import ServerError, generate
-from tests.conftest import SERVED_CONFIG
+from tests.conftest import SERVED_CONFIG, running_server
 from tests.test_action import act, make_image
 from tests.test_video_input import make_clip
 
@@ -35,16 +35,7 @@ def deployment(tmp_path_factory, action_ckpt):
 
 @pytest.fixture(scope="module")
 def action_server(deployment, tmp_path_factory):
-    from cosmos3_core.triton.launcher import server_env, stop_server, wait_until_ready
-    from cosmos3_core.triton.serve import start
-    from tests.conftest import Server
-
-    proc, ports, _ = start(deployment, tmp_path_factory.mktemp("serve_action"), server_env())
-    try:
-        wait_until_ready(ports[1], proc=proc, timeout_s=300)
-        yield Server(*ports, proc=proc)
-    finally:
-        stop_server(proc)
+    yield from running_server(deployment, tmp_path_factory.mktemp("serve_action"))
 
 
 def test_served_actions_equal_offline(action_server, deployment):

@@ -16,7 +16,7 @@ import torch
 from bench.pool import run_pool
 from client.stream import ServerError, generate
 from cosmos3_core.tools.make_lora import make_lora
-from tests.conftest import SERVED_CONFIG
+from tests.conftest import SERVED_CONFIG, running_server
 from tests.test_action import act, make_image
 from tests.test_lora import bad_adapters
 
@@ -47,16 +47,7 @@ def deployment(tmp_path_factory, action_ckpt):
 
 @pytest.fixture(scope="module")
 def lora_server(deployment, tmp_path_factory):
-    from cosmos3_core.triton.launcher import server_env, stop_server, wait_until_ready
-    from cosmos3_core.triton.serve import start
-    from tests.conftest import Server
-
-    proc, ports, _ = start(deployment, tmp_path_factory.mktemp("serve_lora"), server_env())
-    try:
-        wait_until_ready(ports[1], proc=proc, timeout_s=300)
-        yield Server(*ports, proc=proc)
-    finally:
-        stop_server(proc)
+    yield from running_server(deployment, tmp_path_factory.mktemp("serve_lora"))
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 
 from client.stream import ServerError, generate
 from cosmos3_core.tools.make_tiny import make_tiny
-from tests.conftest import SERVED_CONFIG
+from tests.conftest import SERVED_CONFIG, running_server
 
 pytestmark = pytest.mark.served
 
@@ -31,15 +31,8 @@ def deployment(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def sound_server(deployment, tmp_path_factory):
-    from cosmos3_core.triton.launcher import server_env, stop_server, wait_until_ready
-    from cosmos3_core.triton.serve import start
-
-    proc, ports, _ = start(deployment, tmp_path_factory.mktemp("serve_sound"), server_env())
-    try:
-        wait_until_ready(ports[1], proc=proc, timeout_s=300)
-        yield f"127.0.0.1:{ports[0]}"
-    finally:
-        stop_server(proc)
+    for server in running_server(deployment, tmp_path_factory.mktemp("serve_sound")):
+        yield server.url
 
 
 def test_served_sound_equals_offline(sound_server, deployment):
