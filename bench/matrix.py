@@ -14,6 +14,11 @@ compile off: the matrix checks paths, `bench.served` times them). For each cache
   one more request (`healthy`).
 Prints one line per cell and a markdown table (BENCHMARKS.md's "GPU matrix"); `bench/device_matrix.sh` runs it on
 the H200.
+
+Timings on the same server, after the cells (so a model's figures cost no second startup): `--time-frames F ...`
+one t2v request at the config's steps for each frame count (a 2-step one first, untimed, as `bench.served` does);
+`--time-ar JSON` one AR stream (TTFC, chunk gap, server-side phases); `--diffusers-frames F` then diffusers'
+pipeline on the same random weights at F frames, once the server has released the GPU.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from cosmos3_core.triton.launcher import stop_server, wait_until_ready
 from cosmos3_core.triton.serve import start
 
 from .pool import run_pool
-from .served import PROMPT, variant_request
+from .served import PROMPT, drive, side_by_side, variant_request
 
 NANO_CONFIGS = ["configs/bench_nano_t2v.yaml", "configs/bench_nano_ar.yaml", "configs/bench_nano_sound.yaml",
                 "configs/bench_nano_action.yaml"]  # fmt: skip
@@ -127,11 +132,30 @@ def healthy(url: str, http_port: int) -> str:
         return f"✗ {type(e).__name__}: {str(e)[:200]}"
 
 
+def timings(url: str, args: argparse.Namespace, result: dict) -> None:
+    """`--time-frames` and `--time-ar` on the running server, into `result` and printed."""
+    for frames in args.time_frames:
+        generate(url, PROMPT, {"num_frames": frames, "steps": 2, "seed": 0}, timeout_s=900)
+        r = result[f"t2v @{frames}"] = drive(url, {"num_frames": frames}, 1, 1)
+        print(f"{args.model} {args.precision}: t2v {frames} frames e2e {r['e2e_p50']:.2f}s  TTFC {r['ttfc_p50']:.2f}s"
+              f"  server " + "  ".join(f"{k} {v:.2f}" for k, v in r["server_p50"].items()), flush=True)  # fmt: skip
+    if args.time_ar:
+        params = json.loads(args.time_ar)
+        generate(url, PROMPT, {**params, "steps": 2, "seed": 0}, timeout_s=900)
+        r = result["AR"] = drive(url, params, 1, 1)
+        print(f"{args.model} {args.precision}: AR {params} e2e {r['e2e_p50']:.2f}s  TTFC {r['ttfc_p50']:.2f}s  chunk gap "
+              f"p50 {r.get('chunk_gap_p50', float('nan')):.2f}s  skipped {100 * r['skipped_fraction']:.0f}%"
+              f"  server " + "  ".join(f"{k} {v:.2f}" for k, v in r["server_p50"].items()), flush=True)  # fmt: skip
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=list(MODELS), required=True)
     ap.add_argument("--precision", choices=["bf16", "fp8"], required=True, help="bf16: the config's own dtype")
     ap.add_argument("--rows", nargs="+", help="a subset of the model's rows")
+    ap.add_argument("--time-frames", type=int, nargs="+", default=[], help="then one t2v request at each length")
+    ap.add_argument("--time-ar", default="", help="then one AR stream with these JSON parameters")
+    ap.add_argument("--diffusers-frames", type=int, default=0, help="then diffusers' t2v at this length")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     d = deployment_of(args.model, args.precision)
@@ -151,12 +175,17 @@ def main() -> int:
                 print(f"{args.model} {row:10} {column:16} {status}  ({time.perf_counter() - t0:.0f}s)", flush=True)
         result["healthy"] = healthy(url, ports[1])
         print(f"{args.model} {args.precision}: healthy at the end {result['healthy']}", flush=True)
+        timings(url, args, result)
     except Exception as e:  # noqa: BLE001
         result["error"] = f"{type(e).__name__}: {e}"
         print(f"matrix failed: {e}\n--- server log tail ---\n{(workdir / 'tritonserver.log').read_text()[-3000:]}",
               file=sys.stderr)  # fmt: skip
     finally:
         stop_server(proc)
+    if args.diffusers_frames:  # same run, same request, once the server has released the GPU
+        r = side_by_side(d, {"num_frames": args.diffusers_frames}, 0, 1)["diffusers"]
+        result[f"diffusers t2v @{args.diffusers_frames}"] = r["e2e"][0]
+        print(f"{args.model}: diffusers t2v {args.diffusers_frames} frames e2e {r['e2e'][0]:.2f}s", flush=True)
     log = (workdir / "tritonserver.log").read_text() if (workdir / "tritonserver.log").exists() else ""
     result["log_lines"] = [line for line in log.splitlines() if re.search(r"(^|\] )cosmos3: ", line)][-20:]
     for line in result["log_lines"]:
