@@ -92,9 +92,19 @@ def _pattern(patterns: dict, module: str, default: float) -> float:
     return default
 
 
-def read_adapter(name: str, path: Path, shapes: dict[str, tuple[str, int, int]], max_rank: int) -> Adapter:
+def _finite(t: torch.Tensor) -> bool:
+    """Every element finite. A finite sum says so in one pass without a mask (~6x faster than `isfinite` over a
+    whole tensor: an Edge adapter's first use); a non-finite sum (a NaN/inf, or an overflow) gets the exact check."""
+    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
+
+
+def read_adapter(
+    name: str, path: Path, shapes: dict[str, tuple[str, int, int]], max_rank: int, keep: frozenset[str] | None = None
+) -> Adapter:
     """Read and check the adapter in `path` (a weights file) against a checkpoint's adaptable linears → `Adapter`
-    with each module's B scaled by its lora_alpha / r (PEFT's scaling)."""
+    with each module's B scaled by its lora_alpha / r (PEFT's scaling). `keep`: the towers whose weights it holds
+    (None: all) — a stage's model holds one tower; the other tower's modules are checked by key, shape, rank and
+    dtype here and by value (finite) in the stage that holds it, so every request with a bad adapter still fails."""
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             meta = f.metadata() or {}
@@ -145,9 +155,6 @@ def read_adapter(name: str, path: Path, shapes: dict[str, tuple[str, int, int]],
             )
         if not (a.is_floating_point() and b.is_floating_point()):
             raise RequestError("lora", f"{name}: {module} weights must be floating point, got {a.dtype}, {b.dtype}")
-        a, b = a.float(), b.float()
-        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-            raise RequestError("lora", f"{name}: {module} weights are not all finite")
         if config:  # PEFT builds the layer from the config: its rank must be the weights'
             want = _pattern(config.get("rank_pattern") or {}, module, r0)
             if want != r:
@@ -158,8 +165,13 @@ def read_adapter(name: str, path: Path, shapes: dict[str, tuple[str, int, int]],
             scaling = 1.0
         if not math.isfinite(scaling):
             raise RequestError("lora", f"{name}: {module}'s lora_alpha / r is not finite")
-        modules[module] = (a.contiguous(), (b * scaling).contiguous())
-    return Adapter(name, modules)
+        if keep is not None and shapes[module][0] not in keep:
+            continue
+        a, b = a.float(), b.float()
+        if not (_finite(a) and _finite(b)):
+            raise RequestError("lora", f"{name}: {module} weights are not all finite")
+        modules[module] = (a.contiguous(), (b if scaling == 1.0 else b * scaling).contiguous())
+    return Adapter(name, modules, frozenset(shapes[m][0] for m in pairs))
 
 
 class LoraStore:
@@ -188,8 +200,8 @@ class LoraStore:
             towers = self.known.get((name, key))  # type: ignore[arg-type]
         if towers is not None:
             return LoraRef(name, key, towers, None)  # type: ignore[arg-type]
-        adapter = read_adapter(name, Path(key[0]), self.shapes, self.settings.max_lora_rank)  # type: ignore[arg-type]
-        towers = frozenset(adapter.towers(self.shapes))
+        adapter = read_adapter(name, Path(key[0]), self.shapes, self.settings.max_lora_rank, self.pool.towers)  # type: ignore[arg-type]
+        towers = adapter.towers
         with self._lock:
             self.known[(name, key)] = towers  # type: ignore[index]
         return LoraRef(name, key, towers, adapter)  # type: ignore[arg-type]
@@ -208,7 +220,9 @@ class LoraStore:
                 self.resident.pop(slot, None)
                 adapter = ref.adapter
                 if adapter is None:  # known good but not resident (evicted since, or never loaded here): read it
-                    adapter = read_adapter(ref.name, Path(ref.key[0]), self.shapes, self.settings.max_lora_rank)
+                    adapter = read_adapter(
+                        ref.name, Path(ref.key[0]), self.shapes, self.settings.max_lora_rank, self.pool.towers
+                    )
                 self.pool.write(slot, adapter)
                 self.loads += 1
             self.resident[slot] = (ref.name, ref.key)

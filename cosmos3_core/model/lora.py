@@ -71,13 +71,12 @@ def adaptable_shapes(cfg: ModelConfig) -> dict[str, tuple[str, int, int]]:
 
 @dataclass(frozen=True)
 class Adapter:
-    """A checked adapter on the host: per adapted module name, (A [r, in], B [out, r] · lora_alpha/r) fp32."""
+    """A checked adapter on the host: per adapted module name of the towers it was read for (lora_store.py: a
+    stage's), (A [r, in], B [out, r] · lora_alpha/r) fp32; `towers`: every tower its file adapts."""
 
     name: str
     modules: dict[str, tuple[torch.Tensor, torch.Tensor]]
-
-    def towers(self, shapes: dict[str, tuple[str, int, int]]) -> set[str]:
-        return {shapes[m][0] for m in self.modules}
+    towers: frozenset[str]
 
 
 @dataclass
@@ -105,6 +104,7 @@ class AdapterPool:
         if slots < 1 or rank < 1:
             raise ValueError(f"an adapter pool needs slots ≥ 1 and rank ≥ 1; got {slots}, {rank}")
         self.slots, self.rank = slots, -(-rank // RANK_ALIGN) * RANK_ALIGN
+        self.towers = frozenset(model.parts)  # the towers whose linears it holds (a stage's model holds one)
         dtype, device = model.dtype, model.device
         self.linears: dict[str, nn.Module] = {}
         for i, layer in enumerate(model.layers):
@@ -146,8 +146,10 @@ def dense_delta(y: torch.Tensor, x: torch.Tensor, lin: nn.Module, rows: AdapterR
     n, (slots, r) = x.shape[0], lin.lora_A.shape[:2]
     index = torch.arange(n, dtype=rows.offs.dtype, device=x.device)
     group = torch.searchsorted(rows.offs, index, right=True).clamp_(max=len(rows.offs) - 1)  # [N]: each row's group
-    keep = torch.zeros(n, slots, dtype=x.dtype, device=x.device)
-    keep.scatter_(1, rows.slot[group, None], rows.scale[group, None].to(x.dtype))  # [N, slots]: its scale, once
+    # [N, slots]: each row's scale in its slot's column, 0 in the others (a comparison, not a scatter: under
+    # compile one fused elementwise kernel; every op here is a device kernel with fixed shapes — capturable)
+    own = rows.slot[group, None] == torch.arange(slots, device=x.device)
+    keep = torch.where(own, rows.scale[group, None], 0.0).to(x.dtype)
     h = torch.mm(x, lin.lora_A.view(slots * r, -1).t()).view(n, slots, r) * keep[:, :, None]
     return torch.addmm(y, h.view(n, slots * r), lin.lora_B.view(slots * r, -1))
 
