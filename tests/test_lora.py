@@ -46,6 +46,11 @@ def bad_adapters(root: Path, good: Path) -> None:
     write("wrong_key", {**sd, "layers.99.self_attn.add_q_proj.lora_A.weight": sd[a_key].clone()})
     write("half_pair", {k: v for k, v in sd.items() if k != a_key})
     write("not_finite", {**sd, a_key: torch.full_like(sd[a_key], float("nan"))})
+    # on the UND tower (each stage checks the values of its own tower's modules: here prefill's)
+    q = "layers.0.self_attn.add_q_proj.lora_"  # the UND tower's to_q has its shapes
+    und = {"layers.0.self_attn.to_q.lora_A.weight": torch.full_like(sd[q + "A.weight"], torch.nan),
+           "layers.0.self_attn.to_q.lora_B.weight": sd[q + "B.weight"].clone()}  # fmt: skip
+    write("not_finite_und", {**sd, **und})
     write("dora", sd, {**meta, METADATA_KEY: json.dumps({**json.loads(meta[METADATA_KEY]), "use_dora": True})})
     (root / "pickled").mkdir()
     torch.save(sd, root / "pickled" / "pytorch_lora_weights.bin")
@@ -197,6 +202,7 @@ BAD = [  # (parameters.lora, field)
     ({"name": "wrong_key"}, "lora"),
     ({"name": "half_pair"}, "lora"),
     ({"name": "not_finite"}, "lora"),
+    ({"name": "not_finite_und"}, "lora"),
     ({"name": "dora"}, "lora"),
     ({"name": "big_rank"}, "lora"),
 ]
