@@ -241,11 +241,10 @@ class LoraStore:
 
 
 def open_store(settings: LoraSettings | None, ckpt: Checkpoint, model: nn.Module) -> LoraStore | None:
-    """The adapter store of a stage's model (None without `lora_dir`); what adapters cannot be served with yet is
-    refused here, naming the setting. FP8 layer linears take the delta in the activation dtype over their output."""
+    """The adapter store of a stage's model (None without `lora_dir`), in the model's activation dtype on its
+    device (CUDA's delta is plain GEMMs: any dtype). FP8 layer linears take the delta in the activation dtype over
+    their output."""
     if settings is None:
         return None
-    if model.device.type == "cuda" and model.dtype != torch.bfloat16:
-        raise ValueError(f"lora_dir: adapters on CUDA need dtype bfloat16 (grouped GEMM); got {model.dtype}")
     pool = AdapterPool(model, settings.max_loras, settings.max_lora_rank)
     return LoraStore(settings, ckpt.config, pool)
