@@ -8,7 +8,10 @@ A checker is any object with
 
 `safety_checker` in the deployment config picks it:
 - `cosmos`: `cosmos_guardrail.CosmosSafetyChecker`, the object diffusers builds (text: a blocklist, then
-  Qwen3Guard; video: RetinaFace face pixelation). Its checkpoints come from the Hugging Face cache or Hub.
+  Qwen3Guard; video: RetinaFace face pixelation). Its checkpoints come from the Hugging Face cache or Hub. The
+  video check is `CosmosVideoBatched`: the package's own objects and calls, but RetinaFace on `FACE_BATCH` frames a
+  forward (the package runs one frame at a time), on the stage's device and a CUDA stream of its own; the same
+  frames out as the package's `check_video_safety` (tests/test_safety_cosmos.py).
 - `none`: no checks (random-weight and test deployments).
 - `module:callable`: `callable()` returns a checker; `module` is an importable name or a `.py` file.
 A checker that cannot be built fails the stage's load with one line naming what to install or set (`Unavailable`).
@@ -20,6 +23,7 @@ reserved), decode calls `check_frames` on every piece of frames before it leaves
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import os
@@ -28,6 +32,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
+import torch
 
 from .requests import RequestError
 
@@ -37,6 +42,9 @@ COSMOS_NAME = "Cosmos Guardrail"
 COSMOS_CHECKPOINTS = ("nvidia/Cosmos-1.0-Guardrail", "Qwen/Qwen3Guard-Gen-0.6B")
 LICENSE = "the NVIDIA Open Model License Agreement"
 TEXT, VIDEO = "text", "video"  # which guardrail a stage runs
+# frames per RetinaFace forward: one streamed piece (Edge: 13-16 frames) in one or two; a 480x832 frame's ResNet-50
+# activations are ~0.1 GB fp32, so a batch holds ~2 GB at its peak beside the VAE (bench/guardrail_cost.py)
+FACE_BATCH = 16
 
 
 class SafetyChecker(Protocol):
@@ -148,4 +156,75 @@ def _cosmos(device: str, role: str) -> SafetyChecker:
     for model in runner.models:
         if hasattr(model, "to"):  # the blocklist is no module
             model.to(device)
-    return checker
+    return checker if role == TEXT else CosmosVideoBatched(checker)
+
+
+class CosmosVideoBatched:
+    """A `CosmosSafetyChecker` whose `check_video_safety` runs RetinaFace on `batch` frames a forward instead of
+    one (the package's `RetinaFaceFilter.batch_size` is 1), and otherwise what the package's call does, with its own
+    objects and weights: its video guardrail's content models (`run_safety_check`; none in 0.3.2, the SigLIP
+    classifier is off there) may block, then each postprocessor runs; for the RetinaFace one its preprocessing
+    (BGR, mean subtraction, fp32 as the net's parameters), its `PriorBox`, its net in phase "test", and its own
+    `blur_detected_faces` (box decoding, confidence 0.7, NMS 0.4, top-k, the 20-pixel minimum, `pixelate_face`)
+    on each batch. Convolutions over a batch give each frame what it gives alone, so the frames out equal the
+    package's call frame for frame (tests/test_safety_cosmos.py, on the CPU; bench/guardrail_cost.py compares the
+    two on the GPU).
+
+    Two things differ, neither in the result: the frames cross to the device as uint8 and become fp32 there (the
+    package converts on the host and copies 4x the bytes; uint8 -> fp32 is exact either way), and on CUDA the
+    work runs on a stream of its own, so a piece's check does not queue behind the next piece's decode, which the
+    decode loop launches meanwhile on the default stream (triton/glue.py's DecodeLoop). The text check is the
+    package's own call."""
+
+    def __init__(self, package: Any, batch: int = FACE_BATCH):
+        from cosmos_guardrail.cosmos_guardrail import RetinaFaceFilter, logger
+
+        self.package, self.batch, self._logger = package, batch, logger
+        self._retinaface = RetinaFaceFilter
+        self._priors: dict[tuple[int, int, torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def check_text_safety(self, prompt: str) -> bool:
+        return self.package.check_text_safety(prompt)
+
+    def check_video_safety(self, frames: np.ndarray) -> np.ndarray | None:
+        runner = self.package.video_guardrail
+        safe, message = runner.run_safety_check(frames)
+        if not safe:
+            self._logger.critical(f"GUARDRAIL BLOCKED: {message}")  # the package's log line
+            return None
+        for post in runner.postprocessors or ():
+            frames = self._faces(post, frames) if isinstance(post, self._retinaface) else post.postprocess(frames)
+        return frames
+
+    def _faces(self, face: Any, frames: np.ndarray) -> np.ndarray:
+        """`face.postprocess(frames)` (uint8 [T, H, W, 3], pixelated in place as the package does), `batch`
+        frames a forward."""
+        param = next(face.net.parameters())
+        device, dtype = param.device, param.dtype
+        stream = None
+        if device.type == "cuda":
+            stream = self._streams.setdefault(device, torch.cuda.Stream(device))
+        out: list[np.ndarray] = []
+        with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            priors, scale = self._priors_of(face, *frames.shape[1:3], device, dtype)
+            means = torch.tensor([104.0, 117.0, 123.0], device=device, dtype=dtype).view(1, 3, 1, 1)
+            for start in range(0, len(frames), self.batch):
+                piece = frames[start : start + self.batch]
+                x = torch.from_numpy(piece).to(device).to(dtype).permute(0, 3, 1, 2)[:, [2, 1, 0], :, :] - means
+                loc, conf, _ = face.net(x)
+                out += face.blur_detected_faces(piece, loc, conf, priors, scale)
+        return np.array(out)
+
+    def _priors_of(
+        self, face: Any, h: int, w: int, device: torch.device, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The package's priors and box scale for (h, w) frames, made once (its `PriorBox` is a Python loop over
+        every anchor, ~16k at 480x832, which the package runs on every call)."""
+        key = (h, w, device, dtype)
+        if key not in self._priors:
+            from retinaface.layers.functions.prior_box import PriorBox
+
+            priors = PriorBox(face.cfg, image_size=(h, w)).forward().to(device, dtype=dtype)
+            self._priors[key] = priors, torch.Tensor([w, h, w, h]).to(device, dtype=dtype)
+        return self._priors[key]

@@ -5,7 +5,7 @@ lists and NLTK data, RetinaFace's ResNet-50 `face_blur_filter/Resnet50_Final.pth
 guardrail's own classes run their real code (tests/test_safety.py, bench/guardrail_cost.py).
 
   python -m cosmos3_core.tools.guardrail_snapshot --out CACHE [--qwen tiny|real] [--guard-answer safe|unsafe]
-      [--faces all|none]
+      [--faces all|none|content]
   HF_HUB_CACHE=CACHE HF_HUB_OFFLINE=1 python ...   # then CosmosSafetyChecker() loads from CACHE
 
 - Blocklist: `BLOCKED` (a custom word list, so better-profanity's fuzzy match refuses it), `EXACT` (the exact-match
@@ -20,7 +20,8 @@ guardrail's own classes run their real code (tests/test_safety.py, bench/guardra
   torchvision that imports), randomly initialised but for its heads: the box heads are zero, so each detection is
   its prior box (random ones decode to overflowing boxes, which the package cannot crop), and the class heads answer
   a constant `--faces`: `all` (every prior a face, p 0.98: the pixelation runs on every box that survives NMS) or
-  `none` (p 0.02: detection only).
+  `none` (p 0.02: detection only); or `content`: small random head weights, so the faces found depend on the
+  frames' pixels (tests/test_safety_cosmos.py compares the batched video check with the package's own on them).
 """
 
 from __future__ import annotations
@@ -89,17 +90,28 @@ def write_retinaface(snap: Path, seed: int, faces: str = "all") -> None:
 
     torch.manual_seed(seed)
     net = RetinaFace(cfg={**cfg_re50, "pretrain": False}, phase="test")
-    with torch.no_grad():  # the module docstring: boxes = priors, a constant face probability
-        for head in net.BboxHead:
-            head.conv1x1.weight.zero_()
-            head.conv1x1.bias.zero_()
-        logits = torch.tensor([0.0, 4.0] if faces == "all" else [4.0, 0.0])  # (background, face) per anchor
-        for head in net.ClassHead:
-            head.conv1x1.weight.zero_()
-            head.conv1x1.bias.copy_(logits.repeat(head.num_anchors))
+    set_face_heads(net, faces, seed)
     path = snap / "face_blur_filter" / "Resnet50_Final.pth"
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(net.state_dict(), path)
+
+
+def set_face_heads(net: torch.nn.Module, faces: str, seed: int = 0) -> None:
+    """A RetinaFace's box and class heads, in place (the module docstring): `all` / `none` a constant face
+    probability over boxes that are the priors; `content` small random weights over a bias near the 0.7
+    threshold, so which boxes are faces, and where exactly, depends on each frame's pixels (what a test of the
+    preprocessing and the batching needs; boxes stay near their priors, which the package can crop)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for head in net.BboxHead:
+            w = head.conv1x1.weight
+            w.copy_(torch.randn(w.shape, generator=gen) * 3e-5 if faces == "content" else torch.zeros_like(w))
+            head.conv1x1.bias.zero_()
+        logits = {"all": [0.0, 4.0], "none": [4.0, 0.0], "content": [0.0, 0.85]}[faces]  # (background, face)
+        for head in net.ClassHead:
+            w = head.conv1x1.weight
+            w.copy_(torch.randn(w.shape, generator=gen) * 3e-4 if faces == "content" else torch.zeros_like(w))
+            head.conv1x1.bias.copy_(torch.tensor(logits).repeat(head.num_anchors))
 
 
 def write_qwen3guard(snap: Path, size: str, answer: str, seed: int) -> None:
@@ -149,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", required=True, help="the cache folder (HF_HUB_CACHE)")
     ap.add_argument("--qwen", choices=tuple(QWEN_SIZES), default="tiny")
     ap.add_argument("--guard-answer", choices=("safe", "unsafe"), default="safe")
-    ap.add_argument("--faces", choices=("all", "none"), default="all")
+    ap.add_argument("--faces", choices=("all", "none", "content"), default="all")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     print(write_guardrail_cache(Path(args.out), args.qwen, args.guard_answer, args.seed, args.faces))

@@ -1,0 +1,70 @@
+"""The Cosmos guardrail's video check as the decode stage runs it (`safety.CosmosVideoBatched`: RetinaFace on a
+batch of frames a forward) against the package's own `CosmosSafetyChecker.check_video_safety` (one frame a forward):
+the same frames out, frame for frame; a block by the package's content models is a block of ours too.
+
+It needs `cosmos_guardrail` to import, so a torchvision that matches torch: `make guardrail-served`'s venv
+(`.venv-guardrail/bin/python -m pytest tests/test_safety_cosmos.py`) or the GPU image; skipped elsewhere, the CPU CI
+included (docs/safety.md). The package loads its checkpoints from a random-weight snapshot
+(cosmos3_core/tools/guardrail_snapshot.py) whose RetinaFace heads find faces by the pixels (`faces="content"`).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+SCRIPT = textwrap.dedent("""
+    import numpy as np
+    from cosmos3_core.safety import CosmosVideoBatched, Guardrail, Refused
+
+    video = Guardrail.load("cosmos", "cpu", "video")
+    ours = video.checker
+    assert isinstance(ours, CosmosVideoBatched), type(ours)
+    package = ours.package
+    assert package.video_guardrail.postprocessors[0].batch_size == 1  # the package: one frame a forward
+    rng = np.random.default_rng(1)
+    t, y, x = np.meshgrid(np.arange(7), np.arange(72), np.arange(120), indexing="ij", sparse=True)
+    field = np.stack(np.broadcast_arrays(*[np.sin((x + 5 * t) / (9 + 4 * c)) + np.cos(y / (7 + 3 * c)) for c in range(3)]), -1) * 60 + 128
+    frames = np.clip(field + rng.normal(0, 20, field.shape), 0, 255).astype(np.uint8)
+    expected = package.check_video_safety(frames.copy())
+    changed = (expected != frames).any(-1).reshape(len(frames), -1).mean(1)
+    assert changed.min() > 0.5, changed  # faces pixelated in every frame
+    # which faces depends on the pixels as the net sees them: the same frames in RGB order find others
+    assert not np.array_equal(package.check_video_safety(frames[..., ::-1].copy()), expected[..., ::-1])
+    for batch in (3, 16):  # 3: batches of 3, 3 and 1
+        ours.batch = batch
+        got = video.check_frames(frames.copy())
+        assert got.dtype == np.uint8 and np.array_equal(got, expected), (batch, (got != expected).sum())
+
+    class Blocks:  # a content model of the package's video guardrail (0.3.2 ships its SigLIP one switched off)
+        def is_safe(self, frames):
+            return False, "unsafe frames detected"
+
+    package.video_guardrail.safety_models.append(Blocks())
+    assert package.check_video_safety(frames.copy()) is None and ours.check_video_safety(frames.copy()) is None
+    try:
+        video.check_frames(frames.copy(), 26)
+        raise AssertionError("not blocked")
+    except Refused as e:
+        assert str(e).startswith("video: blocked by the Cosmos Guardrail (video guardrail) at frames 26..32"), e
+    print("ok")
+""")
+
+
+def test_batched_video_check_is_the_packages_frame_for_frame(tmp_path):
+    try:
+        import cosmos_guardrail  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"cosmos_guardrail does not import here ({e}); see docs/safety.md")
+    from cosmos3_core.tools.guardrail_snapshot import write_guardrail_cache
+
+    cache = write_guardrail_cache(tmp_path / "cache", qwen="tiny", faces="content")
+    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "home")}
+    run = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=Path.cwd(), capture_output=True, text=True,
+                         timeout=600)  # fmt: skip
+    assert run.returncode == 0 and run.stdout.strip().startswith("ok"), run.stdout[-2000:] + run.stderr[-3000:]
