@@ -190,7 +190,9 @@ def side_by_side(deployment: Deployment, overrides: dict, inprocess: int, diffus
 def diffusers_variants(deployment: Deployment, requests: dict[str, tuple], repeat: int) -> dict:
     """Each request kind (name → (parameters, image, clip, raw actions)) through diffusers' `Cosmos3OmniPipeline`
     with the parameters our prefill resolves for it (one 2-step run first, then `repeat` timed) → {name: {"e2e":
-    [...]}}. An action request runs as `pipe(action=CosmosActionCondition(...))`."""
+    [...]}}. An action request runs as `pipe(action=CosmosActionCondition(...))`; one with `lora` runs with that
+    adapter of the deployment's `lora_dir` (`load_lora_adapter` on its first use, timed: `lora_load_s`, then
+    `set_adapters` with its scale), a request without one with the adapters disabled."""
     import gc
 
     import torch
@@ -203,6 +205,7 @@ def diffusers_variants(deployment: Deployment, requests: dict[str, tuple], repea
     from diffusers.pipelines.cosmos.pipeline_cosmos3_omni import CosmosActionCondition
     from PIL import Image
 
+    from cosmos3_core.lora_store import WEIGHTS
     from cosmos3_core.model.checkpoint import Checkpoint
     from cosmos3_core.model.config import read_json
     from cosmos3_core.model.provision import resolve_checkpoint
@@ -247,7 +250,7 @@ def diffusers_variants(deployment: Deployment, requests: dict[str, tuple], repea
 
     from .inprocess import StackCalls, sea_cache_config
 
-    out = {}
+    out, adapters = {}, set()
     for name, (params, image, clip, raw) in requests.items():
         if pipe.transformer.is_cache_enabled:
             pipe.transformer.disable_cache()
@@ -272,6 +275,18 @@ def diffusers_variants(deployment: Deployment, requests: dict[str, tuple], repea
         if clip is not None and not p.action_mode:
             kw |= {"video": [Image.fromarray(f) for f in clip], "condition_video_keep": p.condition_video_keep,
                    "condition_frame_indexes_vision": list(p.condition_frame_indexes)}  # fmt: skip
+        lora_load = None
+        if p.lora is not None:  # the same adapter through diffusers' PEFT integration
+            if p.lora.name not in adapters:
+                t0 = sync()
+                pipe.transformer.load_lora_adapter(str(Path(deployment.lora_dir) / p.lora.name), prefix=None,
+                                                   weight_name=WEIGHTS, adapter_name=p.lora.name)  # fmt: skip
+                lora_load = sync() - t0
+                adapters.add(p.lora.name)
+            pipe.transformer.enable_lora()
+            pipe.transformer.set_adapters(p.lora.name, weights=p.lora.scale)
+        elif adapters:
+            pipe.transformer.disable_lora()
         t0 = sync()
         run(kw, p.shift, 2)
         warm, e2e, skipped = sync() - t0, [], []
@@ -283,7 +298,7 @@ def diffusers_variants(deployment: Deployment, requests: dict[str, tuple], repea
             calls.remove()
             branches = 1 if p.guidance_scale == 1.0 else 2
             skipped.append(skipped_fraction(calls.skipped(branches), p.steps, branches))
-        out[name] = {"e2e": e2e, "warmup_s": warm, "steps": p.steps, "shift": p.shift,
+        out[name] = {"e2e": e2e, "warmup_s": warm, "steps": p.steps, "shift": p.shift, "lora_load_s": lora_load,
                      "skipped_fraction": statistics.mean(skipped),
                      "audio_shape": None if r.sound is None else list(r.sound.shape),
                      "actions_shape": None if r.action is None else list(r.action[0].shape)}  # fmt: skip

@@ -140,9 +140,9 @@ def grouped_delta(y: torch.Tensor, x: torch.Tensor, lin: nn.Module, rows: Adapte
     return y + torch.nn.functional.grouped_mm(h, lin.lora_B[rows.slot], offs=rows.offs)  # [G, R, out] → [N, out]
 
 
-def dense_delta(y: torch.Tensor, x: torch.Tensor, lin: nn.Module, rows: AdapterRows) -> torch.Tensor:
-    """`grouped_delta`'s sum through every slot at once: h = x [Aᵀ of all slots], each row keeping its own slot's
-    R columns times its scale, then y + h [Bᵀ of all slots] (the add in the GEMM's epilogue)."""
+def slot_projection(x: torch.Tensor, lin: nn.Module, rows: AdapterRows) -> torch.Tensor:
+    """x [N, in] through every slot's A at once → h [N, slots·R] in x's dtype, each row keeping its own slot's R
+    columns times its scale and zeros in the others' (`dense_delta`'s first half)."""
     n, (slots, r) = x.shape[0], lin.lora_A.shape[:2]
     index = torch.arange(n, dtype=rows.offs.dtype, device=x.device)
     group = torch.searchsorted(rows.offs, index, right=True).clamp_(max=len(rows.offs) - 1)  # [N]: each row's group
@@ -151,7 +151,14 @@ def dense_delta(y: torch.Tensor, x: torch.Tensor, lin: nn.Module, rows: AdapterR
     own = rows.slot[group, None] == torch.arange(slots, device=x.device)
     keep = torch.where(own, rows.scale[group, None], 0.0).to(x.dtype)
     h = torch.mm(x, lin.lora_A.view(slots * r, -1).t()).view(n, slots, r) * keep[:, :, None]
-    return torch.addmm(y, h.view(n, slots * r), lin.lora_B.view(slots * r, -1))
+    return h.view(n, slots * r)
+
+
+def dense_delta(y: torch.Tensor, x: torch.Tensor, lin: nn.Module, rows: AdapterRows) -> torch.Tensor:
+    """`grouped_delta`'s sum through every slot at once: y + `slot_projection` [Bᵀ of all slots] (the add in the
+    GEMM's epilogue)."""
+    slots, r = lin.lora_B.shape[:2]
+    return torch.addmm(y, slot_projection(x, lin, rows), lin.lora_B.view(slots * r, -1))
 
 
 def adapted(lin: nn.Module, x: torch.Tensor, a16_rows: int, rows: AdapterRows | None) -> torch.Tensor:
