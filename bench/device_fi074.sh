@@ -9,6 +9,7 @@
 #   2. tests/test_gpu_fp8attn.py (the load check and the kernel matrix; FI074_K='' runs the whole file: with
 #      the defect gone, its engine test JIT-builds the bf16 module too) ($OUT/test_fp8attn.txt)
 #   3. bench/fp8attn_fidelity.py: the 1.25x bar on a tiny model, when the load check passes ($OUT/fidelity.*)
+#   REPRO_061=1 first runs the repro against the pinned 0.6.1 too ($OUT/repro061.*), for the bug report's before
 #   device run, carry [.whl/fi074] (+ out/fi074_aot, the FP8 module built ahead without a GPU, when there):
 #     bash bench/device_env.sh && bash bench/device_fi074.sh
 #   (`make device-wheels` makes .whl/fi074; a fresh machine: carry .whl/env + .whl/parity for device_env.sh in
@@ -37,6 +38,15 @@ print('flashinfer', flashinfer.__version__, flashinfer.__file__, '| tvm_ffi', tv
 from flashinfer.jit import env; print('prebuilt modules:', sorted(p.name for p in env.FLASHINFER_AOT_DIR.glob('*')))
 " || exit 1
 echo "install + import: $((SECONDS - t0)) s"
+
+# 0. REPRO_061=1: the repro against the pinned 0.6.1 first (/tmp/site, its JIT cache /tmp/fiws: ~90 s more unless
+#    an earlier call built its FP8 module there)
+if [ -n "${REPRO_061:-}" ]; then
+  PYTHONPATH= FLASHINFER_WORKSPACE_BASE=/tmp/fiws timeout 300 $PY bench/fa3_fp8_repro.py --json "$OUT/repro061.json" \
+    ${REPRO_ARGS:-} > "$OUT/repro061.txt" 2>&1
+  echo "repro 0.6.1 rc=$? ($((SECONDS - t0)) s)"
+  grep -v -e Warning -e "^fa3 " -e "^cudnn " -e "^fa3_bf16 " "$OUT/repro061.txt" | tail -12
+fi
 
 # 1. the standalone repro (its first case JIT-builds the FP8 module unless prebuilt: ~90 s)
 timeout 300 $PY bench/fa3_fp8_repro.py --json "$OUT/repro.json" ${REPRO_ARGS:-} > "$OUT/repro.txt" 2>&1
