@@ -2,12 +2,19 @@
 from cosmos_guardrail, on random weights at the real sizes (Qwen3Guard-Gen-0.6B's Qwen3 shape; RetinaFace's
 ResNet-50), written by cosmos3_core/tools/guardrail_snapshot.py. Needs a torchvision that imports.
 
-  python -m bench.guardrail_cost [--frames 121 --height 480 --width 832] [--json OUT.json]
+  python -m bench.guardrail_cost [--frames 121 --height 480 --width 832] [--edge-c1-s 4.0] [--json OUT.json]
+  (on the H200, one call: bash bench/device_guardrail.sh)
 
 Text: the blocklist alone, and the whole text guardrail (blocklist + Qwen3Guard's `generate`, 128 new tokens: the
 random weights never emit EOS, so this is the upper bound; a real verdict is ~10 tokens, reported as an estimate
-from the per-token time). Video: `check_video_safety` on a whole video and on one 16-frame piece (RetinaFace runs
-frame by frame, batch 1, as the package does; the random net's detections get pixelated like real ones).
+from the per-token time).
+
+Video, per whole video and per 16-frame piece: the package's own `check_video_safety` (RetinaFace one frame a
+forward, its batch size 1) against the decode stage's `safety.CosmosVideoBatched` (the same objects, `--batches`
+frames a forward). Detection only (no face found: the common case) and every prior a face (the pixelation's worst
+case, a 16-frame piece). Then the two compared on the GPU, frame for frame, with heads whose faces depend on the
+pixels (`guardrail_snapshot.set_face_heads(content)`), and the batched check timed while the default stream holds
+other work (the next piece's decode, in the server): on its own stream it need not wait for it.
 """
 
 from __future__ import annotations
@@ -29,17 +36,34 @@ PROMPT = (
     "while a second arm stacks blue boxes in the background; soft daylight, slow camera pan from left to right."
 )
 VERDICT_TOKENS = 10  # "Safety: Safe\nCategories: None" and the end token
+PIECE = 16  # frames of a streamed piece (Edge's are 13-16)
 
 
-def timed(fn, reps: int) -> list[float]:
+def sync() -> None:
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def timed(fn, reps: int) -> float:
+    """The median of `reps` timed calls of `fn`, after one untimed (warm) call."""
+    fn()
     out = []
     for _ in range(reps):
-        torch.cuda.synchronize()
+        sync()
         t = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        sync()
         out.append(time.perf_counter() - t)
-    return out
+    return statistics.median(out)
+
+
+def video_of(frames: int, height: int, width: int) -> np.ndarray:
+    """uint8 [T, H, W, 3]: smooth moving colour fields with noise (the heads that read pixels see structure)."""
+    t, y, x = np.meshgrid(np.arange(frames), np.arange(height), np.arange(width), indexing="ij", sparse=True)
+    rgb = [np.sin((x + 3 * t) / (17 + 9 * c)) + np.cos((y - 2 * t) / (23 + 5 * c)) for c in range(3)]
+    field = np.stack(np.broadcast_arrays(*rgb), axis=-1) * 60 + 128
+    noise = np.random.default_rng(0).normal(0, 12, field.shape)
+    return np.clip(field + noise, 0, 255).astype(np.uint8)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--height", type=int, default=480)
     ap.add_argument("--width", type=int, default=832)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--batches", type=int, nargs="+", default=[8, 16, 32], help="frames a RetinaFace forward")
+    ap.add_argument("--edge-c1-s", type=float, default=4.0, help="Edge c=1 e2e, s (BENCHMARKS.md): the 5 %% target")
+    ap.add_argument("--device", default="cuda", help="cpu: a check of this script at tiny shapes (--qwen tiny)")
+    ap.add_argument("--qwen", choices=("real", "tiny"), default="real", help="Qwen3Guard's size in the snapshot")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     if "HF_HUB_CACHE" not in os.environ:  # the hub reads its cache folder at import: re-run with it set
@@ -55,51 +83,100 @@ def main(argv: list[str] | None = None) -> int:
         from cosmos3_core.tools.guardrail_snapshot import write_guardrail_cache
 
         t = time.perf_counter()
-        write_guardrail_cache(cache, qwen="real")
+        write_guardrail_cache(cache, qwen=args.qwen)
         print(f"snapshot written in {time.perf_counter() - t:.1f}s: {cache}", file=sys.stderr)
-        env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+        env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "HF_HOME": str(cache / "home")}
         os.execve(sys.executable, [sys.executable, "-m", "bench.guardrail_cost", *(argv or sys.argv[1:])], env)
 
-    from cosmos3_core.safety import TEXT, VIDEO, Guardrail
+    from cosmos3_core.safety import FACE_BATCH, TEXT, VIDEO, Guardrail
+    from cosmos3_core.tools.guardrail_snapshot import set_face_heads
 
     t = time.perf_counter()
-    text = Guardrail.load("cosmos", "cuda", TEXT)
-    video = Guardrail.load("cosmos", "cuda", VIDEO)
+    text = Guardrail.load("cosmos", args.device, TEXT)
+    video = Guardrail.load("cosmos", args.device, VIDEO)
     load_s = time.perf_counter() - t
     blocklist, guard = text.checker.text_guardrail.safety_models
-    face = video.checker.video_guardrail.postprocessors[0]
-    rng = np.random.default_rng(0)
-    whole = rng.integers(0, 256, (args.frames, args.height, args.width, 3), dtype=np.uint8)
-    piece = whole[:16].copy()
-    text.check_prompt(PROMPT)  # warm: kernels, the generate loop
-    video.check_frames(piece.copy())
-    results = {
-        "gpu": torch.cuda.get_device_name(),
+    batched = video.checker  # safety.CosmosVideoBatched, what the decode stage calls
+    package = batched.package  # the package's own CosmosSafetyChecker: RetinaFace one frame a forward
+    face = package.video_guardrail.postprocessors[0]
+    whole = video_of(args.frames, args.height, args.width)
+    piece = whole[:PIECE]
+    r: dict = {
+        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device,
+        "torch": torch.__version__,
+        "frames": [args.frames, args.height, args.width],
         "load_s (both stages' checkers)": load_s,
         "qwen3guard_params": sum(p.numel() for p in guard.model.parameters()),
         "qwen3guard_dtype": str(next(guard.model.parameters()).dtype),
         "retinaface_params": sum(p.numel() for p in face.net.parameters()),
-        "blocklist_s": statistics.median(timed(lambda: blocklist.is_safe(PROMPT), args.reps)),
-        "text_guardrail_128_tokens_s": statistics.median(timed(lambda: text.check_prompt(PROMPT), args.reps)),
-        "video_piece_16_all_faces_s": statistics.median(timed(lambda: video.check_frames(piece.copy()), args.reps)),
-        f"video_whole_{args.frames}_all_faces_s": statistics.median(
-            timed(lambda: video.check_frames(whole.copy()), args.reps)
-        ),
-        "frame_size": [args.height, args.width],
-        "gpu_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "package_retinaface_batch_size": face.batch_size,
     }
-    with torch.no_grad():  # the snapshot's class heads answer "face" everywhere; now "no face": detection alone
-        for head in face.net.ClassHead:
-            head.conv1x1.bias.copy_(torch.tensor([4.0, 0.0]).repeat(head.num_anchors))
-    results["video_piece_16_no_faces_s"] = statistics.median(timed(lambda: video.check_frames(piece.copy()), args.reps))
-    results[f"video_whole_{args.frames}_no_faces_s"] = statistics.median(
-        timed(lambda: video.check_frames(whole.copy()), args.reps)
+
+    def ours(frames: np.ndarray, batch: int = FACE_BATCH) -> np.ndarray:
+        batched.batch = batch
+        return video.check_frames(frames.copy())
+
+    def theirs(frames: np.ndarray) -> np.ndarray:
+        return package.check_video_safety(frames.copy())
+
+    # text
+    r["blocklist_s"] = timed(lambda: blocklist.is_safe(PROMPT), args.reps)
+    r["text_guardrail_128_tokens_s"] = timed(lambda: text.check_prompt(PROMPT), args.reps)
+    per_token = (r["text_guardrail_128_tokens_s"] - r["blocklist_s"]) / 128
+    r[f"text_guardrail_estimate_{VERDICT_TOKENS}_tokens_s"] = r["blocklist_s"] + per_token * VERDICT_TOKENS
+
+    # video, every prior a face (the snapshot's heads): the pixelation's worst case, one piece, once each
+    r[f"all_faces_piece_{PIECE}_per_frame_s"] = timed(lambda: theirs(piece), 1)
+    r[f"all_faces_piece_{PIECE}_batched_{FACE_BATCH}_s"] = timed(lambda: ours(piece), 1)
+
+    # video, detection only (no face): the common case
+    set_face_heads(face.net, "none")
+    r[f"piece_{PIECE}_per_frame_s"] = timed(lambda: theirs(piece), args.reps)
+    r[f"piece_{PIECE}_batched_{FACE_BATCH}_s"] = timed(lambda: ours(piece), args.reps)
+    r[f"whole_{args.frames}_per_frame_s"] = timed(lambda: theirs(whole), max(1, args.reps - 1))
+    for batch in args.batches:
+        r[f"whole_{args.frames}_batched_{batch}_s"] = timed(lambda b=batch: ours(whole, b), args.reps)
+    best = min(args.batches, key=lambda b: r[f"whole_{args.frames}_batched_{b}_s"])
+    if args.device.startswith("cuda"):
+        r["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        # behind other work on the default stream (the next piece's decode in the server)
+        a = torch.randn(8192, 8192, device=args.device)
+        sync()
+        t = time.perf_counter()
+        for _ in range(40):
+            a = a @ a / 8192**0.5
+        sync()
+        r["default_stream_work_s"] = time.perf_counter() - t
+        for _ in range(40):
+            a = a @ a / 8192**0.5
+        t = time.perf_counter()
+        ours(whole, FACE_BATCH)
+        r[f"whole_{args.frames}_batched_{FACE_BATCH}_behind_that_work_s"] = time.perf_counter() - t
+        sync()
+        del a
+
+    # the same frames out, with heads whose faces depend on the pixels
+    set_face_heads(face.net, "content")
+    sample = whole[:: max(1, args.frames // 8)][:8]  # ~3000 boxes a frame pass 0.7: the package's NMS is slow
+    expected, got = theirs(sample), ours(sample, 4)
+    r["content_heads_frames_compared (batch 4)"] = len(sample)
+    r["content_heads_frames_equal"] = int(sum(np.array_equal(e, g) for e, g in zip(expected, got)))
+    r["content_heads_pixels_pixelated"] = int((expected != sample).any(-1).sum())
+    with torch.no_grad():  # the net's raw outputs at batch 1 and batched (cuDNN may pick other kernels)
+        x = face.preprocess_frames(sample)  # the package's own preprocessing
+        one = torch.cat([face.net(x[i : i + 1])[1] for i in range(len(x))])
+        r["content_heads_max_abs_conf_diff_batch1_vs_batched"] = float((one - face.net(x)[1]).abs().max())
+
+    whole_s = r[f"whole_{args.frames}_batched_{best}_s"]
+    r["summary"] = (
+        f"video check per {args.frames}-frame {args.height}x{args.width} video, detection only: package (batch 1) "
+        f"{r[f'whole_{args.frames}_per_frame_s']:.3f} s, batched ({best}) {whole_s:.3f} s = "
+        f"{100 * whole_s / args.edge_c1_s:.1f} % of Edge c=1 ({args.edge_c1_s} s); text ~"
+        f"{r[f'text_guardrail_estimate_{VERDICT_TOKENS}_tokens_s']:.3f} s (est., {VERDICT_TOKENS}-token verdict)"
     )
-    per_token = (results["text_guardrail_128_tokens_s"] - results["blocklist_s"]) / 128
-    results[f"text_guardrail_estimate_{VERDICT_TOKENS}_tokens_s"] = results["blocklist_s"] + per_token * VERDICT_TOKENS
-    print(json.dumps(results, indent=1))
+    print(json.dumps(r, indent=1))
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        Path(args.json).write_text(json.dumps(r, indent=1))
     return 0
 
 
