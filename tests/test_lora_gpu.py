@@ -16,6 +16,7 @@ checkpoints with head_dim 64, CUDA graphs on:
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -74,15 +75,16 @@ def pooled_linear(fan_in: int, fan_out: int, slots: int, rank: int, seed: int) -
 
 def test_dense_delta_on_cuda_matches_the_cpu_groups():
     lin = pooled_linear(256, 384, slots=3, rank=16, seed=0)
+    lin32, lin16 = copy.deepcopy(lin).cuda(), copy.deepcopy(lin).to("cuda", torch.bfloat16)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(640, 256, generator=g)
     y = lin(x).detach()
     with torch.inference_mode():
         want = grouped_delta(y, x, lin, adapter_rows(GROUPS, "cpu"))  # the CPU's form, each group exactly
         rows = adapter_rows(GROUPS, "cuda")
-        fp32 = dense_delta(y.cuda(), x.cuda(), lin.cuda(), rows)
+        fp32 = dense_delta(y.cuda(), x.cuda(), lin32, rows)
         assert rel_l2(fp32.cpu(), want) < 1e-5
-        lin16, x16, y16 = lin.to(torch.bfloat16), x.cuda().bfloat16(), y.cuda().bfloat16()
+        x16, y16 = x.cuda().bfloat16(), y.cuda().bfloat16()
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")  # any host synchronisation in the delta raises
         try:
