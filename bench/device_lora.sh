@@ -30,7 +30,8 @@ import json, sys
 for line in open('$OUT/lora_delta.txt'):
     if line.startswith('{'):
         r = json.loads(line)
-        print(f\"{r['rows']:6d} {r['shape']:8s} adapters {r['adapters']} {r['form']:15s} base {r['base_ms']:.3f} ms  x{r['ratio']:.3f}\")
+        print(f\"{r['rows']:6d} {r['shape']:8s} adapters {r['adapters']} {r['form']:15s} base {r['base_ms']:.3f} ms  \"
+              + (f\"x{r['ratio']:.3f}\" if 'ratio' in r else r['error']))
 " || tail -20 $OUT/lora_delta.txt ;;
     served) timeout 560 /tmp/v/bin/python -m bench.lora_bench --config configs/bench_edge.yaml ${LORA_ARGS:-} \
               --json $OUT/lora_bench.json --md $OUT/lora_rows.md > $OUT/lora_bench.txt 2>&1
