@@ -10,7 +10,8 @@ compile off: the matrix checks paths, `bench.served` times them). For each cache
 - runs a mixed pack of 3 concurrent requests: the row's kind beside a t2v and an i2v (t2v + i2v + t2v for the
   t2v/i2v row) and checks each against its solo run (frames within bf16 tolerance, `PACK_TOL`; actions and audio
   present where the request asks for them);
-- a cell is ✓ when all of that holds, else the first error. The server must still be ready at the end, and serve
+- a cell is ✓ when all of that holds, no video is a single value (a NaN decodes to black: two black runs are
+  "equal"), and a SeaCache cell reused steps; else the first error. The server must still be ready at the end, and serve
   one more request (`healthy`).
 Prints one line per cell and a markdown table (BENCHMARKS.md's "GPU matrix"); `bench/device_matrix.sh` runs it on
 the H200.
@@ -115,10 +116,22 @@ class Cell:
                 d = rel_l2(packed[seed]["video"], alone["video"])
                 if d > PACK_TOL:
                     return f"✗ packed request {seed} differs from its solo run: rel L2 {d:.3f} > {PACK_TOL}"
+            for seed, out in [*((s, o) for s, o in solo.items()), *((s, o) for s, o in packed.items())]:
+                if np.ptp(out["video"]) == 0:  # black (a NaN decodes to 0): equal to another black run, and wrong
+                    return f"✗ request {seed}'s video is one value ({out['video'].flat[0]}): NaN or dead output"
             skipped = solo[1]["skipped"]
+            if self.cached and not any(steps for window in _windows(skipped) for steps in window.values()):
+                return (
+                    f"✗ SeaCache reused no step (threshold {SEA['cache']['threshold']:g} reuses all it may): {skipped}"
+                )
             return "✓" + (f" (skipped {skipped})" if self.cached and skipped is not None else "")
         except Exception as e:  # noqa: BLE001 - the cell's result is its error
             return f"✗ {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+
+
+def _windows(skipped: dict | list | None) -> list[dict]:
+    """`done.cache_skipped` → one {branch: steps} per window (a request without windows has one)."""
+    return [] if skipped is None else [skipped] if isinstance(skipped, dict) else skipped
 
 
 def healthy(url: str, http_port: int) -> str:
