@@ -6,7 +6,8 @@ The engine of `bench.matrix`'s deployment (its warmups: `config`, or `one` 2-ste
 prefill stage beside it in this process. Runs t2v (seed 1), i2v (2), t2v (3) alone, then the three submitted
 together (packed in shared ticks), then a SeaCache t2v alone and in that pack, and prints for each its final latents
 (finite? NaN count, abs max, std), the packed run's rel-L2 to its solo run, SeaCache's reused steps, and the step's
-layouts (exact or bucket, captured or not). On the H200 at d1ed90b (as out/diag), SDPA with one warmup: packed = solo bit for
+layouts (exact or bucket, captured or not); the first step output that is not finite is printed as it happens, with
+its layout (`NanWatch`). On the H200 at d1ed90b (as out/diag), SDPA with one warmup: packed = solo bit for
 bit, SeaCache reused steps 1-2 (BENCHMARKS.md, 14th session); the served matrix (FlashInfer, every Nano config's
 warmup) was not.
 """
@@ -35,6 +36,28 @@ def stats(x: torch.Tensor) -> str:
             f"std {finite.std().item():.3g}")  # fmt: skip
 
 
+class NanWatch:
+    """The engine's step, each output checked: the first non-finite velocity is printed with its layout's key and
+    the pack's row sizes (then every later one too, briefly). Attributes are the step's."""
+
+    def __init__(self, step) -> None:
+        self.step, self.seen = step, 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.step, name)
+
+    def __call__(self, rows):
+        outputs = self.step(rows)
+        bad = [i for i, o in enumerate(outputs) if not all(bool(v.isfinite().all()) for v in o.velocity)]
+        if bad:
+            self.seen += 1
+            key = next(reversed(self.step.layouts)) if self.step.layouts else None
+            sizes = [(r.tokens.shape[0], len(r.branches), sum(x is None for x in r.reuse), r.a16) for r in rows]
+            print(f"  non-finite velocity in rows {bad} of a pack {sizes}; layout {key if self.seen == 1 else key[0]}",
+                  flush=True)  # fmt: skip
+        return outputs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="nano")
@@ -55,6 +78,7 @@ def main() -> None:
     engine = DenoiseEngine.from_deployment(ckpt, d)
     engine.warmup([prefill.validate("warmup", r, *warmup_inputs(r, d.defaults)) for r in d.warmup_requests])
     step = engine.step
+    engine.step = NanWatch(step)  # after the warmup (it asks for a DenoiseStep)
     print(f"ready in {time.perf_counter() - t0:.0f}s; buckets {step.buckets}, pad limit {step.pad_limit}", flush=True)
 
     def run(requests: list[tuple[str, int, dict]]) -> list[_CollectSink]:
