@@ -202,3 +202,24 @@ class KeepSink:
 
     def cancelled(self):
         return False
+
+
+def host_syncs_per_tick(engine) -> list[int]:
+    """Run the engine's remaining ticks under CUDA's sync detector → per tick, the host synchronisations it saw
+    (after checking that the detector sees a known one). The GPU tests of "no step syncs the host" share it."""
+    torch.cuda.synchronize()
+    syncs = []
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.ones(1, device="cuda").item()
+        assert any("synchroniz" in str(w.message) for w in caught), "the sync detector saw no .item()"
+        while engine.has_work():
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                engine.tick()
+            syncs.append(sum("synchroniz" in str(w.message) for w in caught))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return syncs

@@ -15,7 +15,7 @@ import torch
 from cosmos3_core.deployment import Deployment
 from cosmos3_core.generate import Generator, _CollectSink
 from cosmos3_core.tools.make_tiny import make_tiny
-from tests.conftest import rel_l2
+from tests.conftest import host_syncs_per_tick, rel_l2
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -144,8 +144,6 @@ def test_bucketed_mixes_replay_the_warmup_captures(ckpt_and_reference, monkeypat
 def test_denoise_steps_never_sync_the_host(ckpt_and_reference):
     """A synchronising call leaves the GPU idle while the host launches what follows (the scheduler's small
     kernels, the next row, the graph launch): ~4 ms a step at Edge's size."""
-    import warnings
-
     ckpt, _ = ckpt_and_reference
     gen = gpu_generator(ckpt, "sdpa", True)
     prompt, params = REQUESTS[0]
@@ -153,20 +151,6 @@ def test_denoise_steps_never_sync_the_host(ckpt_and_reference):
     gen.latents_from(gen.prefill.run(p, None))  # this layout: compiled, captured
     gen.engine.submit(gen.prefill.run(p, None), _CollectSink(p.steps, False))
     gen.engine.tick()  # admission (the noise and text K/V reach the GPU) and the first step
-    torch.cuda.synchronize()
-    syncs = []
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:  # the detector sees a known sync
-            warnings.simplefilter("always")
-            torch.ones(1, device="cuda").item()
-        assert any("synchroniz" in str(w.message) for w in caught)
-        while gen.engine.has_work():
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                gen.engine.tick()
-            syncs.append(sum("synchroniz" in str(w.message) for w in caught))
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    syncs = host_syncs_per_tick(gen.engine)
     assert len(syncs) == p.steps - 1
     assert max(syncs) == 0, syncs

@@ -17,7 +17,6 @@ checkpoints with head_dim 64, CUDA graphs on:
 from __future__ import annotations
 
 import copy
-import warnings
 
 import pytest
 import torch
@@ -27,7 +26,7 @@ from cosmos3_core.generate import Generator, _CollectSink
 from cosmos3_core.model.lora import AdapterRows, dense_delta, grouped_delta
 from cosmos3_core.tools.make_lora import make_lora
 from cosmos3_core.tools.make_tiny import make_tiny
-from tests.conftest import rel_l2
+from tests.conftest import host_syncs_per_tick, rel_l2
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -220,16 +219,6 @@ def test_adapter_steps_never_sync_the_host(setup):
     gen.latents_from(gen.prefill.run(p, None))  # this layout: captured
     gen.engine.submit(gen.prefill.run(p, None), _CollectSink(p.steps, False))
     gen.engine.tick()
-    torch.cuda.synchronize()
-    syncs = []
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        while gen.engine.has_work():
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                gen.engine.tick()
-            syncs.append(sum("synchroniz" in str(w.message) for w in caught))
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    syncs = host_syncs_per_tick(gen.engine)
     assert len(syncs) == p.steps - 1
     assert max(syncs) == 0, syncs
