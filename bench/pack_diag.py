@@ -7,7 +7,7 @@ prefill stage beside it in this process. Runs t2v (seed 1), i2v (2), t2v (3) alo
 together (packed in shared ticks), then a SeaCache t2v alone and in that pack, and prints for each its final latents
 (finite? NaN count, abs max, std), the packed run's rel-L2 to its solo run, SeaCache's reused steps, and the step's
 layouts (exact or bucket, captured or not); the first step output that is not finite is printed as it happens, with
-its layout (`NanWatch`). On the H200 at d1ed90b (as out/diag), SDPA with one warmup: packed = solo bit for
+its layout with `--watch` (`NanWatch`: a host sync per step, so first run without it). On the H200 at d1ed90b (as out/diag), SDPA with one warmup: packed = solo bit for
 bit, SeaCache reused steps 1-2 (BENCHMARKS.md, 14th session); the served matrix (FlashInfer, every Nano config's
 warmup) was not.
 """
@@ -65,6 +65,7 @@ def main() -> None:
     ap.add_argument("--attention", default="auto")
     ap.add_argument("--warmup", choices=["config", "one"], default="config")
     ap.add_argument("--buckets", choices=["derived", "none"], default="derived", help="none: graph_buckets []")
+    ap.add_argument("--watch", action="store_true", help="NanWatch: a host sync per step (it may hide a race)")
     args = ap.parse_args()
     t0 = time.perf_counter()
     d = dataclasses.replace(deployment_of(args.model, args.precision), attention=args.attention)
@@ -78,7 +79,8 @@ def main() -> None:
     engine = DenoiseEngine.from_deployment(ckpt, d)
     engine.warmup([prefill.validate("warmup", r, *warmup_inputs(r, d.defaults)) for r in d.warmup_requests])
     step = engine.step
-    engine.step = NanWatch(step)  # after the warmup (it asks for a DenoiseStep)
+    if args.watch:
+        engine.step = NanWatch(step)  # after the warmup (it asks for a DenoiseStep)
     print(f"ready in {time.perf_counter() - t0:.0f}s; buckets {step.buckets}, pad limit {step.pad_limit}", flush=True)
 
     def run(requests: list[tuple[str, int, dict]]) -> list[_CollectSink]:

@@ -106,8 +106,8 @@ class DenoiseEngine:
         kernels = GenKernels.compiled() if compile else EAGER
         if self.fp8_policy is not None and not compile and str(device).startswith("cuda"):
             print("cosmos3: warning: FP8 linears with compile: false quantize activations and dequantize W8A16 weights "
-                  "in unfused kernels, slower than the 16-bit model (H200, Nano t2v 121 frames: 38.3 s, bf16 33.3 s, "
-                  "FP8 compiled 20.2 s): set compile: true", file=sys.stderr)  # fmt: skip
+                  "in unfused kernels: slower than the 16-bit model on the H200 (BENCHMARKS.md, 14th session); set "
+                  "compile: true", file=sys.stderr)  # fmt: skip
         if parallel is None:
             self.pool = KVPool(
                 pool_pages, page_size, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype, device
