@@ -165,24 +165,30 @@ class CosmosVideoBatched:
     objects and weights: its video guardrail's content models (`run_safety_check`; none in 0.3.2, the SigLIP
     classifier is off there) may block, then each postprocessor runs; for the RetinaFace one its preprocessing
     (BGR, mean subtraction, fp32 as the net's parameters), its `PriorBox`, its net in phase "test", and its own
-    `blur_detected_faces` (box decoding, confidence 0.7, NMS 0.4, top-k, the 20-pixel minimum, `pixelate_face`)
-    on each batch. Convolutions over a batch give each frame what it gives alone, so the frames out equal the
-    package's call frame for frame (tests/test_safety_cosmos.py, on the CPU; bench/guardrail_cost.py compares the
-    two on the GPU).
+    `blur_detected_faces` (box decoding, confidence 0.7, NMS 0.4, top-k, the 20-pixel minimum, `pixelate_face`).
+    Convolutions over a batch give each frame what it gives alone (to the last float bits: docs/safety.md), so the
+    frames out equal the package's call frame for frame (tests/test_safety_cosmos.py, on the CPU;
+    bench/guardrail_cost.py compares the two on the GPU).
 
-    Two things differ, neither in the result: the frames cross to the device as uint8 and become fp32 there (the
-    package converts on the host and copies 4x the bytes; uint8 -> fp32 is exact either way), and on CUDA the
-    work runs on a stream of its own, so a piece's check does not queue behind the next piece's decode, which the
-    decode loop launches meanwhile on the default stream (triton/glue.py's DecodeLoop). The text check is the
-    package's own call."""
+    What differs is only how the work is laid out, none of it in the result:
+    - the frames cross to the device as uint8 and become fp32 there (the package converts on the host and copies 4x
+      the bytes; uint8 -> fp32 is exact either way);
+    - a frame with no score above the threshold (less 1e-6: a superset of the package's own test) skips
+      `blur_detected_faces`, which would find no box in it and leave it as it is;
+    - the frames are pixelated in place and returned (the package returns a copy of the same values);
+    - on CUDA two high-priority streams of its own take turns by batch: one batch's copy and net run while the
+      host pixelates the one before, and a piece's check runs ahead of the next piece's decode, which the decode
+      loop launches meanwhile on the default stream (triton/glue.py's DecodeLoop).
+    The text check is the package's own call."""
 
     def __init__(self, package: Any, batch: int = FACE_BATCH):
         from cosmos_guardrail.cosmos_guardrail import RetinaFaceFilter, logger
 
         self.package, self.batch, self._logger = package, batch, logger
         self._retinaface = RetinaFaceFilter
-        self._priors: dict[tuple[int, int, torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        # (h, w, device, dtype) → the package's priors, its box scale, its BGR means; made once, read by both streams
+        self._constants: dict[tuple[int, int, torch.device, torch.dtype], tuple[torch.Tensor, ...]] = {}
+        self._streams: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
 
     def check_text_safety(self, prompt: str) -> bool:
         return self.package.check_text_safety(prompt)
@@ -198,33 +204,64 @@ class CosmosVideoBatched:
         return frames
 
     def _faces(self, face: Any, frames: np.ndarray) -> np.ndarray:
-        """`face.postprocess(frames)` (uint8 [T, H, W, 3], pixelated in place as the package does), `batch`
-        frames a forward."""
+        """`face.postprocess(frames)`: uint8 [T, H, W, 3] → the same array, its faces pixelated, `batch` frames a
+        forward."""
         param = next(face.net.parameters())
         device, dtype = param.device, param.dtype
-        stream = None
-        if device.type == "cuda":
-            stream = self._streams.setdefault(device, torch.cuda.Stream(device))
-        out: list[np.ndarray] = []
-        with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            priors, scale = self._priors_of(face, *frames.shape[1:3], device, dtype)
-            means = torch.tensor([104.0, 117.0, 123.0], device=device, dtype=dtype).view(1, 3, 1, 1)
-            for start in range(0, len(frames), self.batch):
-                piece = frames[start : start + self.batch]
-                x = torch.from_numpy(piece).to(device).to(dtype).permute(0, 3, 1, 2)[:, [2, 1, 0], :, :] - means
-                loc, conf, _ = face.net(x)
-                out += face.blur_detected_faces(piece, loc, conf, priors, scale)
-        return np.array(out)
+        cuda = device.type == "cuda"
+        if cuda and device not in self._streams:
+            self._streams[device] = tuple(torch.cuda.Stream(device, priority=-1) for _ in range(2))
+        streams = self._streams[device] if cuda else (None,)
+        starts = range(0, len(frames), self.batch)
+        with torch.no_grad():
+            with _on(streams[0]):
+                priors, scale, means = self._constants_of(face, *frames.shape[1:3], device, dtype)
 
-    def _priors_of(
+            def launch(k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                """Batch k's copy to the device and its net, on its stream (asynchronous on CUDA)."""
+                with _on(streams[k % len(streams)]):
+                    u8 = torch.from_numpy(frames[starts[k] : starts[k] + self.batch])
+                    u8 = u8.pin_memory().to(device, non_blocking=True) if cuda else u8
+                    x = u8.to(dtype).permute(0, 3, 1, 2)[:, [2, 1, 0], :, :] - means
+                    loc, conf, _ = face.net(x)
+                    return loc, conf, (conf[:, :, 1] > face.confidence_threshold - 1e-6).any(1)
+
+            pending = launch(0)
+            for k, start in enumerate(starts):
+                loc, conf, found = pending
+                if k + 1 < len(starts):
+                    pending = launch(k + 1)
+                with _on(streams[k % len(streams)]):  # waits for batch k's work only
+                    hits = found.cpu().nonzero().flatten().numpy()
+                    if len(hits) == len(found):  # the package's call on the batch as it is
+                        face.blur_detected_faces(frames[start : start + len(hits)], loc, conf, priors, scale)
+                    elif len(hits):
+                        rows, at = torch.from_numpy(hits).to(device), start + hits
+                        frames[at] = np.stack(
+                            face.blur_detected_faces(frames[at], loc[rows], conf[rows], priors, scale)
+                        )
+        return frames
+
+    def _constants_of(
         self, face: Any, h: int, w: int, device: torch.device, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The package's priors and box scale for (h, w) frames, made once (its `PriorBox` is a Python loop over
-        every anchor, ~16k at 480x832, which the package runs on every call)."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The package's priors, box scale and BGR means for (h, w) frames, made once (its `PriorBox` is a Python
+        loop over every anchor, ~16k at 480x832, which the package runs on every call), on the device (the current
+        stream done) before either stream reads them."""
         key = (h, w, device, dtype)
-        if key not in self._priors:
+        if key not in self._constants:
             from retinaface.layers.functions.prior_box import PriorBox
 
-            priors = PriorBox(face.cfg, image_size=(h, w)).forward().to(device, dtype=dtype)
-            self._priors[key] = priors, torch.Tensor([w, h, w, h]).to(device, dtype=dtype)
-        return self._priors[key]
+            made = (
+                PriorBox(face.cfg, image_size=(h, w)).forward().to(device, dtype=dtype),
+                torch.Tensor([w, h, w, h]).to(device, dtype=dtype),
+                torch.tensor([104.0, 117.0, 123.0], device=device, dtype=dtype).view(1, 3, 1, 1),
+            )
+            if device.type == "cuda":
+                torch.cuda.current_stream(device).synchronize()
+            self._constants[key] = made
+        return self._constants[key]
+
+
+def _on(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)

@@ -1,6 +1,7 @@
 """The Cosmos guardrail's video check as the decode stage runs it (`safety.CosmosVideoBatched`: RetinaFace on a
 batch of frames a forward) against the package's own `CosmosSafetyChecker.check_video_safety` (one frame a forward):
-the same frames out, frame for frame; a block by the package's content models is a block of ours too.
+the same frames out, frame for frame (frames with faces and without, in one batch); a block by the package's content
+models is a block of ours too.
 
 It needs `cosmos_guardrail` to import, so a torchvision that matches torch: `make guardrail-served`'s venv
 (`.venv-guardrail/bin/python -m pytest tests/test_safety_cosmos.py`) or the GPU image; skipped elsewhere, the CPU CI
@@ -31,12 +32,13 @@ SCRIPT = textwrap.dedent("""
     t, y, x = np.meshgrid(np.arange(7), np.arange(72), np.arange(120), indexing="ij", sparse=True)
     field = np.stack(np.broadcast_arrays(*[np.sin((x + 5 * t) / (9 + 4 * c)) + np.cos(y / (7 + 3 * c)) for c in range(3)]), -1) * 60 + 128
     frames = np.clip(field + rng.normal(0, 20, field.shape), 0, 255).astype(np.uint8)
+    frames[[2, 5]] = 128  # plain grey: no face (no score above 0.7); a batch of 3 holds both kinds
     expected = package.check_video_safety(frames.copy())
     changed = (expected != frames).any(-1).reshape(len(frames), -1).mean(1)
-    assert changed.min() > 0.5, changed  # faces pixelated in every frame
+    assert changed[[2, 5]].max() == 0 and np.delete(changed, [2, 5]).min() > 0.05, changed
     # which faces depends on the pixels as the net sees them: the same frames in RGB order find others
     assert not np.array_equal(package.check_video_safety(frames[..., ::-1].copy()), expected[..., ::-1])
-    for batch in (3, 16):  # 3: batches of 3, 3 and 1
+    for batch in (3, 16):  # 3: batches of 3, 3 and 1, faces in some frames of a batch or in all
         ours.batch = batch
         got = video.check_frames(frames.copy())
         assert got.dtype == np.uint8 and np.array_equal(got, expected), (batch, (got != expected).sum())

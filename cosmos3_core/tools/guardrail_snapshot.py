@@ -108,7 +108,7 @@ def set_face_heads(net: torch.nn.Module, faces: str, seed: int = 0) -> None:
             w = head.conv1x1.weight
             w.copy_(torch.randn(w.shape, generator=gen) * 3e-5 if faces == "content" else torch.zeros_like(w))
             head.conv1x1.bias.zero_()
-        logits = {"all": [0.0, 4.0], "none": [4.0, 0.0], "content": [0.0, 0.85]}[faces]  # (background, face)
+        logits = {"all": [0.0, 4.0], "none": [4.0, 0.0], "content": [0.0, 0.55]}[faces]  # (background, face)
         for head in net.ClassHead:
             w = head.conv1x1.weight
             w.copy_(torch.randn(w.shape, generator=gen) * 3e-4 if faces == "content" else torch.zeros_like(w))
