@@ -5,7 +5,7 @@ random weights at the real sizes, behind the tiny default deployment, through tr
   .venv-guardrail/bin/python -m bench.guardrail_served [--json OUT]
 
 1. A snapshot in build/guardrail/hub, the server's HF_HUB_CACHE, offline (cosmos3_core/tools/guardrail_snapshot.py):
-   Qwen3Guard at Qwen3Guard-Gen-0.6B's shape whose verdict ("Safety: Safe") ends after its answer token (`stop`),
+   Qwen3Guard at Qwen3Guard-Gen-0.6B's shape whose verdict ("Safety: Safe") is 1 token (`verdict_tokens`),
    RetinaFace's ResNet-50 with every prior a face (every frame comes back pixelated), the blocklist (`grenade`).
 2. configs/tiny.yaml with `safety_checker: cosmos` (and `safety_checker_optional: true`, for step 4's reference),
    served on free loopback ports.
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     r: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "params": PARAMS}
     shutil.rmtree(cache, ignore_errors=True)  # this script's own (WORK), written anew
     t = time.perf_counter()
-    write_guardrail_cache(cache, qwen=args.qwen, faces="all", stop=True)
+    write_guardrail_cache(cache, qwen=args.qwen, faces="all", verdict_tokens=1)
     r["snapshot_s"] = round(time.perf_counter() - t, 1)
     d = dataclasses.replace(Deployment.load(args.config), safety_checker="cosmos", safety_checker_optional=True)
     t = time.perf_counter()

