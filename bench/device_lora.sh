@@ -2,7 +2,7 @@
 # On the H200, right after `bench/device_env.sh` on the same (warm) machine, carrying .whl/pytriton (and .whl/lora:
 # peft 0.21.2, installed only when the image's peft is missing or older than diffusers' 0.17 floor): LoRA's GPU runs
 # (issue 32). Arguments pick the parts, in order (default: served):
-#   tests    tests/test_lora_gpu.py (CUDA's delta vs the CPU's, fp32/bf16/FP8 requests, captures, no host sync): ~1.5-2 min
+#   tests    tests/test_lora_gpu.py (the CUDA delta vs the CPU's, fp32/bf16/fp16/FP8 requests, captures, no sync): 2 min
 #   delta    bench.lora_delta: each form of the delta beside its base linear at Edge's shapes, c=1 and c=4 rows: ~30 s
 #   served   bench.lora_bench on configs/bench_edge.yaml (Edge t2v 832x480x121, 20 steps, bf16, compile, graphs):
 #            rank-32 adapters on both towers, c=1 base vs adapter, c=4 base vs 4 adapters, first use, diffusers
@@ -10,6 +10,8 @@
 # Logs and JSON go to $OUT (lora_*.txt, lora_bench.json, lora_rows.md: the BENCHMARKS.md row to paste).
 #   device run, carry [.whl/pytriton, .whl/lora]: bash bench/device_lora.sh served      (after device_env.sh)
 set -uo pipefail
+OUT=${OUT:-/tmp/out_lora}
+mkdir -p "$OUT"
 [ -x /tmp/v/bin/python ] || { echo "no /tmp/v: run bench/device_env.sh first on this machine"; exit 3; }
 /tmp/v/bin/python -c "import pytriton" 2>/dev/null || \
   /tmp/v/bin/python -m pip install -q --no-index --no-deps .whl/pytriton/*.whl 2>&1 | grep -v -e "already exists" -e WARNING | tail -3

@@ -9,8 +9,10 @@ scale is 1 (alpha = r), as diffusers infers it. Pickled weights (.bin, .pt, ...)
 
 Errors are `RequestError`s: `lora.name` for a name that is no subfolder (a path, `..`, unknown), `lora` for an
 adapter that cannot serve this checkpoint (keys, shapes, rank over `max_lora_rank`, DoRA, biases, non-finite
-weights) — that request fails, and nothing of the adapter is kept. A subfolder added while serving is found on its
-first use; a changed weights file (mtime, size) is read again once no live request holds the old one.
+weights, or weights that overflow the pool's dtype once scaled by lora_alpha / r) — that request fails, and nothing
+of the adapter is kept: each stage checks the values of every tower's modules, though it holds only its own. A
+subfolder added while serving is found on its first use; a changed weights file (mtime, size) is read again once no
+live request holds the old one.
 
 Threads: `check` runs on a request thread (it reads and checks the file once per version of it); `acquire`
 and `release` on the thread that runs the model (the engine's, prefill's), which alone writes the pool.
@@ -98,13 +100,36 @@ def _finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
 
 
+def _pool_weights(
+    name: str, module: str, a: torch.Tensor, b: torch.Tensor, scaling: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A, B · scaling) as a slot holds them, in `dtype`; RequestError unless every value is finite there. The
+    pool's dense delta multiplies every slot's Bᵀ by zeros for rows of other slots (model/lora.py): one inf in a
+    resident B would make every row of every pack NaN."""
+    a_pool = a.to(dtype)
+    b_pool = (b if scaling == 1.0 else b.float() * scaling).to(dtype)
+    if _finite(a_pool) and _finite(b_pool):
+        return a_pool.contiguous(), b_pool.contiguous()
+    if not (_finite(a) and _finite(b)):
+        raise RequestError("lora", f"{name}: {module} weights are not all finite")
+    raise RequestError(
+        "lora", f"{name}: {module} overflows {str(dtype).removeprefix('torch.')} (max {torch.finfo(dtype).max:.4g}) "
+        f"in lora_A or in lora_B times lora_alpha / r = {scaling:.4g}"
+    )  # fmt: skip
+
+
 def read_adapter(
-    name: str, path: Path, shapes: dict[str, tuple[str, int, int]], max_rank: int, keep: frozenset[str] | None = None
+    name: str,
+    path: Path,
+    shapes: dict[str, tuple[str, int, int]],
+    max_rank: int,
+    dtype: torch.dtype,
+    keep: frozenset[str] | None = None,
 ) -> Adapter:
     """Read and check the adapter in `path` (a weights file) against a checkpoint's adaptable linears → `Adapter`
-    with each module's B scaled by its lora_alpha / r (PEFT's scaling). `keep`: the towers whose weights it holds
-    (None: all) — a stage's model holds one tower; the other tower's modules are checked by key, shape, rank and
-    dtype here and by value (finite) in the stage that holds it, so every request with a bad adapter still fails."""
+    with each module's B scaled by its lora_alpha / r (PEFT's scaling), in `dtype` (the pool's). `keep`: the towers
+    whose weights it holds (None: all) — a stage's model holds one tower; every module, of any tower, is checked
+    (key, shape, rank, finite in `dtype`) here, so a bad adapter fails before any of it is kept."""
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             meta = f.metadata() or {}
@@ -165,12 +190,9 @@ def read_adapter(
             scaling = 1.0
         if not math.isfinite(scaling):
             raise RequestError("lora", f"{name}: {module}'s lora_alpha / r is not finite")
-        if keep is not None and shapes[module][0] not in keep:
-            continue
-        a, b = a.float(), b.float()
-        if not (_finite(a) and _finite(b)):
-            raise RequestError("lora", f"{name}: {module} weights are not all finite")
-        modules[module] = (a.contiguous(), (b if scaling == 1.0 else b * scaling).contiguous())
+        weights = _pool_weights(name, module, a, b, scaling, dtype)
+        if keep is None or shapes[module][0] in keep:
+            modules[module] = weights
     return Adapter(name, modules, frozenset(shapes[m][0] for m in pairs))
 
 
@@ -192,6 +214,12 @@ class LoraStore:
         st = path.stat()
         return (str(path), st.st_mtime_ns, st.st_size)
 
+    def _read(self, name: str, path: str) -> Adapter:
+        """The adapter's modules for the pool's towers, in its dtype (every tower's checked)."""
+        return read_adapter(
+            name, Path(path), self.shapes, self.settings.max_lora_rank, self.pool.dtype, self.pool.towers
+        )
+
     def check(self, name: object) -> LoraRef:
         """The adapter `name`, checked: known good (no read; `acquire` reads it again if it is not resident), or read
         from its folder now. RequestError otherwise."""
@@ -200,7 +228,7 @@ class LoraStore:
             towers = self.known.get((name, key))  # type: ignore[arg-type]
         if towers is not None:
             return LoraRef(name, key, towers, None)  # type: ignore[arg-type]
-        adapter = read_adapter(name, Path(key[0]), self.shapes, self.settings.max_lora_rank, self.pool.towers)  # type: ignore[arg-type]
+        adapter = self._read(name, key[0])  # type: ignore[arg-type]
         towers = adapter.towers
         with self._lock:
             self.known[(name, key)] = towers  # type: ignore[index]
@@ -220,9 +248,7 @@ class LoraStore:
                 self.resident.pop(slot, None)
                 adapter = ref.adapter
                 if adapter is None:  # known good but not resident (evicted since, or never loaded here): read it
-                    adapter = read_adapter(
-                        ref.name, Path(ref.key[0]), self.shapes, self.settings.max_lora_rank, self.pool.towers
-                    )
+                    adapter = self._read(ref.name, ref.key[0])
                 self.pool.write(slot, adapter)
                 self.loads += 1
             self.resident[slot] = (ref.name, ref.key)

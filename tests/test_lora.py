@@ -28,14 +28,17 @@ PROMPT = "a robot arm stacks wooden blocks"
 T2V = dict(num_frames=5, height=32, width=64, steps=2, guidance_scale=5.0, shift=8.0, seed=3, fps=16.0)
 
 
-def bad_adapters(root: Path, good: Path) -> None:
-    """Malformed adapters beside the good ones: each must fail its request alone, naming `lora`."""
-    sd = {}
+def _load(folder: Path) -> tuple[dict, dict]:
     from safetensors import safe_open
 
-    with safe_open(str(good / WEIGHTS), "pt") as f:
-        meta = f.metadata()
-        sd = {k: f.get_tensor(k) for k in f.keys()}
+    with safe_open(str(folder / WEIGHTS), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+
+
+def bad_adapters(root: Path, good: Path) -> None:
+    """Malformed adapters beside the good ones (`good` on the GEN tower with lora_alpha / r = 2, root/both on both
+    towers): each must fail its request alone, naming `lora`."""
+    sd, meta = _load(good)
     a_key = next(k for k in sd if k.endswith("lora_A.weight"))
 
     def write(name: str, tensors: dict, metadata: dict | None = meta) -> None:
@@ -51,6 +54,13 @@ def bad_adapters(root: Path, good: Path) -> None:
     und = {"layers.0.self_attn.to_q.lora_A.weight": torch.full_like(sd[q + "A.weight"], torch.nan),
            "layers.0.self_attn.to_q.lora_B.weight": sd[q + "B.weight"].clone()}  # fmt: skip
     write("not_finite_und", {**sd, **und})
+    # on both towers, the GEN part not finite: prefill (the UND tower's stage) must not keep the UND part
+    both, both_meta = _load(root / "both")
+    gen_key = next(k for k in both if "add_k_proj.lora_B" in k)
+    write("not_finite_gen_both", {**both, gen_key: torch.full_like(both[gen_key], torch.inf)}, both_meta)
+    # finite in the file, not once B is scaled by lora_alpha / r = 2 (fp32's max is ~3.4e38)
+    b_key = a_key.replace("lora_A", "lora_B")
+    write("overflow", {**sd, b_key: torch.full_like(sd[b_key], 3e38)})
     write("dora", sd, {**meta, METADATA_KEY: json.dumps({**json.loads(meta[METADATA_KEY]), "use_dora": True})})
     (root / "pickled").mkdir()
     torch.save(sd, root / "pickled" / "pytorch_lora_weights.bin")
@@ -203,6 +213,8 @@ BAD = [  # (parameters.lora, field)
     ({"name": "half_pair"}, "lora"),
     ({"name": "not_finite"}, "lora"),
     ({"name": "not_finite_und"}, "lora"),
+    ({"name": "not_finite_gen_both"}, "lora"),
+    ({"name": "overflow"}, "lora"),
     ({"name": "dora"}, "lora"),
     ({"name": "big_rank"}, "lora"),
 ]
@@ -215,10 +227,11 @@ def test_bad_adapters_and_choices_name_their_field(gen):
             gen.generate(PROMPT, {**small, "lora": value})
         assert e.value.field == name, (value, str(e.value))
         assert str(e.value).startswith(name + ":")
-    for store in (gen.prefill.loras, gen.engine.loras):  # nothing malformed was kept
-        assert not {"wrong_shape", "wrong_key", "half_pair", "not_finite", "dora", "big_rank"} & set(
-            store.names().values()
-        )
+    malformed = {"wrong_shape", "wrong_key", "half_pair", "not_finite", "not_finite_und", "not_finite_gen_both",
+                 "overflow", "dora", "big_rank"}  # fmt: skip
+    for store in (gen.prefill.loras, gen.engine.loras):  # nothing malformed was kept, nor remembered as good
+        assert not malformed & set(store.names().values())
+        assert not malformed & {name for name, _ in store.known}
     gen.generate(PROMPT, {**small, "lora": {"name": "gen"}})  # and the next one is served
 
 
@@ -260,6 +273,59 @@ def test_grouped_delta_equals_each_group_alone():
         assert torch.equal(out[start:end], want)
     assert rel_l2(dense, out) < 1e-6
     assert torch.equal(out[64:128], y[64:128]) and torch.equal(dense[64:128], y[64:128])  # scale 0: y itself
+
+
+def test_an_overflowing_slot_stays_in_its_own_rows():
+    """fp16: a slot whose x·A overflows leaves every other row bit for bit as it was — rows of other slots, and
+    rows without an adapter exactly y (the dense form selects other slots' columns away, never multiplies an inf by
+    0); the grouped form likewise."""
+    g = torch.Generator().manual_seed(1)
+    lin = torch.nn.Linear(24, 16, bias=False)
+    lin.register_buffer("lora_A", torch.randn(3, 8, 24, generator=g).half())
+    lin.register_buffer("lora_B", torch.randn(3, 8, 16, generator=g).half())
+    x, y = (torch.randn(64, 24, generator=g).abs() + 0.1).half(), torch.randn(64, 16, generator=g).half()
+    # rows 16-32 read slot 1; rows 32-48 no adapter (slot 0, scale 0); rows 48-64 slot 0 at scale -1
+    rows = AdapterRows(torch.tensor([2, 1, 0, 0]), torch.tensor([1.0, 0.5, 0.0, -1.0]),
+                       torch.tensor([16, 32, 48, 64], dtype=torch.int32))  # fmt: skip
+    before = [delta(y, x, lin, rows) for delta in (grouped_delta, dense_delta)]
+    lin.lora_A[1] = 6e4  # x·A ≥ 6e4 · 2.4, past fp16's 65504
+    for delta, was in zip((grouped_delta, dense_delta), before):
+        out = delta(y, x, lin, rows)
+        assert not torch.isfinite(out[16:32]).any(), delta.__name__  # the overflow, in its own rows
+        assert torch.equal(out[:16], was[:16]) and torch.equal(out[32:], was[32:]), delta.__name__
+        assert torch.equal(out[32:48], y[32:48]), delta.__name__
+
+
+def test_weights_that_overflow_the_pool_dtype_are_refused(nano_ckpt, loras, tmp_path):
+    """Values are checked as a slot would hold them: B times lora_alpha / r, in the pool's dtype (an inf in any
+    resident B would turn every row of a dense-delta pack NaN), and in every tower, whichever the stage keeps."""
+    from cosmos3_core.lora_store import read_adapter
+    from cosmos3_core.model.checkpoint import Checkpoint
+    from cosmos3_core.model.lora import adaptable_shapes
+
+    shapes = adaptable_shapes(Checkpoint.open(nano_ckpt).config)
+
+    def read(folder: Path, dtype: torch.dtype, keep: frozenset[str] | None = None):
+        return read_adapter(folder.name, folder / WEIGHTS, shapes, 8, dtype, keep)
+
+    with pytest.raises(RequestError, match=r"overflows float32 \(max 3.403e\+38\) .* lora_alpha / r = 2"):
+        read(loras / "overflow", torch.float32)  # finite in the file; B · 2 is not
+    with pytest.raises(RequestError, match="not all finite"):
+        read(loras / "not_finite_gen_both", torch.float32, frozenset({"und"}))  # prefill's read: GEN checked too
+    sd, meta = _load(loras / "gen")  # lora_alpha / r = 2
+    b_key = next(k for k in sd if k.endswith("lora_B.weight"))
+    a_key = next(k for k in sd if k.endswith("lora_A.weight"))
+    for name, tensors in [("b_fp16", {**sd, b_key: torch.full_like(sd[b_key], 4e4)}),  # fp16 once; 8e4 scaled
+                          ("a_fp16", {**sd, a_key: torch.full_like(sd[a_key], 1e5)})]:  # fmt: skip
+        (tmp_path / name).mkdir()
+        save_file(tensors, tmp_path / name / WEIGHTS, metadata=meta)
+        with pytest.raises(RequestError, match="overflows float16"):
+            read(tmp_path / name, torch.float16)
+        adapter = read(tmp_path / name, torch.float32)  # what fp32 holds
+        assert all(a.dtype == b.dtype == torch.float32 for a, b in adapter.modules.values())
+    adapter = read(loras / "both", torch.bfloat16, frozenset({"gen"}))  # kept: the GEN modules, in the pool's dtype
+    assert {shapes[m][0] for m in adapter.modules} == {"gen"} and adapter.towers == {"gen", "und"}
+    assert all(a.dtype == b.dtype == torch.bfloat16 for a, b in adapter.modules.values())
 
 
 class _BucketedSdpa(SdpaAttention):

@@ -1,12 +1,12 @@
 """LoRA on the GPU (skipped without CUDA): CUDA's form of the delta (`dense_delta`), then whole requests on tiny
 checkpoints with head_dim 64, CUDA graphs on:
 
-- the delta alone against the CPU's grouped GEMMs: fp32 on the GPU to fp32 rounding, bf16 to bf16 rounding, rows
-  without an adapter exactly the base output, no host synchronisation, compiled (dynamic shapes, as the GEN kernels
-  compile it) equal to eager, and a captured graph that replays whatever slots, scales, row groups and adapter
-  weights its buffers hold by then;
+- the delta alone against the CPU's grouped GEMMs: fp32 on the GPU to fp32 rounding, bf16 and fp16 to their
+  rounding, rows without an adapter exactly the base output, no host synchronisation, compiled (dynamic shapes, as
+  the GEN kernels compile it) equal to eager, an fp16 slot whose x·A overflows leaving the other rows as they were,
+  and a captured graph that replays whatever slots, scales, row groups and adapter weights its buffers hold by then;
 - requests in fp32 on the GPU against the fp32 CPU run with the same adapters (tight: a wrong delta is far off),
-  and in bf16 (BF16_TOL), solo and packed with the base model;
+  in bf16 (BF16_TOL), solo and packed with the base model, and in fp16 solo (FP16_TOL);
 - FP8 (`precision: fp8`): W8A16 steps with adapters in fp32 against the CPU; a bf16 pack of W8A8 and W8A16 rows
   with adapters against each alone;
 - a captured layout reads the adapter slots as buffers: after the slot is rewritten with another adapter (max_loras
@@ -31,6 +31,7 @@ from tests.conftest import host_syncs_per_tick, rel_l2
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 BF16_TOL = 3e-2
+FP16_TOL = 1e-2  # these requests in fp16 on the CPU: ≤ 3.7e-3 from fp32 (bf16: ≤ 3.3e-2)
 FP32_TOL = 1e-3  # GPU vs CPU reduction order over a few steps; an adapter's own effect here is > 5e-2
 REQUESTS = [
     ("a red fox", {"num_frames": 9, "height": 64, "width": 96, "steps": 4, "seed": 1, "lora": {"name": "both"}}),
@@ -75,6 +76,7 @@ def pooled_linear(fan_in: int, fan_out: int, slots: int, rank: int, seed: int) -
 def test_dense_delta_on_cuda_matches_the_cpu_groups():
     lin = pooled_linear(256, 384, slots=3, rank=16, seed=0)
     lin32, lin16 = copy.deepcopy(lin).cuda(), copy.deepcopy(lin).to("cuda", torch.bfloat16)
+    lin_h = copy.deepcopy(lin).to("cuda", torch.float16)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(640, 256, generator=g)
     y = lin(x).detach()
@@ -96,6 +98,13 @@ def test_dense_delta_on_cuda_matches_the_cpu_groups():
                 assert torch.equal(bf16[start:end], y16[start:end])
         compiled = torch.compile(dense_delta, dynamic=True)(y16, x16, lin16, rows)
         assert rel_l2(compiled.float(), bf16.float()) < 1e-2
+        xh, yh = x.cuda().half(), y.cuda().half()
+        fp16 = dense_delta(yh, xh, lin_h, rows)
+        assert fp16.dtype == torch.float16 and rel_l2(fp16.float().cpu(), want) < 2e-3
+        lin_h.lora_A[1] = 6e4  # slot 1 (rows 256-448): x·A past fp16's 65504; the other rows must not see it
+        over = dense_delta(yh, xh, lin_h, rows)
+        assert not torch.isfinite(over[256:448]).all()
+        assert torch.equal(over[:256], fp16[:256]) and torch.equal(over[448:], fp16[448:])
 
 
 def test_captured_delta_replays_what_its_buffers_hold():
@@ -176,6 +185,16 @@ def test_fp32_gpu_adapters_match_cpu_closely(setup):
         assert rel_l2(gen.latents(prompt, params).cpu(), ref) < FP32_TOL, prompt
     for (prompt, _), r, ref in zip(REQUESTS, packed(gen, REQUESTS), reference):
         assert rel_l2(r, ref) < FP32_TOL, prompt
+    assert gen.engine.step.captures > 0
+
+
+def test_fp16_gpu_adapters_match_cpu(setup):
+    """fp16 (served: the CUDA delta is plain GEMMs), captured, each request solo against the CPU's fp32 run."""
+    ckpt, loras, reference = setup
+    gen = gpu(ckpt, loras, "float16")
+    for (prompt, params), ref in zip(REQUESTS, reference):
+        ours = gen.latents(prompt, params).float().cpu()
+        assert rel_l2(ours, ref) < FP16_TOL, (prompt, "base" if "lora" not in params else "adapter", rel_l2(ours, ref))
     assert gen.engine.step.captures > 0
 
 

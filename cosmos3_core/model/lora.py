@@ -18,14 +18,19 @@ segment slot (its rows, SEGMENT_ALIGN-padded) plus one for the rows after the la
 (cosmos3_core/graphs.py); prefill has one group, the whole text.
 
 Two ways to add the rows' deltas, each one pass over the pack — no loop over requests, no host synchronisation
-(capturable) — picked by measurement on the H200 at Edge's shapes (bench/lora_delta.py, docs/lora.md):
+(capturable). On the H200 at Edge's shapes the grouped form took 1.1-1.9x its base linear's time
+(bench/lora_delta.py, docs/lora.md), so CUDA runs the dense form instead — chosen from that figure and reasoning,
+not measured itself: it has not been timed or run on a GPU yet:
 - `grouped_delta` (the CPU's): two grouped GEMMs (`torch.nn.functional.grouped_mm`), each group through its own
   slot's A then B. A row's delta depends only on its group's rows and a group's GEMMs have the same shape whatever
   it is packed with, so a request's result does not depend on its neighbours, bit for bit on the CPU.
 - `dense_delta` (CUDA's): one GEMM through every slot's A at once (`x [A_0; ...]ᵀ`, [N, slots·R]), each row's
-  columns of other slots zeroed and its own scaled, then `y + h [Bᵀ_0; ...]` as one GEMM with the add in its
-  epilogue: ordinary cuBLAS GEMMs, where grouped GEMMs of R columns run far below the GPU's peak; cheap while
-  slots·R is small beside the linear's width.
+  columns of other slots replaced by zeros (selected, not multiplied by 0: an inf there would be NaN) and its own
+  scaled, then `y + h [Bᵀ_0; ...]` as one GEMM with the add in its epilogue: ordinary cuBLAS GEMMs, expected to beat
+  grouped GEMMs of R columns (far below the GPU's peak) while slots·R is small beside the linear's width. A row sees
+  another slot only through zeros times that slot's Bᵀ, so every B in the pool must be finite (lora_store.py refuses
+  an adapter whose B·lora_alpha/r is not, in the pool's dtype): then one adapter's overflow (x A past fp16's range)
+  stays in its own rows.
 `adapted(linear, x, a16_rows, rows)`: `fp8.linear` plus the delta; with `rows` None (a pack with no adapter) it is
 `fp8.linear` alone, today's kernels.
 """
@@ -72,7 +77,8 @@ def adaptable_shapes(cfg: ModelConfig) -> dict[str, tuple[str, int, int]]:
 @dataclass(frozen=True)
 class Adapter:
     """A checked adapter on the host: per adapted module name of the towers it was read for (lora_store.py: a
-    stage's), (A [r, in], B [out, r] · lora_alpha/r) fp32; `towers`: every tower its file adapts."""
+    stage's), (A [r, in], B [out, r] · lora_alpha/r) in the pool's dtype, every value finite; `towers`: every tower
+    its file adapts."""
 
     name: str
     modules: dict[str, tuple[torch.Tensor, torch.Tensor]]
@@ -105,7 +111,8 @@ class AdapterPool:
             raise ValueError(f"an adapter pool needs slots ≥ 1 and rank ≥ 1; got {slots}, {rank}")
         self.slots, self.rank = slots, -(-rank // RANK_ALIGN) * RANK_ALIGN
         self.towers = frozenset(model.parts)  # the towers whose linears it holds (a stage's model holds one)
-        dtype, device = model.dtype, model.device
+        self.dtype = dtype = model.dtype
+        device = model.device
         self.linears: dict[str, nn.Module] = {}
         for i, layer in enumerate(model.layers):
             for tower in model.parts:
@@ -142,15 +149,17 @@ def grouped_delta(y: torch.Tensor, x: torch.Tensor, lin: nn.Module, rows: Adapte
 
 def slot_projection(x: torch.Tensor, lin: nn.Module, rows: AdapterRows) -> torch.Tensor:
     """x [N, in] through every slot's A at once → h [N, slots·R] in x's dtype, each row keeping its own slot's R
-    columns times its scale and zeros in the others' (`dense_delta`'s first half)."""
+    columns times its scale and zeros in the others' — all of them for a row of scale 0 (no adapter) —
+    (`dense_delta`'s first half). Zeros by selection: a column that overflowed (inf) becomes 0, not NaN."""
     n, (slots, r) = x.shape[0], lin.lora_A.shape[:2]
     index = torch.arange(n, dtype=rows.offs.dtype, device=x.device)
     group = torch.searchsorted(rows.offs, index, right=True).clamp_(max=len(rows.offs) - 1)  # [N]: each row's group
-    # [N, slots]: each row's scale in its slot's column, 0 in the others (a comparison, not a scatter: under
-    # compile one fused elementwise kernel; every op here is a device kernel with fixed shapes — capturable)
-    own = rows.slot[group, None] == torch.arange(slots, device=x.device)
-    keep = torch.where(own, rows.scale[group, None], 0.0).to(x.dtype)
-    h = torch.mm(x, lin.lora_A.view(slots * r, -1).t()).view(n, slots, r) * keep[:, :, None]
+    scale = rows.scale[group]  # [N]
+    # [N, slots]: the one column each row reads (a comparison, not a scatter: under compile one fused elementwise
+    # kernel; every op here is a device kernel with fixed shapes — capturable)
+    own = (rows.slot[group, None] == torch.arange(slots, device=x.device)) & (scale != 0)[:, None]
+    h = torch.mm(x, lin.lora_A.view(slots * r, -1).t()).view(n, slots, r)
+    h = torch.where(own[:, :, None], h, 0) * scale.to(x.dtype)[:, None, None]
     return h.view(n, slots * r)
 
 
