@@ -27,6 +27,10 @@ if [ ! -d /tmp/site074/flashinfer ]; then
     | grep -v -e WARNING -e "already exists" | tail -2
 fi
 # FlashInfer's own prebuilt-module folder (flashinfer/data/aot/<name>/<name>.so): found there, a module is not JIT-built
+# (an unloadable one is: flashinfer falls back to the JIT). out/fi074_aot (1.9 MB, the FP8 module only) was built
+# without a GPU from .whl/fi074 installed to a folder (+ this Python's tvm-ffi 0.1.15): FLASHINFER_CUDA_ARCH_LIST=9.0a,
+# flashinfer.jit.build_jit_specs(attention.flashinfer_module_specs("fa3", torch.bfloat16, 128, fp8=True)), CPATH with
+# curand's headers, linked against CUDA 13.0's libcudart (no -lcuda: it calls no driver API); ~50 min on 2 busy cores
 [ -d out/fi074_aot ] && mkdir -p /tmp/site074/flashinfer/data/aot && cp -r out/fi074_aot/. /tmp/site074/flashinfer/data/aot/
 export PYTHONPATH=/tmp/site074 FLASHINFER_WORKSPACE_BASE=/tmp/fiws074 COSMOS3_CACHE=/tmp/c3cache074 PYTHONUNBUFFERED=1
 PY=/tmp/v/bin/python
