@@ -9,9 +9,10 @@ A checker is any object with
 `safety_checker` in the deployment config picks it:
 - `cosmos`: `cosmos_guardrail.CosmosSafetyChecker`, the object diffusers builds (text: a blocklist, then
   Qwen3Guard; video: RetinaFace face pixelation). Its checkpoints come from the Hugging Face cache or Hub. The
-  video check is `CosmosVideoBatched`: the package's own objects and calls, but RetinaFace on `FACE_BATCH` frames a
-  forward (the package runs one frame at a time), on the stage's device and a CUDA stream of its own; the same
-  frames out as the package's `check_video_safety` (tests/test_safety_cosmos.py).
+  video check is `CosmosVideoBatched`: the package's own objects and calls, RetinaFace one frame a forward as the
+  package does (on CUDA replayed as a graph), everything around it `FACE_BATCH` frames at a time, on the stage's
+  device and a CUDA stream of its own; the same frames out as the package's `check_video_safety`
+  (tests/test_safety_cosmos.py).
 - `none`: no checks (random-weight and test deployments).
 - `module:callable`: `callable()` returns a checker; `module` is an importable name or a `.py` file.
 A checker that cannot be built fails the stage's load with one line naming what to install or set (`Unavailable`).
@@ -42,9 +43,12 @@ COSMOS_NAME = "Cosmos Guardrail"
 COSMOS_CHECKPOINTS = ("nvidia/Cosmos-1.0-Guardrail", "Qwen/Qwen3Guard-Gen-0.6B")
 LICENSE = "the NVIDIA Open Model License Agreement"
 TEXT, VIDEO = "text", "video"  # which guardrail a stage runs
-# frames per RetinaFace forward: one streamed piece (Edge: 13-16 frames) in one or two; a 480x832 frame's ResNet-50
-# activations are ~0.1 GB fp32, so a batch holds ~2 GB at its peak beside the VAE (bench/guardrail_cost.py)
+# frames copied, preprocessed and looked at for faces together: one streamed piece (Edge: 13-16 frames) in one or two
 FACE_BATCH = 16
+# frames a RetinaFace forward: 1, as the package, so that its scores are the package's to the bit. Batched forwards
+# pick other convolution kernels, whose TF32 sums differ by up to ~1.5e-3 on the H200 (BENCHMARKS.md, issue 31)
+FACE_FORWARD = 1
+FACE_GRAPHS = 4  # (frame size) CUDA graphs kept, each with its activations' pool
 
 
 class SafetyChecker(Protocol):
@@ -160,35 +164,38 @@ def _cosmos(device: str, role: str) -> SafetyChecker:
 
 
 class CosmosVideoBatched:
-    """A `CosmosSafetyChecker` whose `check_video_safety` runs RetinaFace on `batch` frames a forward instead of
-    one (the package's `RetinaFaceFilter.batch_size` is 1), and otherwise what the package's call does, with its own
-    objects and weights: its video guardrail's content models (`run_safety_check`; none in 0.3.2, the SigLIP
-    classifier is off there) may block, then each postprocessor runs; for the RetinaFace one its preprocessing
-    (BGR, mean subtraction, fp32 as the net's parameters), its `PriorBox`, its net in phase "test", and its own
+    """A `CosmosSafetyChecker` whose `check_video_safety` is the package's, with its own objects and weights, laid
+    out for speed: its video guardrail's content models (`run_safety_check`; none in 0.3.2, the SigLIP classifier is
+    off there) may block, then each postprocessor runs; for the RetinaFace one its preprocessing (BGR, mean
+    subtraction, fp32 as the net's parameters), its `PriorBox`, its net in phase "test" one frame a forward
+    (`forward` frames, 1 by default: the package's own kernels, so its scores to the bit), and its own
     `blur_detected_faces` (box decoding, confidence 0.7, NMS 0.4, top-k, the 20-pixel minimum, `pixelate_face`).
-    Convolutions over a batch give each frame what it gives alone (to the last float bits: docs/safety.md), so the
-    frames out equal the package's call frame for frame (tests/test_safety_cosmos.py, on the CPU;
+    The frames out equal the package's call frame for frame (tests/test_safety_cosmos.py on the CPU;
     bench/guardrail_cost.py compares the two on the GPU).
 
-    What differs is only how the work is laid out, none of it in the result:
-    - the frames cross to the device as uint8 and become fp32 there (the package converts on the host and copies 4x
-      the bytes; uint8 -> fp32 is exact either way);
+    What differs is only how the work is laid out:
+    - `batch` frames at a time cross to the device as uint8 (pinned, asynchronous) and become fp32 there (the package
+      converts the whole video on the host and copies 4x the bytes; uint8 -> fp32 is exact either way);
+    - on CUDA a one-frame forward is a CUDA graph of the net's eager forward at that shape (the same kernels,
+      replayed: the package's forward spends most of a frame launching them); if it cannot be captured, eager;
     - a frame with no score above the threshold (less 1e-6: a superset of the package's own test) skips
       `blur_detected_faces`, which would find no box in it and leave it as it is;
     - the frames are pixelated in place and returned (the package returns a copy of the same values);
-    - on CUDA two high-priority streams of its own take turns by batch: one batch's copy and net run while the
-      host pixelates the one before, and a piece's check runs ahead of the next piece's decode, which the decode
-      loop launches meanwhile on the default stream (triton/glue.py's DecodeLoop).
-    The text check is the package's own call."""
+    - on CUDA it runs on a high-priority stream of its own: a piece's check does not wait behind the next piece's
+      decode, which the decode loop launches meanwhile on the default stream (triton/glue.py's DecodeLoop).
+    `forward` > 1 runs batched forwards instead: faster, but other kernels, so scores that differ in their last
+    bits (up to ~1.5e-3 on the H200 with TF32), and a box near a threshold can go the other way (the bench
+    measures both). The text check is the package's own call."""
 
-    def __init__(self, package: Any, batch: int = FACE_BATCH):
+    def __init__(self, package: Any, batch: int = FACE_BATCH, forward: int = FACE_FORWARD):
         from cosmos_guardrail.cosmos_guardrail import RetinaFaceFilter, logger
 
-        self.package, self.batch, self._logger = package, batch, logger
+        self.package, self.batch, self.forward, self._logger = package, batch, forward, logger
         self._retinaface = RetinaFaceFilter
-        # (h, w, device, dtype) → the package's priors, its box scale, its BGR means; made once, read by both streams
+        # (h, w, device, dtype) → the package's priors, its box scale, its BGR means; made once
         self._constants: dict[tuple[int, int, torch.device, torch.dtype], tuple[torch.Tensor, ...]] = {}
-        self._streams: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._graphs: dict[tuple[int, int, torch.device, torch.dtype], _GraphedNet | None] = {}
 
     def check_text_safety(self, prompt: str) -> bool:
         return self.package.check_text_safety(prompt)
@@ -204,63 +211,80 @@ class CosmosVideoBatched:
         return frames
 
     def _faces(self, face: Any, frames: np.ndarray) -> np.ndarray:
-        """`face.postprocess(frames)`: uint8 [T, H, W, 3] → the same array, its faces pixelated, `batch` frames a
-        forward."""
+        """`face.postprocess(frames)`: uint8 [T, H, W, 3] → the same array, its faces pixelated."""
         param = next(face.net.parameters())
         device, dtype = param.device, param.dtype
         cuda = device.type == "cuda"
         if cuda and device not in self._streams:
-            self._streams[device] = tuple(torch.cuda.Stream(device, priority=-1) for _ in range(2))
-        streams = self._streams[device] if cuda else (None,)
-        starts = range(0, len(frames), self.batch)
-        with torch.no_grad():
-            with _on(streams[0]):
-                priors, scale, means = self._constants_of(face, *frames.shape[1:3], device, dtype)
-
-            def launch(k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-                """Batch k's copy to the device and its net, on its stream (asynchronous on CUDA)."""
-                with _on(streams[k % len(streams)]):
-                    u8 = torch.from_numpy(frames[starts[k] : starts[k] + self.batch])
-                    u8 = u8.pin_memory().to(device, non_blocking=True) if cuda else u8
-                    x = u8.to(dtype).permute(0, 3, 1, 2)[:, [2, 1, 0], :, :] - means
-                    loc, conf, _ = face.net(x)
-                    return loc, conf, (conf[:, :, 1] > face.confidence_threshold - 1e-6).any(1)
-
-            pending = launch(0)
-            for k, start in enumerate(starts):
-                loc, conf, found = pending
-                if k + 1 < len(starts):
-                    pending = launch(k + 1)
-                with _on(streams[k % len(streams)]):  # waits for batch k's work only
-                    hits = found.cpu().nonzero().flatten().numpy()
-                    if len(hits) == len(found):  # the package's call on the batch as it is
-                        face.blur_detected_faces(frames[start : start + len(hits)], loc, conf, priors, scale)
-                    elif len(hits):
-                        rows, at = torch.from_numpy(hits).to(device), start + hits
-                        frames[at] = np.stack(
-                            face.blur_detected_faces(frames[at], loc[rows], conf[rows], priors, scale)
-                        )
+            self._streams[device] = torch.cuda.Stream(device, priority=-1)
+        h, w = frames.shape[1:3]
+        with torch.no_grad(), _on(self._streams[device] if cuda else None):
+            priors, scale, means = self._constants_of(face, h, w, device, dtype)
+            net = self._graphed(face, h, w, device, dtype) if cuda and self.forward == 1 else face.net
+            for start in range(0, len(frames), self.batch):
+                u8 = torch.from_numpy(frames[start : start + self.batch])
+                u8 = u8.pin_memory().to(device, non_blocking=True) if cuda else u8
+                x = u8.to(dtype).permute(0, 3, 1, 2)[:, [2, 1, 0], :, :] - means
+                outs = [net(x[i : i + self.forward])[:2] for i in range(0, len(x), self.forward)]
+                loc, conf = torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
+                found = (conf[:, :, 1] > face.confidence_threshold - 1e-6).any(1)
+                hits = found.cpu().nonzero().flatten().numpy()
+                if len(hits) == len(found):  # the package's call on the batch as it is
+                    face.blur_detected_faces(frames[start : start + len(hits)], loc, conf, priors, scale)
+                elif len(hits):
+                    rows, at = torch.from_numpy(hits).to(device), start + hits
+                    frames[at] = np.stack(face.blur_detected_faces(frames[at], loc[rows], conf[rows], priors, scale))
         return frames
+
+    def _graphed(self, face: Any, h: int, w: int, device: torch.device, dtype: torch.dtype) -> Callable:
+        """The net's one-frame forward at (h, w) as a CUDA graph, captured on first use; eager if it cannot be."""
+        key = (h, w, device, dtype)
+        if key not in self._graphs:
+            try:
+                self._graphs[key] = _GraphedNet(face.net, (1, 3, h, w), device, dtype)
+            except RuntimeError as e:
+                self._logger.warning(f"RetinaFace at {h}x{w} not captured as a CUDA graph ({e}); it runs eager")
+                self._graphs[key] = None
+            while len(self._graphs) > FACE_GRAPHS:
+                del self._graphs[next(iter(self._graphs))]
+        return self._graphs[key] or face.net
 
     def _constants_of(
         self, face: Any, h: int, w: int, device: torch.device, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The package's priors, box scale and BGR means for (h, w) frames, made once (its `PriorBox` is a Python
-        loop over every anchor, ~16k at 480x832, which the package runs on every call), on the device (the current
-        stream done) before either stream reads them."""
+        loop over every anchor, ~16k at 480x832, which the package runs on every call)."""
         key = (h, w, device, dtype)
         if key not in self._constants:
             from retinaface.layers.functions.prior_box import PriorBox
 
-            made = (
+            self._constants[key] = (
                 PriorBox(face.cfg, image_size=(h, w)).forward().to(device, dtype=dtype),
                 torch.Tensor([w, h, w, h]).to(device, dtype=dtype),
                 torch.tensor([104.0, 117.0, 123.0], device=device, dtype=dtype).view(1, 3, 1, 1),
             )
-            if device.type == "cuda":
-                torch.cuda.current_stream(device).synchronize()
-            self._constants[key] = made
         return self._constants[key]
+
+
+class _GraphedNet:
+    """A RetinaFace (phase "test") forward on one [1, 3, H, W] input, captured as a CUDA graph on the current
+    (non-default) stream: the kernels of its eager forward at that shape, each launch replayed at once. Captured in
+    thread-local mode, so the decode loop's thread may use the GPU meanwhile."""
+
+    def __init__(self, net: torch.nn.Module, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype):
+        self.x = torch.zeros(shape, device=device, dtype=dtype)
+        for _ in range(2):  # cuDNN's kernels chosen and its workspace sized before the capture
+            net(self.x)
+        stream = torch.cuda.current_stream(device)
+        stream.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, stream=stream, capture_error_mode="thread_local"):
+            self.loc, self.conf, _ = net(self.x)
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.x.copy_(x)
+        self.graph.replay()
+        return self.loc.clone(), self.conf.clone()
 
 
 def _on(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
