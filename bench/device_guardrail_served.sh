@@ -5,8 +5,9 @@
 # server: `--set safety_checker=none`, then `cosmos` on random weights at the real sizes (guardrail_snapshot: Qwen3Guard
 # at 0.6B's shape with a 10-token verdict, as a real one; RetinaFace ResNet-50 finding no face, FACES=none, or every
 # prior a face, FACES=all). The package's four wheels (.whl/safety) go into /tmp/v beside pytriton's.
-#   device run, carry [.whl/env, .whl/parity, .whl/pytriton, .whl/safety]:
-#     bash bench/device_env.sh && bash bench/device_guardrail_served.sh        (~5 min: two server starts)
+#   two device calls (a call carries at most 64 MiB): carry [.whl/env, .whl/parity]: bash bench/device_env.sh;
+#   then on the same warm machine, carry [.whl/pytriton, .whl/safety]: bash bench/device_guardrail_served.sh
+#   (~5 min: two server starts)
 set -uo pipefail
 [ -x /tmp/v/bin/python ] || { echo "no /tmp/v: run bench/device_env.sh first on this machine"; exit 3; }
 /tmp/v/bin/python -m pip install -q --no-index --no-deps .whl/pytriton/*.whl .whl/safety/cosmos_guardrail-*.whl \
