@@ -341,8 +341,9 @@ class GatherLayout:
     kv_indptr: list[int]
     own_dst: torch.Tensor  # [rows] int64: row i of k/v goes to kv row own_dst[i]
     prefix_src: torch.Tensor  # [capacity] int64: token of a layer's pages flattened to [pages * page_size, ...]
-    prefix_dst: torch.Tensor  # [capacity] int64: ... goes to kv row prefix_dst[j]; the unused entries copy token 0
-    # to the rows after the last request's keys, one each, so the whole buffer is written (no two writes to one row)
+    prefix_dst: torch.Tensor  # [capacity] int64: ... goes to kv row prefix_dst[j]; the unused entries copy the
+    # pack's first prefix token (`gather_layout`) to the rows after the last request's keys, one each, so the whole
+    # buffer is written (no two writes to one row)
     segment_keys: torch.Tensor  # [rows + capacity] bool: the segments' kv rows (prefix and own; not the padding
     # requests' nor the unused entries'): FP8's K and V scales are over these
 
@@ -393,7 +394,10 @@ def gather_layout(segments: list[Segment], rows: int, page_size: int, capacity: 
     if used > capacity:
         raise ValueError(f"{used} prefix tokens exceed the plan's capacity of {capacity}")
     pad = torch.arange(capacity - used)
-    return GatherLayout(qo, kv, own_dst, torch.cat([prefix_src, torch.zeros_like(pad)]),
+    # the unused entries copy the pack's own first prefix token, never pool token 0: a page no request of this pack
+    # need hold, whose stale K/V (a failed request's NaN) FA3 would multiply by 0 in the last request's final tile
+    fill = prefix_src[:1].expand(len(pad)) if used else torch.zeros_like(pad)
+    return GatherLayout(qo, kv, own_dst, torch.cat([prefix_src, fill]),
                         torch.cat([prefix_dst, kv[-1] + pad]), segment_keys)  # fmt: skip
 
 
