@@ -14,12 +14,14 @@ of a buffer the server frees after `execute` (undefined behaviour by CUDA's rule
 value in one request's prefix V spreads to the segment before it in the pack (FA3 reads whole K/V tiles past a
 request's end and multiplies their V by 0), so one bad queued request blacks its pack mates.
 
-Phases, in this order on one server (2-step 33-frame requests, the matrix's t2v, i2v, t2v with seeds 1-3):
-`short` solo runs and pack, `long` solo runs and pack, `short` solo again (is anything left poisoned?), and a SeaCache
-solo run of the short prompt (reused steps?). Each line: the prompt's text tokens and K/V megabytes against the pool,
-per request whether its video is one value (black: NaN) and its rel-L2 to its solo run. Predictions: K/V over the
-wire (a pool-size threshold) → `short` ✓ and `long` ✗, and `--pool-mb 256` (tritonserver's
---cuda-memory-pool-byte-size) turns `long` ✓; an engine or FlashInfer fault → both ✗ whatever the pool.
+Phases, in this order on one server (2-step 33-frame requests, the matrix's t2v, i2v, t2v with seeds 1-3, each
+alone, then the three at once): `short` (one short prompt for all three, as the matrix: one prompt), `short mixed`
+(three prompts of equal length: a request that reads another's freed K/V shows the other's prompt, finite but not
+its solo video), `long`, `long mixed`, then a `short` solo run again (is anything left poisoned?) and a SeaCache solo
+run (reused steps?). Each line: per request whether its video is one value (black: NaN) and its rel-L2 to its solo
+run (> 0.05: ✗). Predictions: K/V over the wire (a pool-size threshold) → the short phases ✓ and the long ones ✗, and
+`--pool-mb 256` (tritonserver's --cuda-memory-pool-byte-size) turns the long ones ✓; a use-after-free whatever the
+size → the mixed phases ✗; an engine or FlashInfer fault → ✗ whatever the prompt and pool (`bench.pack_diag` then).
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ def main() -> int:
     size = (d.defaults.height, d.defaults.width)
     pool = args.pool_mb << 20 if args.pool_mb else POOL_BYTES
     prompts = {"short": (SHORT, ""), "long": (PROMPT, LONG_NEGATIVE)}
+    # three prompts of one length (a byte-level tokenizer: the same token count), one per request of a pack
+    mixed = {name: [(p.replace("red", c), n) for c in ("red", "tan", "sky")] for name, (p, n) in prompts.items()}
     for name, (prompt, negative) in prompts.items():
         tokens, nbytes = kv_bytes(d, prompt, negative)
         print(f"{name}: {tokens} text tokens, text_kv {nbytes / 1e6:.1f} MB ({'over' if nbytes > pool else 'within'} "
@@ -98,8 +102,11 @@ def main() -> int:
         wait_until_ready(ports[1], proc=proc, timeout_s=900)
         print(f"ready in {time.perf_counter() - t0:.0f}s", flush=True)
         solos: dict[str, dict[int, dict]] = {}
-        for name, (prompt, negative) in prompts.items():
-            requests = [(prompt, negative, kind, seed, {}) for kind, seed in (("t2v", 1), ("i2v", 2), ("t2v", 3))]
+        phases = [(f"{size}{' mixed' if mix else ''}", mixed[size] if mix else [prompts[size]] * 3)
+                  for size in prompts for mix in (False, True)]  # fmt: skip
+        for name, texts in phases:
+            kinds = (("t2v", 1), ("i2v", 2), ("t2v", 3))
+            requests = [(prompt, negative, kind, seed, {}) for (prompt, negative), (kind, seed) in zip(texts, kinds)]
             print(f"{name}:", flush=True)
             solos[name] = {r[3]: one(r) for r in requests}
             for out in solos[name].values():
