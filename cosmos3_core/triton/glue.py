@@ -64,8 +64,19 @@ def input_array(request, name: str) -> np.ndarray | None:
 
 
 def input_torch(request, name: str) -> torch.Tensor:
+    """An input as a tensor that outlives `execute`. Triton frees a request's input buffers when `execute` returns
+    (python_backend's README: "all tensor data associated with the InferenceRequest objects passed to the function
+    are deleted"), decoupled models included, while the denoise engine reads `text_kv` at admission (a tick or more
+    later) and the decoder reads `latents` on the GPU after the launch returns. So a GPU input is copied, and the
+    copy finished, here; a DLPack view of it would read freed memory (Nano's 70 MB `text_kv`, above Triton's 64 MiB
+    CUDA pool, is the likely cause of the black Nano packs on the H200, BENCHMARKS.md 14th session). A CPU input's shared memory
+    lives as long as the view."""
     t = pb_utils.get_input_tensor_by_name(request, name)
-    return torch.utils.dlpack.from_dlpack(t.to_dlpack())
+    value = torch.utils.dlpack.from_dlpack(t.to_dlpack())
+    if value.is_cuda:
+        value = value.clone()
+        torch.cuda.current_stream(value.device).synchronize()
+    return value
 
 
 def output(name: str, value: torch.Tensor | np.ndarray) -> Any:
