@@ -79,7 +79,8 @@ def test_fp8_scales_over_the_gather_equal_the_sdpa_fake_quant():
     """FlashInfer's FP8 path on the gather (q's scales over the segment rows, K's and V's over `segment_keys`:
     every segment's prefix tokens and own rows, not the padding requests' nor the unused capacity entries'), with
     the kernel's per-request attention done by SDPA over the dequantized values, equals the SDPA backend's fake
-    quant exactly — outliers in the padding rows and in pool token 0 (what unused entries copy) must not count."""
+    quant exactly — outliers in the padding rows and in pool token 0 (in no prefix; unused entries copy the pack's own
+    first prefix token) must not count."""
     torch.manual_seed(3)
     pool = KVPool(32, PAGE, 1, KV_HEADS, D, torch.float32, "cpu")
     pool.k_pages.normal_()
