@@ -68,15 +68,26 @@ def input_torch(request, name: str) -> torch.Tensor:
     (python_backend's README: "all tensor data associated with the InferenceRequest objects passed to the function
     are deleted"), decoupled models included, while the denoise engine reads `text_kv` at admission (a tick or more
     later) and the decoder reads `latents` on the GPU after the launch returns. So a GPU input is copied, and the
-    copy finished, here; a DLPack view of it would read freed memory (Nano's 70 MB `text_kv`, above Triton's 64 MiB
-    CUDA pool, is the likely cause of the black Nano packs on the H200, BENCHMARKS.md 14th session). A CPU input's shared memory
-    lives as long as the view."""
+    copy finished, here: a DLPack view would read freed memory. (Nano's 70 MB `text_kv`, above Triton's 64 MiB
+    CUDA pool, is the likely cause of the black Nano packs on the H200: BENCHMARKS.md, 14th session.) A CPU
+    input's shared memory lives as long as the view."""
     t = pb_utils.get_input_tensor_by_name(request, name)
     value = torch.utils.dlpack.from_dlpack(t.to_dlpack())
-    if value.is_cuda:
-        value = value.clone()
-        torch.cuda.current_stream(value.device).synchronize()
-    return value
+    if not value.is_cuda:
+        return value
+    # on a stream of its own: a sync of the default stream would wait for the engine's tick or the decoder's last
+    # chunk, which run there
+    copier = _COPY_STREAMS.get(value.device)
+    if copier is None:
+        copier = _COPY_STREAMS[value.device] = torch.cuda.Stream(value.device)
+    with torch.cuda.stream(copier):
+        owned = value.clone()
+    copier.synchronize()
+    owned.record_stream(torch.cuda.default_stream(value.device))  # read there: its block waits for those reads
+    return owned
+
+
+_COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}  # input_torch's, one per device
 
 
 def output(name: str, value: torch.Tensor | np.ndarray) -> Any:
