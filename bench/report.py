@@ -1,5 +1,5 @@
-"""Benchmark rows for BENCHMARKS.md: `append_row(path, gpu, figures)` adds one line — date, GPU, the command that
-produced it, each figure — to the "Runs appended by the benchmarks" table, the file's last section (made when
+"""Benchmark rows for BENCHMARKS.md: `append_row(path, gpu, figures)` adds one line — date, GPU (None: this process's
+CUDA device, or "CPU"), the command that produced it, each figure — to the "Runs appended by the benchmarks" table, the file's last section (made when
 missing)."""
 
 from __future__ import annotations
@@ -13,7 +13,11 @@ SECTION = "## Runs appended by the benchmarks (`--md BENCHMARKS.md`)"
 HEADER = "| date | GPU | command | figures |\n|---|---|---|---|"
 
 
-def append_row(path: str | Path, gpu: str, figures: dict[str, float | int | str]) -> str:
+def append_row(path: str | Path, gpu: str | None, figures: dict[str, float | int | str]) -> str:
+    if gpu is None:
+        import torch
+
+        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     command = "python -m " + " ".join(shlex.quote(a) for a in [_module(), *sys.argv[1:]])
     shown = ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in figures.items())
     row = f"| {datetime.date.today().isoformat()} | {gpu} | `{command}` | {shown} |"

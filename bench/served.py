@@ -564,8 +564,6 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     if args.md:
-        import torch
-
         from .report import append_row
 
         figures: dict = {}
@@ -585,8 +583,7 @@ def main() -> int:
                 if ":" in key and key.split(":", 1)[1] in result["floors"]:
                     figures[f"{key} H200 floor s"] = result["floors"][key.split(":", 1)[1]]["floor_s"]
         figures["startup s"] = result["startup_s"]
-        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-        print(append_row(args.md, gpu, figures))
+        print(append_row(args.md, None, figures))
     return 0
 
 
