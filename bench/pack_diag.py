@@ -23,17 +23,21 @@ import torch
 from cosmos3_core.engine import DenoiseEngine
 from cosmos3_core.generate import _CollectSink
 from cosmos3_core.requests import warmup_inputs
-from cosmos3_core.stages import PrefillStage
+from cosmos3_core.stages import DecodeStage, PrefillStage
 
 from .matrix import FRAMES, SEA, SEA_STEPS, STEPS, deployment_of
 from .served import PROMPT, variant_request
 
 
-def stats(x: torch.Tensor) -> str:
+def stats(x: torch.Tensor, decoder: DecodeStage | None = None) -> str:
     x = x.float()
     finite = x.nan_to_num()
+    video = ""
+    if decoder is not None:  # the served matrix judges videos: one value (0) is what NaN latents decode to
+        frames = decoder.run(x, safety_check=False)
+        video = f"; video {'BLACK (one value)' if frames.max() == frames.min() else 'ok'}"
     return (f"finite {bool(x.isfinite().all())} nan {int(x.isnan().sum())} absmax {finite.abs().max().item():.3g} "
-            f"std {finite.std().item():.3g}")  # fmt: skip
+            f"std {finite.std().item():.3g}{video}")  # fmt: skip
 
 
 class NanWatch:
@@ -66,6 +70,7 @@ def main() -> None:
     ap.add_argument("--warmup", choices=["config", "one"], default="config")
     ap.add_argument("--buckets", choices=["derived", "none"], default="derived", help="none: graph_buckets []")
     ap.add_argument("--watch", action="store_true", help="NanWatch: a host sync per step (it may hide a race)")
+    ap.add_argument("--decode", action="store_true", help="decode each result (the VAE stage) and say if it is black")
     args = ap.parse_args()
     t0 = time.perf_counter()
     d = dataclasses.replace(deployment_of(args.model, args.precision), attention=args.attention)
@@ -77,6 +82,7 @@ def main() -> None:
     ckpt = d.open_checkpoint()
     prefill = PrefillStage.from_deployment(ckpt, d, d.torch_device)
     engine = DenoiseEngine.from_deployment(ckpt, d)
+    decoder = DecodeStage.from_deployment(ckpt, d, d.torch_device) if args.decode else None
     engine.warmup([prefill.validate("warmup", r, *warmup_inputs(r, d.defaults)) for r in d.warmup_requests])
     step = engine.step
     if args.watch:
@@ -96,14 +102,19 @@ def main() -> None:
     requests = [("t2v", 1, {}), ("i2v", 2, {}), ("t2v", 3, {})]
     solo = [run([r])[0] for r in requests]
     for (kind, seed, _), s in zip(requests, solo):
-        print(f"solo   {kind} {seed}: {s.failure or stats(s.latents)}", flush=True)
+        print(f"solo   {kind} {seed}: {s.failure or stats(s.latents, decoder)}", flush=True)
     for (kind, seed, _), s, alone in zip(requests, run(requests), solo):
         rel = (s.latents.float() - alone.latents.float()).norm() / alone.latents.float().norm()
-        print(f"packed {kind} {seed}: {s.failure or stats(s.latents)}; rel-L2 to solo {rel.item():.3g}", flush=True)
+        print(
+            f"packed {kind} {seed}: {s.failure or stats(s.latents, decoder)}; rel-L2 to solo {rel.item():.3g}",
+            flush=True,
+        )
     sea = ("t2v", 1, {"cache": SEA["cache"], "steps": SEA_STEPS})
     for name, group in (("sea solo  ", [sea]), ("sea packed", [sea, *requests[1:]])):
         s = run(group)[0]
-        print(f"{name} t2v 1: {s.failure or stats(s.latents)}; reused {s.info.get('cache_skipped')}", flush=True)
+        print(
+            f"{name} t2v 1: {s.failure or stats(s.latents, decoder)}; reused {s.info.get('cache_skipped')}", flush=True
+        )
     for key, layout in step.layouts.items():
         kind = "bucket" if key[0][0] == "bucket" else "exact"
         print(f"layout {kind} {layout.packed.tokens.shape[0]} rows, {layout.runs} runs, graph "

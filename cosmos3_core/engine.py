@@ -27,7 +27,7 @@ from .model.towers import EAGER, GenKernels
 from .parallel.denoise import DenoiseParallel
 from .parallel.group import Group
 from .requests import GenerationParams
-from .rows import Row, denoise_step_row
+from .rows import Row, RowOutput, denoise_step_row
 from .scheduler import EngineStats, Job, QueueFull, Scheduler, Sink
 from .step import DenoiseStep, bucket_padding, derive_buckets
 from .wire import PrefillResult
@@ -166,6 +166,8 @@ class DenoiseEngine:
         except Exception as e:  # noqa: BLE001 - a fault of the tick: its requests end, the engine heals
             self._heal(jobs, e)
             return 0
+        if faults.CHECK_FINITE:
+            self._check_finite(jobs, rows, outputs)
         self.failed_ticks = 0
         stats = self.scheduler.stats
         stats.ticks += 1
@@ -198,6 +200,25 @@ class DenoiseEngine:
         self.scheduler.stats.tick_failures += 1
         print(f"cosmos3: a denoise step failed and the engine recovered ({len(jobs)} requests ended): {cause}",
               file=sys.stderr)  # fmt: skip
+
+    def _check_finite(self, jobs: list[Job], rows: list[Row], outputs: list[RowOutput]) -> None:
+        """`check_finite=1` (faults.py): the tick's requests whose outputs are not finite, with the layout the tick
+        ran in (kind, rows, its run count, whether it holds a graph) — a host sync per tick."""
+        bad = [j.params.seed for j, o in zip(jobs, outputs)
+               if faults.nonfinite(*o.velocity, *o.sound_velocity, *o.action_velocity, *(t for kv in o.kv for t in kv))]  # fmt: skip
+        if not bad:
+            return
+        step, where = self.step, ""
+        if isinstance(step, DenoiseStep) and step.layouts:
+            key, layout = next(reversed(step.layouts.items()))
+            graph = "capture failed" if layout.capture_failed else "graph" if layout.graph is not None else "eager"
+            held = sum(v.graph is not None for v in step.layouts.values())
+            where = (f"; layout {'bucket' if key[0][0] == 'bucket' else 'exact'} {layout.packed.tokens.shape[0]} "
+                     f"rows, run {layout.runs}, {graph}; {held} graphs held, {step.captures} captured")  # fmt: skip
+        sizes = [(r.tokens.shape[0], sum(x is None for x in r.reuse), r.commit) for r in rows]
+        print(f"cosmos3: check_finite: tick {self.scheduler.stats.ticks + 1}: non-finite outputs for seeds {bad} of "
+              f"{[j.params.seed for j in jobs]} (rows, running branches, commit: {sizes}){where}", file=sys.stderr,
+              flush=True)  # fmt: skip
 
     def _row(self, job: Job) -> Row:
         patch, steps = self.cfg.latent_patch_size, len(job.timesteps)

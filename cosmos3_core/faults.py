@@ -8,6 +8,9 @@
                           fault of the tick, not of one request: the engine must fail that tick's requests and heal)
   fail_capture=<int>      the n-th CUDA graph capture after the warmup raises inside the capture, once (the layout
                           must run that step eagerly and never capture again)
+  check_finite=1          say on stderr ("cosmos3: check_finite: ...") where a request's values stop being finite:
+                          prefill's outputs, the denoise model's inputs, each tick's velocities (with its layout), the
+                          decoder's input latents (a host sync at each: diagnostics only; issue 27)
 
 Read once at import; production servers never set it.
 """
@@ -15,6 +18,9 @@ Read once at import; production servers never set it.
 from __future__ import annotations
 
 import os
+import sys
+
+import torch
 
 
 def _parse(raw: str) -> dict[str, str]:
@@ -30,6 +36,7 @@ FAIL_DECODE_SEED = int(FAULTS["fail_decode_seed"]) if "fail_decode_seed" in FAUL
 
 FAIL_FORWARD = int(FAULTS["fail_forward"]) if "fail_forward" in FAULTS else None
 FAIL_CAPTURE = int(FAULTS["fail_capture"]) if "fail_capture" in FAULTS else None
+CHECK_FINITE = FAULTS.get("check_finite") == "1"
 _counts = {"forward": 0, "capture": 0}
 
 
@@ -56,3 +63,17 @@ def maybe_fail_forward() -> None:
 
 def maybe_fail_capture() -> None:
     _nth("capture", FAIL_CAPTURE)
+
+
+def nonfinite(*tensors: torch.Tensor | None) -> int:
+    """Non-finite elements in these tensors (None: none); a host sync each."""
+    return sum(int((~t.isfinite()).sum()) for t in tensors if t is not None and t.is_floating_point())
+
+
+def report_nonfinite(where: str, **tensors: torch.Tensor | None) -> bool:
+    """`check_finite=1`: one stderr line naming `where` and each named tensor that is not finite → whether any."""
+    counts = {name: (n, t.numel()) for name, t in tensors.items() if t is not None and (n := nonfinite(t))}
+    if counts:
+        what = ", ".join(f"{name} {n} of {total} non-finite" for name, (n, total) in counts.items())
+        print(f"cosmos3: check_finite: {where}: {what}", file=sys.stderr, flush=True)
+    return bool(counts)

@@ -147,8 +147,11 @@ class StepLayout:
         token_segment = torch.zeros(len(p.token_segment), dtype=torch.long)
         for i, s in enumerate(segments):
             token_segment[s.start : s.start + s.length] = i
-        if self.placed is not None:  # a new mix in a bucket: no row keeps the last one's inputs (all finite anyway)
-            for buf in (p.tokens, p.noisy_mask, p.cos, p.sin):
+        if self.placed is not None:  # a new mix in a bucket: no row keeps the last one's inputs
+            # sound / action entries the new mix leaves unused are still embedded (into the last row): a stale
+            # non-finite one there (an earlier request's NaN latents) spreads to the pack's last segment through
+            # FA3's whole-tile K/V reads, in every later pack of this layout (tests/test_fa3_tiles.py)
+            for buf in (p.tokens, p.noisy_mask, p.cos, p.sin, p.sound, p.action):
                 buf.zero_()
         p.token_segment.copy_(token_segment)
         p.sound_rows.copy_(torch.tensor(sound + [last] * (len(p.sound_rows) - len(sound)), dtype=torch.long))

@@ -23,6 +23,7 @@ import uuid
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from .. import faults
 from ..engine import DenoiseEngine, QueueFull
 from ..model.checkpoint import Checkpoint
 from ..requests import RequestError, parse_parameters_json, validate, warmup_inputs
@@ -98,6 +99,9 @@ class PrefillModel:
             raw_actions = input_array(request, "raw_actions")
             p = self.stage.validate(prompt.reshape(-1)[0], params, image, video, raw_actions)
             wire = self.stage.run(p, image, video, raw_actions).to_wire()
+            if faults.CHECK_FINITE:
+                faults.report_nonfinite(f"prefill output {ticket.id} seed {p.seed}", text_kv=wire["text_kv"],
+                                        cond_latent=wire["cond_latent"])  # fmt: skip
         except Refused as e:  # the guardrail's: counted, and its text names the guardrail, not the prompt
             self.refusals.refused()
             return error_response(str(e))
@@ -146,11 +150,15 @@ class DenoiseModel:
                 meta = RequestMeta.decode(input_array(request, "request").reshape(-1)[0])
                 self.tickets.claim(meta.id)
                 sink = TritonSink(request, self.responder, meta, self.marks, self.tickets, self.metrics.outcomes)
+                text_kv, cond = input_torch(request, "text_kv"), input_torch(request, "cond_latent")
+                if faults.CHECK_FINITE:
+                    faults.report_nonfinite(f"denoise input {meta.id} seed {meta.params.seed}", text_kv=text_kv,
+                                            cond_latent=cond)  # fmt: skip
                 result = PrefillResult.from_wire(
                     meta.params,
-                    input_torch(request, "text_kv"),
+                    text_kv,
                     input_array(request, "text_lens").astype(np.int64),
-                    input_torch(request, "cond_latent"),
+                    cond,
                     input_torch(request, "cond_actions"),
                 )
                 sink.accepted()  # before the engine may send: vae_decode holds a step of it from now on

@@ -22,6 +22,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import to_dlpack
 
+from .. import faults
 from ..deployment import Deployment
 from ..engine import DenoiseEngine, EngineBroken
 from ..errors import down_mark, drain_timeout, part_died, part_restarting, part_stopped
@@ -365,6 +366,8 @@ class DecodeLoop:
             latents = input_torch(request, "latents")
             if not latents.numel():  # a progress event passes through
                 return lambda: video_response(EMPTY_VIDEO, event)
+            if faults.CHECK_FINITE:
+                faults.report_nonfinite(f"decode input {event['id']} ({event['type']})", latents=latents)
             sound = input_torch(request, "sound_latents")
             # passed through (on the host): FP32 [chunk, D] on an action request's done, else [0, 0]
             actions = input_torch(request, "actions").cpu().numpy()
