@@ -216,9 +216,26 @@ class DenoiseEngine:
             where = (f"; layout {'bucket' if key[0][0] == 'bucket' else 'exact'} {layout.packed.tokens.shape[0]} "
                      f"rows, run {layout.runs}, {graph}; {held} graphs held, {step.captures} captured")  # fmt: skip
         sizes = [(r.tokens.shape[0], sum(x is None for x in r.reuse), r.commit) for r in rows]
-        print(f"cosmos3: check_finite: tick {self.scheduler.stats.ticks + 1}: non-finite outputs for seeds {bad} of "
-              f"{[j.params.seed for j in jobs]} (rows, running branches, commit: {sizes}){where}", file=sys.stderr,
-              flush=True)  # fmt: skip
+        faults.say("tick", f"{self.scheduler.stats.ticks + 1}: non-finite outputs for seeds {bad} of "
+                   f"{[j.params.seed for j in jobs]} (rows, running branches, commit: {sizes}){where}")  # fmt: skip
+        if faults.said("tick") == 1:  # the first such tick: were its inputs already bad, or the weights?
+            faults.say("tick inputs", self._nonfinite_state(jobs), 1)
+
+    def _nonfinite_state(self, jobs: list[Job]) -> str:
+        """What the forward read that is not finite: the jobs' latents and text K/V pages, the GEN weights."""
+        latents = [j.params.seed for j in jobs if faults.nonfinite(j.latents, j.sound)]
+        pages = []
+        if isinstance(self.pool, KVPool):
+            for j in jobs:
+                for pl in j.text_pages:
+                    kv = [
+                        x[:, pl.index].flatten(1, 2)[:, : pl.num_tokens] for x in (self.pool.k_pages, self.pool.v_pages)
+                    ]
+                    if faults.nonfinite(*kv):
+                        pages.append(j.params.seed)
+        weights = [n for n, w in self.model.named_parameters() if faults.nonfinite(w.float() if w.itemsize == 1 else w)]
+        return (f"latents non-finite for seeds {latents}; text K/V pages for seeds {sorted(set(pages))}; "
+                f"{len(weights)} non-finite GEN weights {weights[:5]}")  # fmt: skip
 
     def _row(self, job: Job) -> Row:
         patch, steps = self.cfg.latent_patch_size, len(job.timesteps)

@@ -9,8 +9,9 @@
   fail_capture=<int>      the n-th CUDA graph capture after the warmup raises inside the capture, once (the layout
                           must run that step eagerly and never capture again)
   check_finite=1          say on stderr ("cosmos3: check_finite: ...") where a request's values stop being finite:
-                          prefill's outputs, the denoise model's inputs, each tick's velocities (with its layout), the
-                          decoder's input latents (a host sync at each: diagnostics only; issue 27)
+                          prefill's outputs, the denoise model's inputs, the K/V admission writes to the pool, each
+                          tick's outputs (with its layout), the decoder's input latents; the first CHECK_LINES of each
+                          (a host sync at each: diagnostics only; issue 27)
 
 Read once at import; production servers never set it.
 """
@@ -70,10 +71,25 @@ def nonfinite(*tensors: torch.Tensor | None) -> int:
     return sum(int((~t.isfinite()).sum()) for t in tensors if t is not None and t.is_floating_point())
 
 
-def report_nonfinite(where: str, **tensors: torch.Tensor | None) -> bool:
-    """`check_finite=1`: one stderr line naming `where` and each named tensor that is not finite → whether any."""
+CHECK_LINES = 4  # per site: the first non-finite values matter (and bench.matrix prints the log's last 20 lines)
+_said: dict[str, int] = {}
+
+
+def say(site: str, message: str, limit: int = CHECK_LINES) -> None:
+    """`check_finite=1`: a stderr line "cosmos3: check_finite: <site> <message>", at most `limit` per site."""
+    _said[site] = _said.get(site, 0) + 1
+    if _said[site] <= limit:
+        print(f"cosmos3: check_finite: {site} {message}", file=sys.stderr, flush=True)
+
+
+def said(site: str) -> int:
+    """How many times `say` was called for `site`."""
+    return _said.get(site, 0)
+
+
+def report_nonfinite(site: str, detail: str, **tensors: torch.Tensor | None) -> bool:
+    """`say` which of the named tensors are not finite (nothing when all are) → whether any is not."""
     counts = {name: (n, t.numel()) for name, t in tensors.items() if t is not None and (n := nonfinite(t))}
     if counts:
-        what = ", ".join(f"{name} {n} of {total} non-finite" for name, (n, total) in counts.items())
-        print(f"cosmos3: check_finite: {where}: {what}", file=sys.stderr, flush=True)
+        say(site, f"{detail}: " + ", ".join(f"{name} {n} of {total} non-finite" for name, (n, total) in counts.items()))
     return bool(counts)

@@ -100,7 +100,7 @@ class PrefillModel:
             p = self.stage.validate(prompt.reshape(-1)[0], params, image, video, raw_actions)
             wire = self.stage.run(p, image, video, raw_actions).to_wire()
             if faults.CHECK_FINITE:
-                faults.report_nonfinite(f"prefill output {ticket.id} seed {p.seed}", text_kv=wire["text_kv"],
+                faults.report_nonfinite("prefill output", f"{ticket.id} seed {p.seed}", text_kv=wire["text_kv"],
                                         cond_latent=wire["cond_latent"])  # fmt: skip
         except Refused as e:  # the guardrail's: counted, and its text names the guardrail, not the prompt
             self.refusals.refused()
@@ -151,9 +151,12 @@ class DenoiseModel:
                 self.tickets.claim(meta.id)
                 sink = TritonSink(request, self.responder, meta, self.marks, self.tickets, self.metrics.outcomes)
                 text_kv, cond = input_torch(request, "text_kv"), input_torch(request, "cond_latent")
-                if faults.CHECK_FINITE:
-                    faults.report_nonfinite(f"denoise input {meta.id} seed {meta.params.seed}", text_kv=text_kv,
-                                            cond_latent=cond)  # fmt: skip
+                if faults.CHECK_FINITE:  # how the K/V crossed (on the device, or on the host: a pool too small)
+                    faults.say(
+                        "wire", f"text_kv {tuple(text_kv.shape)} reaches the denoise model on {text_kv.device}", 1
+                    )
+                    faults.report_nonfinite("denoise input", f"{meta.id} seed {meta.params.seed} ({text_kv.device})",
+                                            text_kv=text_kv, cond_latent=cond)  # fmt: skip
                 result = PrefillResult.from_wire(
                     meta.params,
                     text_kv,

@@ -367,7 +367,7 @@ class DecodeLoop:
             if not latents.numel():  # a progress event passes through
                 return lambda: video_response(EMPTY_VIDEO, event)
             if faults.CHECK_FINITE:
-                faults.report_nonfinite(f"decode input {event['id']} ({event['type']})", latents=latents)
+                faults.report_nonfinite("decode input", f"{event['id']} ({event['type']})", latents=latents)
             sound = input_torch(request, "sound_latents")
             # passed through (on the host): FP32 [chunk, D] on an action request's done, else [0, 0]
             actions = input_torch(request, "actions").cpu().numpy()
