@@ -37,7 +37,7 @@ import numpy as np
 from client.stream import generate
 from cosmos3_core.model.prompts import PromptEncoder
 from cosmos3_core.triton.launcher import ServerConfig, free_port, launch_server, stop_server, wait_until_ready
-from cosmos3_core.triton.serve import render
+from cosmos3_core.triton.serve import cuda_pool_bytes, render
 
 from .matrix import FRAMES, MODELS, SEA, SEA_STEPS, STEPS, deployment_of, rel_l2
 from .pool import run_pool
@@ -64,11 +64,16 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=list(MODELS), default="nano")
     ap.add_argument("--precision", choices=["bf16", "fp8"], default="bf16")
-    ap.add_argument("--pool-mb", type=int, default=0, help="tritonserver --cuda-memory-pool-byte-size (0: default)")
+    ap.add_argument(
+        "--pool-mb",
+        type=int,
+        default=0,
+        help="tritonserver --cuda-memory-pool-byte-size in MiB (0: as serve sizes it; 64: Triton's default)",
+    )
     args = ap.parse_args()
     d = deployment_of(args.model, args.precision)
     size = (d.defaults.height, d.defaults.width)
-    pool = args.pool_mb << 20 if args.pool_mb else POOL_BYTES
+    pool = args.pool_mb << 20 if args.pool_mb else cuda_pool_bytes(d) or POOL_BYTES
     prompts = {"short": (SHORT, ""), "long": (PROMPT, LONG_NEGATIVE)}
     # three prompts of one length (a byte-level tokenizer: the same token count), one per request of a pack
     mixed = {name: [(p.replace("red", c), n) for c in ("red", "tan", "sky")] for name, (p, n) in prompts.items()}
@@ -79,10 +84,9 @@ def main() -> int:
     workdir = Path(tempfile.mkdtemp(prefix="cosmos3-wire-"))
     repo, _ = render(d, workdir)
     ports = [free_port() for _ in range(3)]
-    extra = (f"--cuda-memory-pool-byte-size=0:{pool}",) if args.pool_mb else ()
     cpu_only = not d.torch_device.startswith("cuda")
     proc = launch_server(ServerConfig(repo, *ports, cpu_only=cpu_only, log_path=workdir / "tritonserver.log",
-                                      extra=extra))  # fmt: skip
+                                      cuda_pool_bytes=0 if cpu_only else pool))  # fmt: skip
     url, t0 = f"127.0.0.1:{ports[0]}", time.perf_counter()
 
     def one(request: tuple) -> dict:

@@ -131,6 +131,11 @@ class RequestMeta:
         return event
 
 
+def max_text_kv_bytes(layers: int, kv_heads: int, head_dim: int, itemsize: int, max_prompt_tokens: int) -> int:
+    """The largest `text_kv` a request can send: both CFG branches at the prompt limit."""
+    return 2 * layers * 2 * max_prompt_tokens * kv_heads * head_dim * itemsize
+
+
 @dataclass
 class PrefillResult:
     params: GenerationParams

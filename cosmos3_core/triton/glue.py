@@ -68,14 +68,15 @@ def input_torch(request, name: str) -> torch.Tensor:
     """An input as a tensor that outlives `execute`. Triton frees a request's input buffers when `execute` returns
     (python_backend's README: "all tensor data associated with the InferenceRequest objects passed to the function
     are deleted"), decoupled models included, while the denoise engine reads `text_kv` at admission (a tick or more
-    later) and the decoder reads `latents` on the GPU after the launch returns. So a GPU input is copied, and the
-    copy finished, here: a DLPack view would read freed memory. (Nano's 70 MB `text_kv`, above Triton's 64 MiB
-    CUDA pool, is the likely cause of the black Nano packs on the H200: BENCHMARKS.md, 14th session.) A CPU
-    input's shared memory lives as long as the view."""
+    later) and the decoder reads `latents` after the launch returns. So every input is copied here, and a GPU
+    copy finished: a DLPack view would read freed memory — on the host too, where an input lives in the stub's
+    shared-memory region, which the model's own responses reuse (a GPU tensor larger than Triton's CUDA pool
+    crosses there: Nano's `text_kv`, BENCHMARKS.md 14th/15th sessions; `serve.cuda_pool_bytes` sizes the pool so
+    that it does not)."""
     t = pb_utils.get_input_tensor_by_name(request, name)
     value = torch.utils.dlpack.from_dlpack(t.to_dlpack())
     if not value.is_cuda:
-        return value
+        return value.clone()
     # on a stream of its own: a sync of the default stream would wait for the engine's tick or the decoder's last
     # chunk, which run there
     copier = _COPY_STREAMS.get(value.device)

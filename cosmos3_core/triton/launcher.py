@@ -277,6 +277,9 @@ class ServerConfig:
     metrics_port: int
     address: str = "127.0.0.1"
     cpu_only: bool = False  # no pinned pool, no GPU metrics: silences a CPU host's warnings
+    # Triton's CUDA memory pool on GPU 0 (0: its default, 64 MiB). A Python model's GPU tensor that does not fit
+    # crosses through host shared memory instead (`serve.cuda_pool_bytes` sizes it for a deployment)
+    cuda_pool_bytes: int = 0
     log_path: Path | None = None  # stdout + stderr; None: inherited
     extra: tuple[str, ...] = ()  # more tritonserver flags, appended last (later flags win)
     exit_timeout_s: int = 30
@@ -316,6 +319,8 @@ def server_command(cfg: ServerConfig, tritonserver: Path, backend_dir: Path) -> 
     ]
     if cfg.cpu_only:
         cmd += ["--pinned-memory-pool-byte-size=0", "--allow-gpu-metrics=false"]
+    elif cfg.cuda_pool_bytes:
+        cmd.append(f"--cuda-memory-pool-byte-size=0:{int(cfg.cuda_pool_bytes)}")
     cache = cache_dir(tritonserver)
     if cache is not None:
         cmd.append(f"--cache-directory={cache}")

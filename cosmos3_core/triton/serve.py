@@ -35,7 +35,9 @@ import yaml
 
 from .. import errors
 from ..deployment import DEFAULT_CONFIG, Deployment
+from ..model.checkpoint import Checkpoint
 from ..model.provision import resolve_checkpoint
+from ..wire import max_text_kv_bytes
 from .cancel import CancelMarks
 from .front import Front
 from .launcher import (
@@ -91,6 +93,20 @@ def render(deployment: Deployment, workdir: Path) -> tuple[Path, Deployment]:
     return repo, deployment
 
 
+def cuda_pool_bytes(deployment: Deployment) -> int:
+    """Triton's CUDA pool for a deployment that serves on the GPU (0 on the CPU): room for the largest `text_kv`
+    of every prefill instance and one more in flight, plus 64 MiB for the rest (latents, conditioning). Triton's
+    default, 64 MiB, holds no Nano K/V (70 MB at a 473-token prompt): such a tensor then crossed through host
+    shared memory, about four copies slower, and the served Nano packs came back black (BENCHMARKS.md)."""
+    if not deployment.torch_device.startswith("cuda"):
+        return 0
+    cfg = Checkpoint.open(resolve_checkpoint(deployment.checkpoint)).config
+    kv = max_text_kv_bytes(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
+                           deployment.torch_dtype.itemsize, deployment.limits.max_prompt_tokens)  # fmt: skip
+    need = (deployment.instances["prefill"] + 1) * kv + (64 << 20)
+    return -(-need // (64 << 20)) * (64 << 20)
+
+
 def start(
     deployment: Deployment, workdir: Path, env: dict[str, str] | None = None
 ) -> tuple[subprocess.Popen, list[int], Deployment]:
@@ -99,9 +115,9 @@ def start(
     repo, deployment = render(deployment, workdir)
     ports = [free_port() for _ in range(3)]
     cpu_only = not deployment.torch_device.startswith("cuda")
-    proc = launch_server(
-        ServerConfig(repo, *ports, cpu_only=cpu_only, log_path=Path(workdir) / "tritonserver.log"), env
-    )
+    config = ServerConfig(repo, *ports, cpu_only=cpu_only, log_path=Path(workdir) / "tritonserver.log",
+                          cuda_pool_bytes=cuda_pool_bytes(deployment))  # fmt: skip
+    proc = launch_server(config, env)
     return proc, ports, deployment
 
 
@@ -164,6 +180,7 @@ def _serve(args, repo: Path, deployment: Deployment, ports: list[int], private: 
     """Run tritonserver until asked to stop, healing what dies (module docstring) → the exit code."""
     marks = CancelMarks(deployment.cancel_dir)
     cpu_only = not deployment.torch_device.startswith("cuda")
+    pool = cuda_pool_bytes(deployment)
     front.set_down("server", errors.STARTING)
     healed: set[str] = set()
 
@@ -173,7 +190,7 @@ def _serve(args, repo: Path, deployment: Deployment, ports: list[int], private: 
 
     while not stopping.is_set():
         cfg = ServerConfig(repo, ports[0], *private, args.address, cpu_only, extra=tuple(args.extra),
-                           private_address="127.0.0.1")  # fmt: skip
+                           private_address="127.0.0.1", cuda_pool_bytes=pool)  # fmt: skip
         proc = launch_server(cfg)
         try:
             waited = wait_until_ready(private[0], proc=proc)
