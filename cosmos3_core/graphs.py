@@ -229,7 +229,10 @@ class StepLayout:
         """Capture the forward into `self.graph`; on failure leave none and never capture this layout again."""
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self.graph_pool):
+            # thread-local: other threads' stream work goes on during a capture (the denoise stub's execute copies
+            # each input on a stream of its own and waits for it: in the default global mode that wait failed, and
+            # with it a served request and this capture)
+            with torch.cuda.graph(graph, pool=self.graph_pool, capture_error_mode="thread_local"):
                 out = self._forward()
                 faults.maybe_fail_capture()
         except Exception as e:  # noqa: BLE001 - the step runs eagerly instead (the caller's next line)
