@@ -1,27 +1,23 @@
-"""Does the served pack failure follow the size of the text K/V crossing into the denoise stub? One server, no code
-change: packs of a short and a long prompt, each against its solo runs.
+"""Does a served pack's result follow the size of the text K/V crossing into the denoise stub? One server: packs of
+a short and a long prompt, each against its solo runs.
 
-  python -m bench.wire_diag --model nano [--precision fp8] [--pool-mb 256]
+  python -m bench.wire_diag --model nano [--precision fp8] [--pool-mb 64]
 
-Why (issue 27, BENCHMARKS.md 14th session): served Nano packs came back black and every later SeaCache cell reused
-nothing, while Edge (same server code) passed and the same packs in one process (`bench.pack_diag`, SDPA) were equal
-bit for bit. The denoise model is decoupled: Triton's Python backend releases a request (and frees the GPU copy of
-its inputs) as soon as `execute` returns, but the engine reads `text_kv` / `cond_latent` through zero-copy DLPack
-views when it admits the request — for a request that waits behind a running tick, after its memory was freed.
-Nano's text K/V at the matrix prompt (473 tokens x 36 layers x 2 x 8 x 128 x 2 B = 69.7 MB) is larger than Triton's
-default 64 MiB CUDA pool, Edge's (28 layers: 54 MB) fits in it; a tensor outside the pool crosses by a CUDA IPC handle
-of a buffer the server frees after `execute` (undefined behaviour by CUDA's rules). With FlashInfer, a non-finite
-value in one request's prefix V spreads to the segment before it in the pack (FA3 reads whole K/V tiles past a
-request's end and multiplies their V by 0), so one bad queued request blacks its pack mates.
+Issue 27 (BENCHMARKS.md, 14th and 15th sessions): served Nano packs came back black, and every later cell too, while
+Edge passed. Nano's text K/V at the matrix prompt (473 tokens x 36 layers x 2 x 8 x 128 x 2 B = 69.7 MB) is larger
+than Triton's default 64 MiB CUDA pool, Edge's (28 layers: 54 MB) fits in it: a tensor that does not fit crosses
+through host shared memory, whose input buffers a decoupled model loses when `execute` returns. The server now sizes
+the pool (`serve.cuda_pool_bytes`, the default here) and copies every input before `execute` returns;
+`--pool-mb 64` runs with Triton's default pool, the path that failed. With FlashInfer, a non-finite value in one
+request's prefix V spreads to the segment before it in the pack (FA3 reads whole K/V tiles past a request's end and
+multiplies their V by 0), so one bad request blackens its pack mates.
 
 Phases, in this order on one server (2-step 33-frame requests, the matrix's t2v, i2v, t2v with seeds 1-3, each
 alone, then the three at once): `short` (one short prompt for all three, as the matrix: one prompt), `short mixed`
 (three prompts of equal length: a request that reads another's freed K/V shows the other's prompt, finite but not
 its solo video), `long`, `long mixed`, then a `short` solo run again (is anything left poisoned?) and a SeaCache solo
 run (reused steps?). Each line: per request whether its video is one value (black: NaN) and its rel-L2 to its solo
-run (> 0.05: ✗). Predictions: K/V over the wire (a pool-size threshold) → the short phases ✓ and the long ones ✗, and
-`--pool-mb 256` (tritonserver's --cuda-memory-pool-byte-size) turns the long ones ✓; a use-after-free whatever the
-size → the mixed phases ✗; an engine or FlashInfer fault → ✗ whatever the prompt and pool (`bench.pack_diag` then).
+run (> 0.05: ✗).
 """
 
 from __future__ import annotations
@@ -44,9 +40,8 @@ from .pool import run_pool
 from .served import PROMPT, variant_request
 
 SHORT = "a red cube"
-# a negative prompt that doubles the uncond branch's tokens: the long case is well above the pool either way
+# a negative prompt that doubles the uncond branch's tokens: the long case is above a 64 MiB pool
 LONG_NEGATIVE = ", ".join(["blurry, low quality, distorted, jittery, overexposed, watermark, text"] * 4)
-POOL_BYTES = 64 << 20  # tritonserver's default --cuda-memory-pool-byte-size
 
 
 def kv_bytes(d, prompt: str, negative: str) -> tuple[int, int]:
@@ -73,7 +68,7 @@ def main() -> int:
     args = ap.parse_args()
     d = deployment_of(args.model, args.precision)
     size = (d.defaults.height, d.defaults.width)
-    pool = args.pool_mb << 20 if args.pool_mb else cuda_pool_bytes(d) or POOL_BYTES
+    pool = args.pool_mb << 20 if args.pool_mb else cuda_pool_bytes(d)
     prompts = {"short": (SHORT, ""), "long": (PROMPT, LONG_NEGATIVE)}
     # three prompts of one length (a byte-level tokenizer: the same token count), one per request of a pack
     mixed = {name: [(p.replace("red", c), n) for c in ("red", "tan", "sky")] for name, (p, n) in prompts.items()}

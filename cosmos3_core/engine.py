@@ -167,7 +167,10 @@ class DenoiseEngine:
             self._heal(jobs, e)
             return 0
         if faults.CHECK_FINITE:
-            self._check_finite(jobs, rows, outputs)
+            try:  # a diagnostic never takes the engine down
+                self._check_finite(jobs, rows, outputs)
+            except Exception as e:  # noqa: BLE001
+                faults.say("check_finite failed", f"{type(e).__name__}: {e}")
         self.failed_ticks = 0
         stats = self.scheduler.stats
         stats.ticks += 1

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 def _parse(raw: str) -> dict[str, str]:

@@ -230,8 +230,9 @@ class StepLayout:
         graph = torch.cuda.CUDAGraph()
         try:
             # thread-local: other threads' stream work goes on during a capture (the denoise stub's execute copies
-            # each input on a stream of its own and waits for it: in the default global mode that wait failed, and
-            # with it a served request and this capture)
+            # each input on a stream of its own and waits for it, its send thread copies responses: in the default
+            # global mode that wait failed, and with it a served request and this capture). No other thread's
+            # stream may wait on an event of the capturing stream (or the reverse): it would join the capture
             with torch.cuda.graph(graph, pool=self.graph_pool, capture_error_mode="thread_local"):
                 out = self._forward()
                 faults.maybe_fail_capture()

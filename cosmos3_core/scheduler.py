@@ -313,10 +313,10 @@ class Scheduler:
             pages = self.pool.alloc(k.shape[1])
             job.text_pages.append(pages)
             job.context.append([])
-            self.pool.write(pages, k.to(self.device, self.dtype), v.to(self.device, self.dtype))
-        if faults.CHECK_FINITE:  # the K/V as admission read it (a host input may change after `execute` returned)
-            faults.report_nonfinite("admission", f"seed {job.params.seed}", text_k=torch.cat(job.prefill.text_k, 1),
-                                    text_v=torch.cat(job.prefill.text_v, 1))  # fmt: skip
+            k, v = k.to(self.device, self.dtype), v.to(self.device, self.dtype)
+            if faults.CHECK_FINITE:  # the K/V as admission writes them to the pool
+                faults.report_nonfinite("admission", f"seed {job.params.seed}", text_k=k, text_v=v)
+            self.pool.write(pages, k, v)
         self._start_window(job, previous=None)
 
     def _start_window(self, job: Job, previous: torch.Tensor | None) -> None:

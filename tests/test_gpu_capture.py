@@ -70,6 +70,7 @@ SCRIPT = textwrap.dedent(
                 stream.synchronize()
             except Exception as e:  # a global-mode capture on the engine thread forbids this sync
                 copy_errors.append(str(e)[:300])
+                return
 
     c = threading.Thread(target=copier, daemon=True)
     if busy:

@@ -142,6 +142,7 @@ class DenoiseModel:
         self.tickets.clear("engine")  # a previous incarnation's waiting requests are never answered (admission.py)
         self.responder = Responder(device)
         self.engine_thread = EngineThread(self.engine, self.marks, d.drain_timeout_s, self._flush)
+        self.host_kv_warned = not str(device).startswith("cuda")  # said once: K/V that crossed through the host
 
     def execute(self, requests):
         for request in requests:
@@ -151,6 +152,12 @@ class DenoiseModel:
                 self.tickets.claim(meta.id)
                 sink = TritonSink(request, self.responder, meta, self.marks, self.tickets, self.metrics.outcomes)
                 text_kv, cond = input_torch(request, "text_kv"), input_torch(request, "cond_latent")
+                if not text_kv.is_cuda and not self.host_kv_warned:
+                    self.host_kv_warned = True
+                    pb_utils.Logger.log_warn(
+                        f"cosmos3_denoise: a {text_kv.nbytes >> 20} MiB text_kv crossed through host memory (Triton's "
+                        "CUDA pool was full or too small: slower; raise --cuda-memory-pool-byte-size, docs/gpu.md)"
+                    )
                 if faults.CHECK_FINITE:  # how the K/V crossed (on the device, or on the host: a pool too small)
                     faults.say(
                         "wire", f"text_kv {tuple(text_kv.shape)} reaches the denoise model on {text_kv.device}", 1

@@ -94,16 +94,18 @@ def render(deployment: Deployment, workdir: Path) -> tuple[Path, Deployment]:
 
 
 def cuda_pool_bytes(deployment: Deployment) -> int:
-    """Triton's CUDA pool for a deployment that serves on the GPU (0 on the CPU): room for the largest `text_kv`
-    of every prefill instance and one more in flight, plus 64 MiB for the rest (latents, conditioning). Triton's
-    default, 64 MiB, holds no Nano K/V (70 MB at a 473-token prompt): such a tensor then crossed through host
-    shared memory, about four copies slower, and the served Nano packs came back black (BENCHMARKS.md)."""
+    """Triton's CUDA pool for a deployment that serves on the GPU (0 on the CPU), a multiple of 64 MiB: room for the
+    largest `text_kv` in each prefill instance's output and each denoise instance's input at once, plus 64 MiB for
+    the rest (latents, conditioning). Triton's default, 64 MiB, holds no Nano K/V (70 MB at a 473-token prompt):
+    such a tensor then crossed through host shared memory, slower, and the served Nano packs came back black
+    (BENCHMARKS.md, 15th session). Nano bf16: 640 MiB, Edge: 512 MiB, reserved on GPU 0 while the server runs.
+    Raises what `Checkpoint.open` raises for a checkpoint it cannot read."""
     if not deployment.torch_device.startswith("cuda"):
         return 0
     cfg = Checkpoint.open(resolve_checkpoint(deployment.checkpoint)).config
     kv = max_text_kv_bytes(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
                            deployment.torch_dtype.itemsize, deployment.limits.max_prompt_tokens)  # fmt: skip
-    need = (deployment.instances["prefill"] + 1) * kv + (64 << 20)
+    need = (deployment.instances["prefill"] + deployment.instances["denoise"]) * kv + (64 << 20)
     return -(-need // (64 << 20)) * (64 << 20)
 
 
@@ -155,7 +157,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:  # a config error names its field: one line, not a traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
-    repo, deployment = render(deployment, workdir)
+    try:  # a checkpoint that cannot be opened: one line, not a traceback
+        repo, deployment = render(deployment, workdir)
+        pool = cuda_pool_bytes(deployment)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"rendered {repo}", file=sys.stderr)
     if args.render_only:
         return 0
@@ -170,17 +177,17 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     try:
-        return _serve(args, repo, deployment, ports, private, front, stopping)
+        return _serve(args, repo, deployment, pool, ports, private, front, stopping)
     finally:
         front.close()
 
 
-def _serve(args, repo: Path, deployment: Deployment, ports: list[int], private: list[int], front: Front,
+def _serve(args, repo: Path, deployment: Deployment, pool: int, ports: list[int], private: list[int], front: Front,
            stopping: threading.Event) -> int:  # fmt: skip
-    """Run tritonserver until asked to stop, healing what dies (module docstring) → the exit code."""
+    """Run tritonserver (`pool`: its CUDA pool, `cuda_pool_bytes`) until asked to stop, healing what dies (module
+    docstring) → the exit code."""
     marks = CancelMarks(deployment.cancel_dir)
     cpu_only = not deployment.torch_device.startswith("cuda")
-    pool = cuda_pool_bytes(deployment)
     front.set_down("server", errors.STARTING)
     healed: set[str] = set()
 
