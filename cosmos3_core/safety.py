@@ -28,6 +28,7 @@ import contextlib
 import importlib
 import importlib.util
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -160,7 +161,73 @@ def _cosmos(device: str, role: str) -> SafetyChecker:
     for model in runner.models:
         if hasattr(model, "to"):  # the blocklist is no module
             model.to(device)
-    return checker if role == TEXT else CosmosVideoBatched(checker)
+    return CosmosText(checker) if role == TEXT else CosmosVideoBatched(checker)
+
+
+class CosmosText:
+    """A `CosmosSafetyChecker` whose `check_text_safety` is the package's (0.3.2): its text guardrail's models in
+    order (the blocklist, then Qwen3Guard), the first that refuses ends it, logged as the package logs it — with
+    Qwen3Guard's generation ended as soon as its verdict label ("Safety: Safe|Unsafe|Controversial") is out. The
+    package generates up to 128 tokens and then reads only that label (its categories go into the log message), so
+    the decision is the same: the tokens up to the label are the ones it would generate, and its parser finds the
+    same first label in them. A real verdict, "Safety: Safe\nCategories: None", puts the label about 3 tokens in
+    of ~10: ~0.13 s instead of ~0.45 s on the H200 at 44.7 ms a token (BENCHMARKS.md, issue 31). An answer with no
+    label is let through, as the package does (it logs an error)."""
+
+    def __init__(self, package: Any):
+        from cosmos_guardrail.cosmos_guardrail import UNSAFE_CATEGORIES, Qwen3Guard, logger
+
+        self.package, self._qwen3guard, self._logger = package, Qwen3Guard, logger
+        self._categories = "(" + "|".join(UNSAFE_CATEGORIES.values()) + ")"
+
+    def check_text_safety(self, prompt: str) -> bool:
+        runner = self.package.text_guardrail
+        for guard in runner.safety_models or ():
+            safe, message = self._qwen(guard, prompt) if isinstance(guard, self._qwen3guard) else guard.is_safe(prompt)
+            if not safe:
+                reason = runner.generic_block_msg or f"{type(guard).__name__.upper()}: {message}"
+                self._logger.critical(f"GUARDRAIL BLOCKED: {reason}")
+                return False
+        return True
+
+    def check_video_safety(self, frames: np.ndarray) -> np.ndarray | None:
+        return self.package.check_video_safety(frames)
+
+    def _qwen(self, guard: Any, prompt: str) -> tuple[bool, str]:
+        """`Qwen3Guard.is_safe(prompt)`, its generation stopped at the label."""
+        from transformers import StoppingCriteriaList
+
+        try:
+            text = guard.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False)
+            inputs = guard.tokenizer([text], return_tensors="pt").to(guard.model.device)
+            start = inputs.input_ids.shape[1]
+            out = guard.model.generate(**inputs, max_new_tokens=128,
+                                       stopping_criteria=StoppingCriteriaList([_LabelOut(guard.tokenizer, start)]))  # fmt: skip
+            content = guard.tokenizer.decode(out[0][start:].tolist(), skip_special_tokens=True)
+            found = re.search(QWEN3GUARD_LABEL, content)
+            label = found.group(1) if found else None
+            if label.lower() == "unsafe":  # no label: AttributeError, below, as in the package
+                categories = re.findall(self._categories, content)
+                return False, f"Prompt blocked by Qwen3Guard. Safety: {label}, Categories: {categories}"
+            return True, ""
+        except Exception as e:  # noqa: BLE001 - the package's own policy: logged, let through
+            self._logger.error(f"Unexpected error occurred when running Qwen3Guard guardrail: {e}")
+            return True, "Unexpected error occurred when running Qwen3Guard guardrail."
+
+
+QWEN3GUARD_LABEL = r"Safety: (Safe|Unsafe|Controversial)"  # the package's parser (Qwen3Guard, 0.3.2)
+
+
+class _LabelOut:
+    """A `transformers` stopping criterion: True once the tokens generated after `start` hold Qwen3Guard's label."""
+
+    def __init__(self, tokenizer: Any, start: int):
+        self.tokenizer, self.start = tokenizer, start
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        text = self.tokenizer.decode(input_ids[0, self.start :].tolist(), skip_special_tokens=True)
+        return torch.full((input_ids.shape[0],), re.search(QWEN3GUARD_LABEL, text) is not None, dtype=torch.bool,
+                          device=input_ids.device)  # fmt: skip
 
 
 class CosmosVideoBatched:

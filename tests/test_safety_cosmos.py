@@ -11,6 +11,7 @@ included (docs/safety.md). The package loads its checkpoints from a random-weigh
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -72,3 +73,50 @@ def test_batched_video_check_is_the_packages_frame_for_frame(tmp_path):
     run = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=Path.cwd(), capture_output=True, text=True,
                          timeout=600)  # fmt: skip
     assert run.returncode == 0 and run.stdout.strip().startswith("ok"), run.stdout[-2000:] + run.stderr[-3000:]
+
+
+TEXT_SCRIPT = textwrap.dedent("""
+    import sys
+    from cosmos3_core.safety import CosmosText, Guardrail
+
+    text = Guardrail.load("cosmos", "cpu", "text")
+    ours = text.checker
+    assert isinstance(ours, CosmosText), type(ours)
+    guard = ours.package.text_guardrail.safety_models[1]  # the blocklist, then Qwen3Guard
+    steps = []
+    guard.model.register_forward_hook(lambda *_: steps.append(1))  # a forward per generated token
+    decisions = []
+    for prompt in ("a robot arm stacks cubes on a table", "a grenade on the table"):  # the second: the blocklist's
+        steps.clear()
+        package = ours.package.check_text_safety(prompt)
+        package_steps = len(steps)
+        steps.clear()
+        assert ours.check_text_safety(prompt) == package, prompt
+        decisions.append((package, package_steps, len(steps)))
+    print("ok", decisions)
+""")
+
+
+@pytest.mark.parametrize(("answer", "verdict_tokens", "allowed", "steps"), [
+    ("safe", 0, True, (128, 1)),  # the label at every token: the package generates 128, ours stops at the first
+    ("unsafe", 0, False, (128, 1)),
+    ("unsafe", 10, False, (10, 10)),  # the label last of 10 (the snapshot's verdict): no token saved
+])  # fmt: skip
+def test_text_check_is_the_packages_and_stops_at_the_label(tmp_path, answer, verdict_tokens, allowed, steps):
+    """`CosmosText` decides as the package's `check_text_safety` (a Qwen3Guard answer, the blocklist), generating
+    Qwen3Guard's tokens only up to its label."""
+    try:
+        import cosmos_guardrail  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"cosmos_guardrail does not import here ({e}); see docs/safety.md")
+    from cosmos3_core.tools.guardrail_snapshot import write_guardrail_cache
+
+    cache = write_guardrail_cache(tmp_path / "cache", qwen="tiny", answer=answer, faces="none",
+                                  verdict_tokens=verdict_tokens)  # fmt: skip
+    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "home")}
+    run = subprocess.run([sys.executable, "-c", TEXT_SCRIPT], env=env, cwd=Path.cwd(), capture_output=True,
+                         text=True, timeout=600)  # fmt: skip
+    assert run.returncode == 0 and run.stdout.startswith("ok"), run.stdout[-2000:] + run.stderr[-3000:]
+    guarded, blocklisted = ast.literal_eval(run.stdout.removeprefix("ok").strip())  # (allowed, package's, ours)
+    assert guarded == (allowed, *steps)
+    assert blocklisted == (False, 0, 0)  # the blocklist refuses before Qwen3Guard runs
