@@ -5,9 +5,10 @@ ResNet-50), written by cosmos3_core/tools/guardrail_snapshot.py. Needs a torchvi
   python -m bench.guardrail_cost [--frames 121 --height 480 --width 832] [--edge-c1-s 4.0] [--json OUT.json]
   (on the H200, one call: bash bench/device_guardrail.sh)
 
-Text: the blocklist alone, and the whole text guardrail (blocklist + Qwen3Guard's `generate`, 128 new tokens: the
+Text: the blocklist alone; the package's whole text guardrail (blocklist + Qwen3Guard's `generate`, 128 new tokens: the
 random weights never emit EOS, so this is the upper bound; a real verdict is ~10 tokens, reported as an estimate
-from the per-token time).
+from the per-token time), and the server's (`safety.CosmosText`: stopped once the label is out, token 1 here, ~3 in a
+real verdict: reported as an estimate too).
 
 Video, per whole video and per 16-frame piece: the package's own `check_video_safety` (RetinaFace one frame a
 forward, everything else per frame or per video on the host) against the decode stage's `safety.CosmosVideoBatched`
@@ -38,6 +39,7 @@ PROMPT = (
     "while a second arm stacks blue boxes in the background; soft daylight, slow camera pan from left to right."
 )
 VERDICT_TOKENS = 10  # "Safety: Safe\nCategories: None" and the end token
+LABEL_TOKENS = 3  # "Safety", ":", " Safe": where a real verdict's label is out (safety.CosmosText stops there)
 PIECE = 16  # frames of a streamed piece (Edge's are 13-16)
 
 
@@ -99,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     text = Guardrail.load("cosmos", args.device, TEXT)
     video = Guardrail.load("cosmos", args.device, VIDEO)
     load_s = time.perf_counter() - t
-    blocklist, guard = text.checker.text_guardrail.safety_models
+    blocklist, guard = text.checker.package.text_guardrail.safety_models  # safety.CosmosText wraps the package
     batched = video.checker  # safety.CosmosVideoBatched, what the decode stage calls
     package = batched.package  # the package's own CosmosSafetyChecker: RetinaFace one frame a forward
     face = package.video_guardrail.postprocessors[0]
@@ -125,9 +127,17 @@ def main(argv: list[str] | None = None) -> int:
 
     # text
     r["blocklist_s"] = timed(lambda: blocklist.is_safe(PROMPT), args.reps)
-    r["text_guardrail_128_tokens_s"] = timed(lambda: text.check_prompt(PROMPT), args.reps)
-    per_token = (r["text_guardrail_128_tokens_s"] - r["blocklist_s"]) / 128
-    r[f"text_guardrail_estimate_{VERDICT_TOKENS}_tokens_s"] = r["blocklist_s"] + per_token * VERDICT_TOKENS
+    # the package's call generates 128 tokens here (the snapshot's guard answers its label at every token and never
+    # ends), ours (`safety.CosmosText`, the server's) stops at the first: the label at token 1
+    r["text_guardrail_128_tokens_s"] = timed(lambda: text.checker.package.check_text_safety(PROMPT), args.reps)
+    r["text_guardrail_ours_label_at_1_s"] = timed(lambda: text.check_prompt(PROMPT), args.reps)
+    per_token = (r["text_guardrail_128_tokens_s"] - r["text_guardrail_ours_label_at_1_s"]) / 127
+    r[f"text_guardrail_estimate_{VERDICT_TOKENS}_tokens_s"] = r["text_guardrail_ours_label_at_1_s"] + per_token * (
+        VERDICT_TOKENS - 1
+    )  # the package on a real verdict
+    r[f"text_guardrail_ours_estimate_label_at_{LABEL_TOKENS}_s"] = r["text_guardrail_ours_label_at_1_s"] + per_token * (
+        LABEL_TOKENS - 1
+    )  # ours on a real verdict
 
     # video, every prior a face (the snapshot's heads): the pixelation's worst case, one piece, once each.
     # ours: the server's (one frame a forward, graphed on CUDA; FACE_BATCH frames around it)
@@ -186,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         f"video check per {n}-frame {args.height}x{args.width} video, detection only: package "
         f"{r[f'whole_{n}_package_s']:.3f} s, ours (batch {best}, one frame a forward) {whole_s:.3f} s = "
         f"{100 * whole_s / args.edge_c1_s:.1f} % of Edge c=1 ({args.edge_c1_s} s); text ~"
-        f"{r[f'text_guardrail_estimate_{VERDICT_TOKENS}_tokens_s']:.3f} s (est., {VERDICT_TOKENS}-token verdict)"
+        f"{r[f'text_guardrail_ours_estimate_label_at_{LABEL_TOKENS}_s']:.3f} s (est.: ours, stopped at the label), "
+        f"the package ~{r[f'text_guardrail_estimate_{VERDICT_TOKENS}_tokens_s']:.3f} s ({VERDICT_TOKENS}-token verdict)"
     )
     print(json.dumps(r, indent=1))
     if args.json:

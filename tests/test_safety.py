@@ -177,7 +177,7 @@ def test_the_cosmos_guardrail_package_on_random_weights(tmp_path):
             print("ok")
             raise SystemExit
         text = Guardrail.load("cosmos", "{device}", "text")
-        guard = text.checker.text_guardrail.safety_models[1]
+        guard = text.checker.package.text_guardrail.safety_models[1]  # CosmosText wraps the package
         if ANSWER == "safe":
             assert guard.extract_label_and_categories("a robot arm stacks cubes") == (True, ""), "Qwen3Guard"
             text.check_prompt("a robot arm stacks cubes on a table")
