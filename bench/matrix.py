@@ -200,7 +200,9 @@ def main() -> int:
         result[f"diffusers t2v @{args.diffusers_frames}"] = r["e2e"][0]
         print(f"{args.model}: diffusers t2v {args.diffusers_frames} frames e2e {r['e2e'][0]:.2f}s", flush=True)
     log = (workdir / "tritonserver.log").read_text() if (workdir / "tritonserver.log").exists() else ""
-    result["log_lines"] = [line for line in log.splitlines() if re.search(r"(^|\] )cosmos3: ", line)][-20:]
+    # the server's own lines, and a GPU tensor that crossed through host memory (Triton's CUDA pool too small)
+    wanted = r"(^|\] )cosmos3: |crossed through host memory|falling back to pinned"
+    result["log_lines"] = [line for line in log.splitlines() if re.search(wanted, line)][-20:]
     for line in result["log_lines"]:
         print("  log:", line[:300])
     if args.json:
