@@ -2,8 +2,9 @@
 
 A layout is fixed by the packed rows' sizes, branches that run (not reused: cache.py), commit flags and FP8
 precisions (W8A16 rows are packed first: `PackedStep.a16_rows` is where W8A8 starts), whether the forward returns
-the block stack's residual (a cached request is in the pack), whether a row has a LoRA adapter (then the per-group
-adapter slots and scales are buffers too, `PackedStep.lora`: which adapter a row reads is content), plus whatever the attention backend's shapes depend
+the block stack's residual (a cached request is in the pack), how many distinct LoRA adapters its rows read (then
+the per-group adapter slots and scales and the K slots read are buffers too, `PackedStep.lora`: which adapters is
+content; K is the width of the dense delta, model/lora.py), plus whatever the attention backend's shapes depend
 on (its `shape_key`: SDPA's prefix lengths; FlashInfer's gather capacity, its prefixes being plan data) — or, bucketed (`capacity`,
 chosen by `DenoiseStep` for a backend whose segment boundaries are plan data), by a bucket: its rows, segment slots,
 sound and action rows are capacities, and the packs of any size mix that fits run in it, their geometry (each
@@ -89,7 +90,7 @@ class StepLayout:
         a16_rows: int,
         residual: bool = False,
         capacity: tuple[int, int, int] | None = None,
-        lora: bool = False,
+        lora: int = 0,
     ):
         cfg = model.cfg
         dev, dt = attention.pool.k_pages.device, attention.pool.k_pages.dtype
@@ -119,6 +120,7 @@ class StepLayout:
                 torch.zeros(groups, dtype=torch.long, device=dev),
                 torch.zeros(groups, dtype=torch.float32, device=dev),
                 torch.full((groups,), total_rows, dtype=torch.int32, device=dev),
+                torch.zeros(lora, dtype=torch.long, device=dev),  # the `lora` distinct slots the pack reads
             )
         self.placed: tuple | None = None  # the geometry the buffers were last written for
         self._place(segments)
@@ -189,6 +191,12 @@ class StepLayout:
                 p.noisy_mask[sl].copy_(row.noisy_mask)
                 p.cos[sl].copy_(br.cos)
                 p.sin[sl].copy_(br.sin)
+        if p.lora is not None:  # the distinct slots the rows read, in order of first use (kernel arguments)
+            used = list(dict.fromkeys(row.lora[0] for row in rows if row.lora and any(x is None for x in row.reuse)))
+            if len(used) != len(p.lora.used):
+                raise ValueError(f"a layout for {len(p.lora.used)} adapters got a pack of {len(used)}")
+            for i, slot in enumerate(used):
+                p.lora.used[i].fill_(slot)
         p.segments = segments
         # the same requests' next step reads the same pages: re-planning (host work, copies) only when they (or, in
         # a bucket, the segments' geometry) change

@@ -130,7 +130,8 @@ class DenoiseStep:
         running = [(r, sum(x is None for x in r.reuse)) for r in rows]
         running = [(r, n) for r, n in running if n]  # a row whose branches all reuse is not in the pack
         residual = any(r.record for r, _ in running)
-        lora = any(r.lora is not None for r, _ in running)  # a pack without adapters runs without their deltas
+        # the distinct adapters the pack reads (its dense delta's width, model/lora.py); 0: it runs without deltas
+        lora = len({r.lora[0] for r, _ in running if r.lora is not None})
         bucket = self.bucket(segments, total, attention)
         size, capacity = (total, None) if bucket is None else (bucket[0], (bucket[0] // SEGMENT_ALIGN, *bucket[1:]))
         a16_segments = sum(n for r, n in running if r.a16)  # the running branches' segments only
@@ -145,7 +146,7 @@ class DenoiseStep:
         key = (sizes, attention.name, attention.shape_key(segments), residual, lora)
         layout = self.layouts.pop(key, None) or self.layout_class(
             self.model, self.kernels, attention, size, rows[0].tokens.shape[1], segments, self.graph_pool, a16_rows,
-            residual, capacity, **({"lora": True} if lora else {}),  # parallel layouts take none (refused at load)
+            residual, capacity, **({"lora": lora} if lora else {}),  # parallel layouts take none (refused at load)
         )  # fmt: skip
         self.layouts[key] = layout
         while len(self.layouts) > max(self.MAX_LAYOUTS, self.max_captures):

@@ -6,6 +6,7 @@ error naming its field, the next request served; the maths alone (grouped deltas
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -158,6 +159,8 @@ def test_pack_of_adapters_equals_each_alone_bit_for_bit(gen):
     before = gen.engine.stats.max_requests_in_tick
     packed = [g.latents for g in gen.run_together(prefilled)]
     assert gen.engine.stats.max_requests_in_tick == max(before, len(requests))
+    key, layout = next(reversed(gen.engine.step.layouts.items()))
+    assert key[-1] == 2 and len(set(layout.packed.lora.used.tolist())) == 2  # both, mlp: the dense delta's 2 slots
     alone = [gen.latents(PROMPT, p) for p in requests]
     for i, (a, b) in enumerate(zip(packed, alone)):
         assert torch.equal(a, b), f"request {i} differs from its solo run"
@@ -268,6 +271,9 @@ def test_grouped_delta_equals_each_group_alone():
     )
     y = torch.randn(256, 16, generator=g)
     out, dense = grouped_delta(y, x, lin, rows), dense_delta(y, x, lin, rows)
+    # the dense form through only the slots the rows read (a layout's `used`), in any order: the same sums
+    read = dense_delta(y, x, lin, dataclasses.replace(rows, used=torch.tensor([2, 1])))
+    assert rel_l2(read, out) < 1e-6
     for start, end, slot, scale in groups:
         want = y[start:end] + (x[start:end] @ (lin.lora_A[slot] * scale).t()) @ lin.lora_B[slot]
         assert torch.equal(out[start:end], want)

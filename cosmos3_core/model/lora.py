@@ -18,19 +18,18 @@ segment slot (its rows, SEGMENT_ALIGN-padded) plus one for the rows after the la
 (cosmos3_core/graphs.py); prefill has one group, the whole text.
 
 Two ways to add the rows' deltas, each one pass over the pack — no loop over requests, no host synchronisation
-(capturable). On the H200 at Edge's shapes the grouped form took 1.1-1.9x its base linear's time
-(bench/lora_delta.py, docs/lora.md), so CUDA runs the dense form instead — chosen from that figure and reasoning,
-not measured itself: it has not been timed or run on a GPU yet:
+(capturable). CUDA runs the dense form (bench/lora_delta.py, docs/lora.md; tests/test_lora_gpu.py):
 - `grouped_delta` (the CPU's): two grouped GEMMs (`torch.nn.functional.grouped_mm`), each group through its own
   slot's A then B. A row's delta depends only on its group's rows and a group's GEMMs have the same shape whatever
   it is packed with, so a request's result does not depend on its neighbours, bit for bit on the CPU.
-- `dense_delta` (CUDA's): one GEMM through every slot's A at once (`x [A_0; ...]ᵀ`, [N, slots·R]), each row's
-  columns of other slots replaced by zeros (selected, not multiplied by 0: an inf there would be NaN) and its own
-  scaled, then `y + h [Bᵀ_0; ...]` as one GEMM with the add in its epilogue: ordinary cuBLAS GEMMs, expected to beat
-  grouped GEMMs of R columns (far below the GPU's peak) while slots·R is small beside the linear's width. A row sees
-  another slot only through zeros times that slot's Bᵀ, so every B in the pool must be finite (lora_store.py refuses
-  an adapter whose B·lora_alpha/r is not, in the pool's dtype): then one adapter's overflow (x A past fp16's range)
-  stays in its own rows.
+- `dense_delta` (CUDA's): one GEMM through the A of every slot the pack reads (`AdapterRows.used`, K of them; a
+  pack's layout is keyed by K, so a pack of one adapter costs one slot's GEMMs whatever the pool's size):
+  `x [A_u0; ...]ᵀ` [N, K·R], each row's columns of other slots replaced by zeros (selected, not multiplied by 0: an
+  inf there would be NaN) and its own scaled, then `y + h [Bᵀ_u0; ...]` as one GEMM with the add in its epilogue —
+  ordinary cuBLAS GEMMs, where grouped GEMMs of R columns run far below the GPU's peak. A row sees another slot only
+  through zeros times that slot's Bᵀ, so every B in the pool must be finite (lora_store.py refuses an adapter whose
+  B·lora_alpha/r is not, in the pool's dtype): then one adapter's overflow (x A past fp16's range) stays in its own
+  rows.
 `adapted(linear, x, a16_rows, rows)`: `fp8.linear` plus the delta; with `rows` None (a pack with no adapter) it is
 `fp8.linear` alone, today's kernels.
 """
@@ -92,14 +91,19 @@ class AdapterRows:
     slot: torch.Tensor  # [G] int64: the pool slot each group reads
     scale: torch.Tensor  # [G] fp32: the request's scale; 0 for rows without an adapter (and padding)
     offs: torch.Tensor  # [G] int32: each group's end row, non-decreasing, the last one N
+    # [K] int64: the distinct pool slots the pack's groups read, the only ones `dense_delta` goes through (its cost
+    # grows with K: one adapter in a pool of 4 reads one slot, not 4); None: every slot of the pool
+    used: torch.Tensor | None = None
 
     @classmethod
     def single(cls, slot: int, scale: float, rows: int, device: torch.device | str) -> AdapterRows:
         """One group of `rows` rows (prefill's text)."""
+        slots = torch.full((1,), slot, dtype=torch.long, device=device)
         return cls(
-            torch.full((1,), slot, dtype=torch.long, device=device),
+            slots,
             torch.full((1,), scale, dtype=torch.float32, device=device),
             torch.full((1,), rows, dtype=torch.int32, device=device),
+            slots,
         )
 
 
@@ -147,27 +151,36 @@ def grouped_delta(y: torch.Tensor, x: torch.Tensor, lin: nn.Module, rows: Adapte
     return y + torch.nn.functional.grouped_mm(h, lin.lora_B[rows.slot], offs=rows.offs)  # [G, R, out] → [N, out]
 
 
+def _read(pool: torch.Tensor, rows: AdapterRows) -> torch.Tensor:
+    """A pool buffer (`lora_A` / `lora_B`, [slots, R, ·]) → the slots the rows read, [K, R, ·] (a gather: a kernel
+    with fixed shapes, capturable; which slots is content)."""
+    return pool if rows.used is None else pool.index_select(0, rows.used)
+
+
 def slot_projection(x: torch.Tensor, lin: nn.Module, rows: AdapterRows) -> torch.Tensor:
-    """x [N, in] through every slot's A at once → h [N, slots·R] in x's dtype, each row keeping its own slot's R
-    columns times its scale and zeros in the others' — all of them for a row of scale 0 (no adapter) —
-    (`dense_delta`'s first half). Zeros by selection: a column that overflowed (inf) becomes 0, not NaN."""
-    n, (slots, r) = x.shape[0], lin.lora_A.shape[:2]
+    """x [N, in] through the A of every slot the rows read (`rows.used`) at once → h [N, K·R] in x's dtype, each
+    row keeping its own slot's R columns times its scale and zeros in the others' — all of them for a row of scale 0
+    (no adapter) — (`dense_delta`'s first half). Zeros by selection: a column that overflowed (inf) becomes 0, not
+    NaN."""
+    a = _read(lin.lora_A, rows)  # [K, R, in]
+    n, (k, r) = x.shape[0], a.shape[:2]
     index = torch.arange(n, dtype=rows.offs.dtype, device=x.device)
     group = torch.searchsorted(rows.offs, index, right=True).clamp_(max=len(rows.offs) - 1)  # [N]: each row's group
     scale = rows.scale[group]  # [N]
-    # [N, slots]: the one column each row reads (a comparison, not a scatter: under compile one fused elementwise
+    columns = torch.arange(k, device=x.device) if rows.used is None else rows.used  # [K]: the slot of each column
+    # [N, K]: the one column each row reads (a comparison, not a scatter: under compile one fused elementwise
     # kernel; every op here is a device kernel with fixed shapes — capturable)
-    own = (rows.slot[group, None] == torch.arange(slots, device=x.device)) & (scale != 0)[:, None]
-    h = torch.mm(x, lin.lora_A.view(slots * r, -1).t()).view(n, slots, r)
+    own = (rows.slot[group, None] == columns) & (scale != 0)[:, None]
+    h = torch.mm(x, a.view(k * r, -1).t()).view(n, k, r)
     h = torch.where(own[:, :, None], h, 0) * scale.to(x.dtype)[:, None, None]
-    return h.view(n, slots * r)
+    return h.view(n, k * r)
 
 
 def dense_delta(y: torch.Tensor, x: torch.Tensor, lin: nn.Module, rows: AdapterRows) -> torch.Tensor:
-    """`grouped_delta`'s sum through every slot at once: y + `slot_projection` [Bᵀ of all slots] (the add in the
-    GEMM's epilogue)."""
-    slots, r = lin.lora_B.shape[:2]
-    return torch.addmm(y, slot_projection(x, lin, rows), lin.lora_B.view(slots * r, -1))
+    """`grouped_delta`'s sum through the slots the rows read at once: y + `slot_projection` [Bᵀ of those slots]
+    (the add in the GEMM's epilogue)."""
+    b = _read(lin.lora_B, rows)  # [K, R, out]
+    return torch.addmm(y, slot_projection(x, lin, rows), b.view(-1, b.shape[-1]))
 
 
 def adapted(lin: nn.Module, x: torch.Tensor, a16_rows: int, rows: AdapterRows | None) -> torch.Tensor:
