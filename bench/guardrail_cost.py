@@ -5,18 +5,20 @@ ResNet-50), written by cosmos3_core/tools/guardrail_snapshot.py. Needs a torchvi
   python -m bench.guardrail_cost [--frames 121 --height 480 --width 832] [--edge-c1-s 4.0] [--json OUT.json]
   (on the H200, one call: bash bench/device_guardrail.sh)
 
-Text: the blocklist alone; the package's whole text guardrail (blocklist + Qwen3Guard's `generate`, 128 new tokens: the
-random weights never emit EOS, so this is the upper bound; a real verdict is ~10 tokens, reported as an estimate
-from the per-token time), and the server's (`safety.CosmosText`: stopped once the label is out, token 1 here, ~3 in a
-real verdict: reported as an estimate too).
+Text: the blocklist alone; the package's whole text guardrail (blocklist + Qwen3Guard's `generate`) and the server's
+(`safety.CosmosText`: Qwen3Guard's generation stopped once the label is out), both measured on a verdict of a real
+one's shape: the snapshot's Qwen3Guard answers 10 tokens, the end token included, with the label out at token 3
+(`guardrail_snapshot --verdict-tokens 9 --label-at 3`; the forwards each ran are counted and checked).
 
 Video, per whole video and per 16-frame piece: the package's own `check_video_safety` (RetinaFace one frame a
 forward, everything else per frame or per video on the host) against the decode stage's `safety.CosmosVideoBatched`
-(the same objects; one frame a forward too, replayed as a CUDA graph, with `--batches` frames copied, preprocessed
-and looked at together), and against the same with batched forwards (faster; other kernels). Detection only (no
-face found: the common case) and every prior a face (the pixelation's worst case, a 16-frame piece). Then the three
-compared frame for frame with heads whose faces depend on the pixels and sit near the threshold
-(`guardrail_snapshot.set_face_heads(content)`), with the nets' raw scores, and ours timed while the default stream
+(the same objects; `FACE_BATCH` frames copied, preprocessed and run through RetinaFace in one forward replayed as a
+CUDA graph, a shorter batch padded to it; the whole video also at each of `--batches` frames a forward). Detection
+only (no face found: the common case) and every prior a face (the pixelation's worst case, a 16-frame piece). Then
+the two compared with heads whose faces depend on the pixels and sit near the threshold
+(`guardrail_snapshot.set_face_heads(content)`): the frames equal, the nets' largest confidence difference (batched
+kernels: TF32 sums other than the package's one-frame ones on a GPU; equal frames on the CPU), and whether a frame's
+scores depend on how many real frames share its padded batch. On CUDA, ours is also timed while the default stream
 holds other work (the next piece's decode, in the server): on its own high-priority stream it need not wait.
 """
 
@@ -38,7 +40,7 @@ PROMPT = (
     "A robotic arm in a bright warehouse picks up a red cube from a conveyor belt and places it on a wooden pallet, "
     "while a second arm stacks blue boxes in the background; soft daylight, slow camera pan from left to right."
 )
-VERDICT_TOKENS = 10  # "Safety: Safe\nCategories: None" and the end token
+VERDICT_TOKENS = 10  # "Safety: Safe\nCategories: None" and the end token: the package's forwards
 LABEL_TOKENS = 3  # "Safety", ":", " Safe": where a real verdict's label is out (safety.CosmosText stops there)
 PIECE = 16  # frames of a streamed piece (Edge's are 13-16)
 
@@ -89,12 +91,13 @@ def main(argv: list[str] | None = None) -> int:
         from cosmos3_core.tools.guardrail_snapshot import write_guardrail_cache
 
         t = time.perf_counter()
-        write_guardrail_cache(cache, qwen=args.qwen)
+        # Qwen3Guard's answer: VERDICT_TOKENS - 1 tokens then the end token, the label the LABEL_TOKENS-th
+        write_guardrail_cache(cache, qwen=args.qwen, verdict_tokens=VERDICT_TOKENS - 1, label_at=LABEL_TOKENS)
         print(f"snapshot written in {time.perf_counter() - t:.1f}s: {cache}", file=sys.stderr)
         env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "HF_HOME": str(cache / "home")}
         os.execve(sys.executable, [sys.executable, "-m", "bench.guardrail_cost", *(argv or sys.argv[1:])], env)
 
-    from cosmos3_core.safety import FACE_BATCH, FACE_FORWARD, TEXT, VIDEO, Guardrail
+    from cosmos3_core.safety import FACE_BATCH, TEXT, VIDEO, Guardrail, _on
     from cosmos3_core.tools.guardrail_snapshot import set_face_heads
 
     t = time.perf_counter()
@@ -118,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         "package_retinaface_batch_size": face.batch_size,
     }
 
-    def ours(frames: np.ndarray, batch: int = FACE_BATCH, forward: int = FACE_FORWARD) -> np.ndarray:
-        batched.batch, batched.forward = batch, forward
+    def ours(frames: np.ndarray, batch: int = FACE_BATCH) -> np.ndarray:
+        batched.batch = batch
         return video.check_frames(frames.copy())
 
     def theirs(frames: np.ndarray) -> np.ndarray:
@@ -127,21 +130,31 @@ def main(argv: list[str] | None = None) -> int:
 
     # text
     r["blocklist_s"] = timed(lambda: blocklist.is_safe(PROMPT), args.reps)
-    # the package's call generates 128 tokens here (the snapshot's guard answers its label at every token and never
-    # ends), ours (`safety.CosmosText`, the server's) stops at the first: the label at token 1
-    r["text_guardrail_128_tokens_s"] = timed(lambda: text.checker.package.check_text_safety(PROMPT), args.reps)
-    r["text_guardrail_ours_label_at_1_s"] = timed(lambda: text.check_prompt(PROMPT), args.reps)
-    per_token = (r["text_guardrail_128_tokens_s"] - r["text_guardrail_ours_label_at_1_s"]) / 127
-    r[f"text_guardrail_estimate_{VERDICT_TOKENS}_tokens_s"] = r["text_guardrail_ours_label_at_1_s"] + per_token * (
-        VERDICT_TOKENS - 1
-    )  # the package on a real verdict
-    r[f"text_guardrail_ours_estimate_label_at_{LABEL_TOKENS}_s"] = r["text_guardrail_ours_label_at_1_s"] + per_token * (
-        LABEL_TOKENS - 1
-    )  # ours on a real verdict
+    # the package's call generates the whole verdict, ours (`safety.CosmosText`, the server's) stops at the label;
+    # Qwen3Guard's forwards are counted, so a cache of another shape (HF_HUB_CACHE set by hand) is not mislabelled
+    forwards: list[int] = []
+    guard.model.register_forward_hook(lambda *_: forwards.append(1))
+    texts = {
+        "package": lambda: text.checker.package.check_text_safety(PROMPT),
+        "ours": lambda: text.check_prompt(PROMPT),
+    }
+    for who, fn in texts.items():
+        forwards.clear()
+        fn()
+        r[f"text_guardrail_{who}_forwards"] = len(forwards)
+    if (r["text_guardrail_package_forwards"], r["text_guardrail_ours_forwards"]) != (VERDICT_TOKENS, LABEL_TOKENS):
+        raise RuntimeError(f"Qwen3Guard ran {r['text_guardrail_package_forwards']} forwards (the package) and "
+                           f"{r['text_guardrail_ours_forwards']} (ours), not {VERDICT_TOKENS} and {LABEL_TOKENS}: "
+                           "a snapshot of another verdict (unset HF_HUB_CACHE to write one)")  # fmt: skip
+    r[f"text_guardrail_{VERDICT_TOKENS}_tokens_s"] = timed(texts["package"], args.reps)
+    r[f"text_guardrail_ours_label_at_{LABEL_TOKENS}_s"] = timed(texts["ours"], args.reps)
+    r["text_guardrail_per_token_s"] = (
+        r[f"text_guardrail_{VERDICT_TOKENS}_tokens_s"] - r[f"text_guardrail_ours_label_at_{LABEL_TOKENS}_s"]
+    ) / (VERDICT_TOKENS - LABEL_TOKENS)
 
     # video, every prior a face (the snapshot's heads): the pixelation's worst case, one piece, once each.
-    # ours: the server's (one frame a forward, graphed on CUDA; FACE_BATCH frames around it)
-    n, f = args.frames, max(args.batches)
+    # ours: the server's (FACE_BATCH frames a forward, graphed on CUDA)
+    n, batches = args.frames, sorted({*args.batches, FACE_BATCH})
     r[f"all_faces_piece_{PIECE}_package_s"] = timed(lambda: theirs(piece), 1)
     r[f"all_faces_piece_{PIECE}_ours_s"] = timed(lambda: ours(piece), 1)
 
@@ -149,12 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     set_face_heads(face.net, "none")
     r[f"piece_{PIECE}_package_s"] = timed(lambda: theirs(piece), args.reps)
     r[f"piece_{PIECE}_ours_s"] = timed(lambda: ours(piece), args.reps)
-    r[f"piece_{PIECE}_ours_forward_{PIECE}_s"] = timed(lambda: ours(piece, PIECE, PIECE), args.reps)
     r[f"whole_{n}_package_s"] = timed(lambda: theirs(whole), max(1, args.reps - 1))
-    for batch in args.batches:
+    for batch in batches:
         r[f"whole_{n}_ours_batch_{batch}_s"] = timed(lambda b=batch: ours(whole, b), args.reps)
-    r[f"whole_{n}_ours_forward_{f}_s"] = timed(lambda: ours(whole, f, f), args.reps)
-    best = min(args.batches, key=lambda b: r[f"whole_{n}_ours_batch_{b}_s"])
+    best = min(batches, key=lambda b: r[f"whole_{n}_ours_batch_{b}_s"])
     r["ours_graphed"] = any(g is not None for g in batched._graphs.values())
     if args.device.startswith("cuda"):
         r["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -180,24 +191,30 @@ def main(argv: list[str] | None = None) -> int:
     expected = theirs(sample)
     r["content_heads_frames_compared"] = len(sample)
     r["content_heads_pixels_pixelated"] = int((expected != sample).any(-1).sum())
-    r["content_heads_frames_equal_ours"] = int(sum(np.array_equal(e, g) for e, g in zip(expected, ours(sample, 4))))
-    got = ours(sample, 4, 4)
-    r["content_heads_frames_equal_ours_forward_4"] = int(sum(np.array_equal(e, g) for e, g in zip(expected, got)))
-    with torch.no_grad():  # the net's raw scores: the package's eager batch 1 against ours and batched
+    got = ours(sample)  # the server's: these frames padded to FACE_BATCH, one forward
+    r["content_heads_frames_equal_ours"] = int(sum(np.array_equal(e, g) for e, g in zip(expected, got)))
+    batched.batch = FACE_BATCH
+    # the net's raw scores: the package's eager batch 1 against ours (the server's forward: its graph, on its stream)
+    with torch.no_grad(), _on(batched._streams.get(next(face.net.parameters()).device)):
         x = face.preprocess_frames(sample)  # the package's own preprocessing
         one = torch.cat([face.net(x[i : i + 1])[1] for i in range(len(x))])
-        net = batched._graphed(face, *sample.shape[1:3], x.device, x.dtype) if x.is_cuda else face.net
-        mine = torch.cat([net(x[i : i + 1])[1] for i in range(len(x))])
+        mine = batched._scores(face, x)[1]
+        fewer = batched._scores(face, x[:3])[1]  # the same frames with fewer real rows beside them: more padding
         r["content_heads_max_abs_conf_diff_package_vs_ours"] = float((one - mine).abs().max())
-        r["content_heads_max_abs_conf_diff_package_vs_forward_8"] = float((one - face.net(x)[1]).abs().max())
+        cut = face.confidence_threshold  # priors that one of the two puts above it and the other not
+        r["content_heads_priors_across_threshold_package_vs_ours"] = int(
+            ((one[..., 1] > cut) != (mine[..., 1] > cut)).sum()
+        )
+        r["content_heads_ours_rows_independent_of_padding"] = bool(torch.equal(mine[:3], fewer))
 
-    whole_s = r[f"whole_{n}_ours_batch_{best}_s"]
+    whole_s = r[f"whole_{n}_ours_batch_{FACE_BATCH}_s"]  # what the server runs
+    r["whole_ours_fastest_batch"] = best
     r["summary"] = (
         f"video check per {n}-frame {args.height}x{args.width} video, detection only: package "
-        f"{r[f'whole_{n}_package_s']:.3f} s, ours (batch {best}, one frame a forward) {whole_s:.3f} s = "
-        f"{100 * whole_s / args.edge_c1_s:.1f} % of Edge c=1 ({args.edge_c1_s} s); text ~"
-        f"{r[f'text_guardrail_ours_estimate_label_at_{LABEL_TOKENS}_s']:.3f} s (est.: ours, stopped at the label), "
-        f"the package ~{r[f'text_guardrail_estimate_{VERDICT_TOKENS}_tokens_s']:.3f} s ({VERDICT_TOKENS}-token verdict)"
+        f"{r[f'whole_{n}_package_s']:.3f} s, ours ({FACE_BATCH} frames a forward) {whole_s:.3f} s = "
+        f"{100 * whole_s / args.edge_c1_s:.1f} % of Edge c=1 ({args.edge_c1_s} s); text "
+        f"{r[f'text_guardrail_ours_label_at_{LABEL_TOKENS}_s']:.3f} s (ours, stopped at the label, token "
+        f"{LABEL_TOKENS}), the package {r[f'text_guardrail_{VERDICT_TOKENS}_tokens_s']:.3f} s ({VERDICT_TOKENS}-token verdict)"
     )
     print(json.dumps(r, indent=1))
     if args.json:

@@ -9,10 +9,11 @@ A checker is any object with
 `safety_checker` in the deployment config picks it:
 - `cosmos`: `cosmos_guardrail.CosmosSafetyChecker`, the object diffusers builds (text: a blocklist, then
   Qwen3Guard; video: RetinaFace face pixelation). Its checkpoints come from the Hugging Face cache or Hub. The
-  video check is `CosmosVideoBatched`: the package's own objects and calls, RetinaFace one frame a forward as the
-  package does (on CUDA replayed as a graph), everything around it `FACE_BATCH` frames at a time, on the stage's
-  device and a CUDA stream of its own; the same frames out as the package's `check_video_safety`
-  (tests/test_safety_cosmos.py).
+  video check is `CosmosVideoBatched`: the package's own objects and calls, `FACE_BATCH` frames at a time, RetinaFace
+  included (one forward a batch, on CUDA replayed as a graph; the package runs one frame a forward), on the stage's
+  device and a CUDA stream of its own. On the CPU the same frames out as the package's `check_video_safety`
+  (tests/test_safety_cosmos.py); on a GPU confidences within ~2e-3 of the package's, so a box that close to the
+  threshold can go the other way (`FACE_BATCH`).
 - `none`: no checks (random-weight and test deployments).
 - `module:callable`: `callable()` returns a checker; `module` is an importable name or a `.py` file.
 A checker that cannot be built fails the stage's load with one line naming what to install or set (`Unavailable`).
@@ -44,12 +45,15 @@ COSMOS_NAME = "Cosmos Guardrail"
 COSMOS_CHECKPOINTS = ("nvidia/Cosmos-1.0-Guardrail", "Qwen/Qwen3Guard-Gen-0.6B")
 LICENSE = "the NVIDIA Open Model License Agreement"
 TEXT, VIDEO = "text", "video"  # which guardrail a stage runs
-# frames copied, preprocessed and looked at for faces together: one streamed piece (Edge: 13-16 frames) in one or two
+# frames copied, preprocessed and run through RetinaFace in ONE forward: a streamed piece (Edge: 13-16 frames), a
+# shorter batch padded with zeros to it (one CUDA graph serves every piece). The package runs one frame a forward,
+# which costs ~0.37 s per 121-frame 480x832 video on the H200 even replayed as a graph, against ~0.21 s at 32 frames
+# a forward (issue 31: the guardrail's budget is 5 % of a request). What that gives up: on the CPU the frames out are
+# still the package's (tests/test_safety_cosmos.py), but on a GPU batched convolutions are other kernels whose TF32
+# sums put confidences up to ~2e-3 from the package's (1.7e-3 measured on the H200), so a box whose confidence is
+# within that of the 0.7 threshold can be pixelated by one and not by the other (bench/guardrail_cost.py measures it)
 FACE_BATCH = 16
-# frames a RetinaFace forward: 1, as the package, so that its scores are the package's to the bit. Batched forwards
-# pick other convolution kernels, whose TF32 sums differ by up to ~1.5e-3 on the H200 (BENCHMARKS.md, issue 31)
-FACE_FORWARD = 1
-FACE_GRAPHS = 4  # (frame size) CUDA graphs kept, each with its activations' pool
+FACE_GRAPHS = 4  # (batch, frame size) CUDA graphs kept, each with its activations' pool
 
 
 class SafetyChecker(Protocol):
@@ -234,35 +238,38 @@ class CosmosVideoBatched:
     """A `CosmosSafetyChecker` whose `check_video_safety` is the package's, with its own objects and weights, laid
     out for speed: its video guardrail's content models (`run_safety_check`; none in 0.3.2, the SigLIP classifier is
     off there) may block, then each postprocessor runs; for the RetinaFace one its preprocessing (BGR, mean
-    subtraction, fp32 as the net's parameters), its `PriorBox`, its net in phase "test" one frame a forward
-    (`forward` frames, 1 by default: the package's own kernels, so its scores to the bit), and its own
+    subtraction, fp32 as the net's parameters), its `PriorBox`, its net in phase "test", and its own
     `blur_detected_faces` (box decoding, confidence 0.7, NMS 0.4, top-k, the 20-pixel minimum, `pixelate_face`).
-    The frames out equal the package's call frame for frame (tests/test_safety_cosmos.py on the CPU;
-    bench/guardrail_cost.py compares the two on the GPU).
 
-    What differs is only how the work is laid out:
-    - `batch` frames at a time cross to the device as uint8 (pinned, asynchronous) and become fp32 there (the package
-      converts the whole video on the host and copies 4x the bytes; uint8 -> fp32 is exact either way);
-    - on CUDA a one-frame forward is a CUDA graph of the net's eager forward at that shape (the same kernels,
-      replayed: the package's forward spends most of a frame launching them); if it cannot be captured, eager;
+    What differs is how the work is laid out:
+    - `batch` frames at a time (`FACE_BATCH`) cross to the device as uint8 (pinned, asynchronous) and become fp32
+      there (the package converts the whole video on the host and copies 4x the bytes; uint8 -> fp32 is exact
+      either way);
+    - they go through the net in one forward (the package: one frame a forward), a shorter batch (a piece's tail)
+      padded with zeros to `batch` rows whose outputs are dropped; a frame's scores do not depend on what shares its
+      batch (per-sample convolutions, eval-mode BN, the same kernels at the one shape). On CUDA that forward is a
+      CUDA graph captured at [batch, 3, H, W] (the same kernels as eager, replayed without the launches); if it
+      cannot be captured, eager;
     - a frame with no score above the threshold (less 1e-6: a superset of the package's own test) skips
       `blur_detected_faces`, which would find no box in it and leave it as it is;
     - the frames are pixelated in place and returned (the package returns a copy of the same values);
     - on CUDA it runs on a high-priority stream of its own: a piece's check does not wait behind the next piece's
       decode, which the decode loop launches meanwhile on the default stream (triton/glue.py's DecodeLoop).
-    `forward` > 1 runs batched forwards instead: faster, but other kernels, so scores that differ in their last
-    bits (up to ~1.5e-3 on the H200 with TF32), and a box near a threshold can go the other way (the bench
-    measures both). The text check is the package's own call."""
+    So on the CPU the frames out equal the package's call frame for frame (tests/test_safety_cosmos.py). On a GPU
+    they need not: the batched forward's convolution kernels are not the package's one-frame ones, and their TF32
+    sums put confidences within ~2e-3 of the package's (1.7e-3 measured on the H200), so a box whose confidence is
+    that close to the 0.7 threshold can be pixelated by one and not by the other (bench/guardrail_cost.py counts
+    the frames equal). The text check is the package's own call."""
 
-    def __init__(self, package: Any, batch: int = FACE_BATCH, forward: int = FACE_FORWARD):
+    def __init__(self, package: Any, batch: int = FACE_BATCH):
         from cosmos_guardrail.cosmos_guardrail import RetinaFaceFilter, logger
 
-        self.package, self.batch, self.forward, self._logger = package, batch, forward, logger
+        self.package, self.batch, self._logger = package, batch, logger
         self._retinaface = RetinaFaceFilter
         # (h, w, device, dtype) → the package's priors, its box scale, its BGR means; made once
         self._constants: dict[tuple[int, int, torch.device, torch.dtype], tuple[torch.Tensor, ...]] = {}
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
-        self._graphs: dict[tuple[int, int, torch.device, torch.dtype], _GraphedNet | None] = {}
+        self._graphs: dict[tuple[int, int, int, torch.device, torch.dtype], _GraphedNet | None] = {}
 
     def check_text_safety(self, prompt: str) -> bool:
         return self.package.check_text_safety(prompt)
@@ -287,13 +294,11 @@ class CosmosVideoBatched:
         h, w = frames.shape[1:3]
         with torch.no_grad(), _on(self._streams[device] if cuda else None):
             priors, scale, means = self._constants_of(face, h, w, device, dtype)
-            net = self._graphed(face, h, w, device, dtype) if cuda and self.forward == 1 else face.net
             for start in range(0, len(frames), self.batch):
                 u8 = torch.from_numpy(frames[start : start + self.batch])
                 u8 = u8.pin_memory().to(device, non_blocking=True) if cuda else u8
                 x = u8.to(dtype).permute(0, 3, 1, 2)[:, [2, 1, 0], :, :] - means
-                outs = [net(x[i : i + self.forward])[:2] for i in range(0, len(x), self.forward)]
-                loc, conf = torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
+                loc, conf = self._scores(face, x)
                 found = (conf[:, :, 1] > face.confidence_threshold - 1e-6).any(1)
                 hits = found.cpu().nonzero().flatten().numpy()
                 if len(hits) == len(found):  # the package's call on the batch as it is
@@ -303,14 +308,25 @@ class CosmosVideoBatched:
                     frames[at] = np.stack(face.blur_detected_faces(frames[at], loc[rows], conf[rows], priors, scale))
         return frames
 
-    def _graphed(self, face: Any, h: int, w: int, device: torch.device, dtype: torch.dtype) -> Callable:
-        """The net's one-frame forward at (h, w) as a CUDA graph, captured on first use; eager if it cannot be."""
-        key = (h, w, device, dtype)
+    def _scores(self, face: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The net's (loc, conf) for preprocessed frames x [n <= batch, 3, H, W], in one forward of `batch` rows (on
+        CUDA the graph's): a shorter x (a piece's tail) is padded with zero rows, whose outputs are dropped."""
+        n = len(x)
+        if n < self.batch:  # so that one graph serves every piece; the real rows do not depend on the padding
+            x = torch.cat([x, x.new_zeros(self.batch - n, *x.shape[1:])])
+        cuda = x.device.type == "cuda"
+        net = self._graphed(face, self.batch, *x.shape[2:], x.device, x.dtype) if cuda else face.net
+        loc, conf = net(x)[:2]
+        return loc[:n], conf[:n]
+
+    def _graphed(self, face: Any, batch: int, h: int, w: int, device: torch.device, dtype: torch.dtype) -> Callable:
+        """The net's forward on [batch, 3, h, w] as a CUDA graph, captured on first use; eager if it cannot be."""
+        key = (batch, h, w, device, dtype)
         if key not in self._graphs:
             try:
-                self._graphs[key] = _GraphedNet(face.net, (1, 3, h, w), device, dtype)
+                self._graphs[key] = _GraphedNet(face.net, (batch, 3, h, w), device, dtype)
             except RuntimeError as e:
-                self._logger.warning(f"RetinaFace at {h}x{w} not captured as a CUDA graph ({e}); it runs eager")
+                self._logger.warning(f"RetinaFace at {batch}x{h}x{w} not captured as a CUDA graph ({e}); it runs eager")
                 self._graphs[key] = None
             while len(self._graphs) > FACE_GRAPHS:
                 del self._graphs[next(iter(self._graphs))]
@@ -334,9 +350,9 @@ class CosmosVideoBatched:
 
 
 class _GraphedNet:
-    """A RetinaFace (phase "test") forward on one [1, 3, H, W] input, captured as a CUDA graph on the current
-    (non-default) stream: the kernels of its eager forward at that shape, each launch replayed at once. Captured in
-    thread-local mode, so the decode loop's thread may use the GPU meanwhile."""
+    """A RetinaFace (phase "test") forward on inputs of one `shape` ([N, 3, H, W]), captured as a CUDA graph on the
+    current (non-default) stream: the kernels of its eager forward at that shape, each launch replayed at once.
+    Captured in thread-local mode, so the decode loop's thread may use the GPU meanwhile."""
 
     def __init__(self, net: torch.nn.Module, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype):
         self.x = torch.zeros(shape, device=device, dtype=dtype)

