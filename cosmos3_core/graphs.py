@@ -39,6 +39,7 @@ import threading
 from dataclasses import dataclass
 
 import torch
+from torch._dynamo.decorators import mark_unbacked
 
 from . import faults
 from .attention import Backend
@@ -122,6 +123,9 @@ class StepLayout:
                 torch.full((groups,), total_rows, dtype=torch.int32, device=dev),
                 torch.zeros(lora, dtype=torch.long, device=dev),  # the `lora` distinct slots the pack reads
             )
+            # compiled GEN kernels (`compile: true`) take any number of adapters in one graph: a size-1 `used` would
+            # otherwise be specialised, and the first pack of two adapters would compile again while serving
+            mark_unbacked(self.packed.lora.used, 0)
         self.placed: tuple | None = None  # the geometry the buffers were last written for
         self._place(segments)
         self.plan = attention.make_plan(total_rows, slots)

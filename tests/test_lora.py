@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
+from torch._dynamo.utils import counters
 
 from cosmos3_core.attention import SdpaAttention
 from cosmos3_core.deployment import Deployment
@@ -372,6 +373,21 @@ def test_compiled_kernels_with_adapters_equal_eager(nano_ckpt, loras, gen):
                                     lora_dir=str(loras), max_loras=3, max_lora_rank=8))  # fmt: skip
     params = {**T2V, "seed": 11, "lora": {"name": "both", "scale": 0.5}}
     assert rel_l2(compiled.latents(PROMPT, params), gen.latents(PROMPT, params)) < 1e-5
+
+    # packs of one adapter, then of two (a wider dense delta) at the same size: the same compiled graphs, so no
+    # compile while serving when a second adapter joins
+    def together(pair: list[dict]) -> list:
+        return compiled.run_together(
+            [compiled.prefill.run(compiled.prefill.validate(PROMPT, p, None), None) for p in pair]
+        )
+
+    one, two = [params, {**T2V, "seed": 12}], [params, {**T2V, "seed": 12, "lora": {"name": "mlp"}}]
+    together(one)
+    graphs = counters["stats"]["unique_graphs"]
+    packed = together(two)
+    assert counters["stats"]["unique_graphs"] == graphs
+    for p, r in zip(two, packed):
+        assert rel_l2(r.latents, gen.latents(PROMPT, p)) < 1e-5
 
 
 def test_fp8_base_with_adapters(nano_ckpt, loras, tmp_path):
