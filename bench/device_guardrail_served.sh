@@ -4,8 +4,8 @@
 # with decode. `python -m bench.served --config configs/bench_edge.yaml --c1 $C1 --c4 0` twice, each on its own
 # server: `--set safety_checker=none`, then `cosmos` on random weights at the real sizes (guardrail_snapshot: Qwen3Guard
 # at 0.6B's shape answering a real verdict's shape, "Safety: Safe\nCategories: None<|im_end|>": ~10 tokens, the
-# label out at token 3: `--verdict-tokens 10 --label-at 3` (then the end token), so the server's text check, which
-# stops at the label, runs the 3 forwards a real verdict costs it (a label-last snapshot would make it run all 10);
+# label out at token 3: `--verdict-tokens 9 --label-at 3` (then the end token: 10, as bench/guardrail_cost.py), so the
+# server's text check, which stops at the label, runs the 3 forwards a real verdict costs it (label last: all 10);
 # RetinaFace ResNet-50 finding no face, FACES=none, or every prior a face, FACES=all). The package's four wheels
 # (.whl/safety) go into /tmp/v beside pytriton's.
 #   two device calls (a call carries at most 64 MiB): carry [.whl/env, .whl/parity]: bash bench/device_env.sh;
@@ -19,10 +19,10 @@ set -uo pipefail
 export COSMOS3_CACHE=/tmp/c3cache FLASHINFER_WORKSPACE_BASE=/tmp/fiws PYTHONWARNINGS=ignore PYTHONUNBUFFERED=1
 # the hub cache the guardrail loads from (the stubs inherit it); the Edge checkpoint is local (random:edge)
 # (named by what it holds: a warm machine may keep an earlier run's cache, of another verdict or faces)
-export HF_HUB_CACHE=/tmp/grcache-label3-${FACES:-none} HF_HUB_OFFLINE=1 HF_HOME=/tmp/grhome
+export HF_HUB_CACHE=/tmp/grcache-verdict9-label3-${FACES:-none} HF_HUB_OFFLINE=1 HF_HOME=/tmp/grhome
 /tmp/v/bin/python -c "import torchvision, cosmos_guardrail" || exit 4
 [ -d "$HF_HUB_CACHE" ] || /tmp/v/bin/python -m cosmos3_core.tools.guardrail_snapshot --out "$HF_HUB_CACHE" \
-  --qwen real --faces "${FACES:-none}" --verdict-tokens 10 --label-at 3 2>&1 | tail -1
+  --qwen real --faces "${FACES:-none}" --verdict-tokens 9 --label-at 3 2>&1 | tail -1
 OUTDIR=${OUT:-out}; mkdir -p "$OUTDIR"
 for checker in none cosmos; do
   echo "== safety_checker: $checker"

@@ -79,7 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--width", type=int, default=832)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument(
-        "--batches", type=int, nargs="+", default=[8, 16, 32], help="ours: frames copied and preprocessed together"
+        "--batches",
+        type=int,
+        nargs="+",
+        default=[8, 16, 32],
+        help="ours: frames a RetinaFace forward (each its own CUDA graph; the server runs FACE_BATCH)",
     )
     ap.add_argument("--edge-c1-s", type=float, default=4.0, help="Edge c=1 e2e, s (BENCHMARKS.md): the 5 %% target")
     ap.add_argument("--device", default="cuda", help="cpu: a check of this script at tiny shapes (--qwen tiny)")

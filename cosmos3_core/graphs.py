@@ -3,8 +3,8 @@
 A layout is fixed by the packed rows' sizes, branches that run (not reused: cache.py), commit flags and FP8
 precisions (W8A16 rows are packed first: `PackedStep.a16_rows` is where W8A8 starts), whether the forward returns
 the block stack's residual (a cached request is in the pack), how many distinct LoRA adapters its rows read (then
-the per-group adapter slots and scales and the K slots read are buffers too, `PackedStep.lora`: which adapters is
-content; K is the width of the dense delta, model/lora.py), plus whatever the attention backend's shapes depend
+the per-group adapter slots and scales and the K slots read are buffers too, `PackedStep.lora`: which adapters they
+are is content; K is the width of the dense delta, model/lora.py), plus whatever the attention backend's shapes depend
 on (its `shape_key`: SDPA's prefix lengths; FlashInfer's gather capacity, its prefixes being plan data) — or, bucketed (`capacity`,
 chosen by `DenoiseStep` for a backend whose segment boundaries are plan data), by a bucket: its rows, segment slots,
 sound and action rows are capacities, and the packs of any size mix that fits run in it, their geometry (each
