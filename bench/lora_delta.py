@@ -8,7 +8,9 @@ of `rows` rows split into as many equal segments as adapters, over a pool of `--
 of the delta — milliseconds per call (CUDA events, median of 20 after 5 warm) and the ratio. Forms: `grouped_delta`
 (two grouped GEMMs), `dense_delta` (what CUDA serves: one GEMM through every slot's A, then y + h·Bᵀ with the add in
 the second GEMM's epilogue) and `dense_into_base` (a candidate, 16-bit linears only: d = h·Bᵀ first, then the base
-GEMM accumulates into d — y is never written and read again). One JSON line per (rows, shape, adapters, form).
+GEMM accumulates into d — y is never written and read again) and, for a pack of one adapter, `merged_linear` (what
+CUDA serves for a request alone: the adapter merged into the weight each call). One JSON line per (rows, shape,
+adapters, form).
 Rows: Edge t2v 832×480×121 has 12,090 tokens per CFG branch (12,096 aligned): 24,192 is one request (c=1), 96,768
 four (c=4).
 """
@@ -22,7 +24,7 @@ import statistics
 import torch
 from torch import nn
 
-from cosmos3_core.model.lora import AdapterRows, dense_delta, grouped_delta, slot_projection
+from cosmos3_core.model.lora import AdapterRows, dense_delta, grouped_delta, merged_linear, slot_projection
 from cosmos3_core.model.random_checkpoint import PRESETS
 
 
@@ -40,6 +42,7 @@ FORMS = {
     "grouped_delta": lambda lin, x, rows: with_delta(grouped_delta, lin, x, rows),
     "dense_delta": lambda lin, x, rows: with_delta(dense_delta, lin, x, rows),
     "dense_into_base": dense_into_base,
+    "merged_linear": merged_linear,  # one adapter only (every row on it)
 }
 
 
@@ -88,6 +91,8 @@ def main() -> None:
                         torch.tensor(ends, dtype=torch.int32, device=dev),
                     )
                     for form, fn in FORMS.items():
+                        if form == "merged_linear" and n > 1:
+                            continue
                         at = {"rows": n_rows, "shape": name, "in": fan_in, "out": fan_out, "rank": args.rank,
                               "slots": args.slots, "adapters": n, "form": form, "base_ms": round(base, 4)}  # fmt: skip
                         try:  # one form failing (a kernel's layout rules) leaves the others' figures

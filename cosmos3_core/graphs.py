@@ -92,6 +92,7 @@ class StepLayout:
         residual: bool = False,
         capacity: tuple[int, int, int] | None = None,
         lora: int = 0,
+        lora_merged: bool = False,
     ):
         cfg = model.cfg
         dev, dt = attention.pool.k_pages.device, attention.pool.k_pages.dtype
@@ -122,6 +123,7 @@ class StepLayout:
                 torch.zeros(groups, dtype=torch.float32, device=dev),
                 torch.full((groups,), total_rows, dtype=torch.int32, device=dev),
                 torch.zeros(lora, dtype=torch.long, device=dev),  # the `lora` distinct slots the pack reads
+                merged=lora_merged,  # every row on one adapter and scale: 16-bit linears merge it into W
             )
             # compiled GEN kernels (`compile: true`) take any number of adapters in one graph: a size-1 `used` would
             # otherwise be specialised, and the first pack of two adapters would compile again while serving

@@ -132,6 +132,8 @@ class DenoiseStep:
         residual = any(r.record for r, _ in running)
         # the distinct adapters the pack reads (its dense delta's width, model/lora.py); 0: it runs without deltas
         lora = len({r.lora[0] for r, _ in running if r.lora is not None})
+        # every running row on one adapter at one scale (a request alone): its linears merge it (model/lora.py)
+        merged = lora == 1 and len({r.lora for r, _ in running}) == 1
         bucket = self.bucket(segments, total, attention)
         size, capacity = (total, None) if bucket is None else (bucket[0], (bucket[0] // SEGMENT_ALIGN, *bucket[1:]))
         a16_segments = sum(n for r, n in running if r.a16)  # the running branches' segments only
@@ -143,10 +145,10 @@ class DenoiseStep:
         )
         # a bucket's key holds the shape key too (FlashInfer's gather); key[1] names the backend (bench.parity and
         # tests read it)
-        key = (sizes, attention.name, attention.shape_key(segments), residual, lora)
+        key = (sizes, attention.name, attention.shape_key(segments), residual, lora, merged)
         layout = self.layouts.pop(key, None) or self.layout_class(
             self.model, self.kernels, attention, size, rows[0].tokens.shape[1], segments, self.graph_pool, a16_rows,
-            residual, capacity, **({"lora": lora} if lora else {}),  # parallel layouts take none (refused at load)
+            residual, capacity, **({"lora": lora, "lora_merged": merged} if lora else {}),  # parallel layouts take none (refused at load)
         )  # fmt: skip
         self.layouts[key] = layout
         while len(self.layouts) > max(self.MAX_LAYOUTS, self.max_captures):

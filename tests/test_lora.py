@@ -20,7 +20,7 @@ from cosmos3_core.attention import SdpaAttention
 from cosmos3_core.deployment import Deployment
 from cosmos3_core.generate import Generator, main
 from cosmos3_core.lora_store import METADATA_KEY, WEIGHTS
-from cosmos3_core.model.lora import AdapterRows, dense_delta, grouped_delta
+from cosmos3_core.model.lora import AdapterRows, adapted, dense_delta, grouped_delta, merged_linear
 from cosmos3_core.requests import RequestError
 from cosmos3_core.step import DenoiseStep
 from cosmos3_core.tools.make_lora import make_lora
@@ -161,7 +161,9 @@ def test_pack_of_adapters_equals_each_alone_bit_for_bit(gen):
     packed = [g.latents for g in gen.run_together(prefilled)]
     assert gen.engine.stats.max_requests_in_tick == max(before, len(requests))
     key, layout = next(reversed(gen.engine.step.layouts.items()))
-    assert key[-1] == 2 and len(set(layout.packed.lora.used.tolist())) == 2  # both, mlp: the dense delta's 2 slots
+    assert (
+        key[-2:] == (2, False) and len(set(layout.packed.lora.used.tolist())) == 2
+    )  # both, mlp: the dense delta's 2 slots
     alone = [gen.latents(PROMPT, p) for p in requests]
     for i, (a, b) in enumerate(zip(packed, alone)):
         assert torch.equal(a, b), f"request {i} differs from its solo run"
@@ -282,6 +284,23 @@ def test_grouped_delta_equals_each_group_alone():
     assert torch.equal(out[64:128], y[64:128]) and torch.equal(dense[64:128], y[64:128])  # scale 0: y itself
 
 
+def test_merged_and_prefill_forms_equal_the_groups():
+    """A pack whose every row reads one slot at one scale: the weight-merged linear (CUDA's and compiled) equals the
+    groups' delta to rounding; prefill's one group through its slot directly (`AdapterRows.single`) likewise, and
+    scale 0 there is the base linear exactly."""
+    g = torch.Generator().manual_seed(2)
+    lin = torch.nn.Linear(24, 16)
+    lin.register_buffer("lora_A", torch.randn(3, 8, 24, generator=g))
+    lin.register_buffer("lora_B", torch.randn(3, 8, 16, generator=g))
+    x = torch.randn(128, 24, generator=g)
+    rows = AdapterRows(torch.tensor([2, 2, 2]), torch.tensor([0.7, 0.7, 0.7]),
+                       torch.tensor([64, 128, 128], dtype=torch.int32), torch.tensor([2]), merged=True)  # fmt: skip
+    want = grouped_delta(lin(x), x, lin, rows)
+    assert rel_l2(merged_linear(lin, x, rows), want) < 1e-6
+    assert rel_l2(adapted(lin, x, 0, AdapterRows.single(2, 0.7, 128, "cpu")), want) < 1e-6
+    assert torch.equal(adapted(lin, x, 0, AdapterRows.single(2, 0.0, 128, "cpu")), lin(x))
+
+
 def test_an_overflowing_slot_stays_in_its_own_rows():
     """fp16: a slot whose x·A overflows leaves every other row bit for bit as it was — rows of other slots, and
     rows without an adapter exactly y (the dense form selects other slots' columns away, never multiplies an inf by
@@ -373,6 +392,9 @@ def test_compiled_kernels_with_adapters_equal_eager(nano_ckpt, loras, gen):
                                     lora_dir=str(loras), max_loras=3, max_lora_rank=8))  # fmt: skip
     params = {**T2V, "seed": 11, "lora": {"name": "both", "scale": 0.5}}
     assert rel_l2(compiled.latents(PROMPT, params), gen.latents(PROMPT, params)) < 1e-5
+    # a request alone: its layout merges the adapter into the weights; a pack with a base request beside it cannot
+    merged = [layout.packed.lora.merged for layout in compiled.engine.step.layouts.values()]
+    assert merged == [True], merged
 
     # packs of one adapter, then of two (a wider dense delta) at the same size: the same compiled graphs, so no
     # compile while serving when a second adapter joins
@@ -386,6 +408,7 @@ def test_compiled_kernels_with_adapters_equal_eager(nano_ckpt, loras, gen):
     graphs = counters["stats"]["unique_graphs"]
     packed = together(two)
     assert counters["stats"]["unique_graphs"] == graphs
+    assert not any(layout.packed.lora.merged for layout in list(compiled.engine.step.layouts.values())[1:])
     for p, r in zip(two, packed):
         assert rel_l2(r.latents, gen.latents(PROMPT, p)) < 1e-5
 

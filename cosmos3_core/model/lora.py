@@ -30,6 +30,13 @@ Two ways to add the rows' deltas, each one pass over the pack — no loop over r
   through zeros times that slot's Bᵀ, so every B in the pool must be finite (lora_store.py refuses an adapter whose
   B·lora_alpha/r is not, in the pool's dtype): then one adapter's overflow (x A past fp16's range) stays in its own
   rows.
+Two packs skip the per-row delta (still one pass, no loop, no synchronisation):
+- `merged` (a packed step whose every row reads one slot at one scale, as a request alone does; CUDA or compiled,
+  16-bit linears): the linear runs with that adapter merged into its weight, `x (W + s·B A)ᵀ` — a weight-sized add
+  per linear and forward, where the dense delta re-reads x and re-reads and re-writes y (~+14 % of an Edge step;
+  docs/lora.md). The slot and scale are still buffers (group 0's): a captured graph serves any adapter.
+- `host` (prefill: one request's text, its slot and scale known on the host): `y + s·(x Aᵀ) B` through that slot's
+  views, two kernels (the dense form's per-row selection is a dozen launches per linear in an eager prefill).
 `adapted(linear, x, a16_rows, rows)`: `fp8.linear` plus the delta; with `rows` None (a pack with no adapter) it is
 `fp8.linear` alone, today's kernels.
 """
@@ -39,10 +46,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .fp8 import linear
+from .fp8 import Fp8Linear, linear
 
 # per tower ("und", "gen": layers.UND, layers.GEN), the adaptable linears of a layer, as paths under `layers.N.`
 ADAPTABLE: dict[str, tuple[str, ...]] = {
@@ -94,16 +102,21 @@ class AdapterRows:
     # [K] int64: the distinct pool slots the pack's groups read, the only ones `dense_delta` goes through (its cost
     # grows with K: one adapter in a pool of 4 reads one slot, not 4); None: every slot of the pool
     used: torch.Tensor | None = None
+    # every row reads slot[0] at scale[0] (a pack of one request, or of requests sharing adapter and scale): CUDA
+    # and compiled 16-bit linears merge it into their weights (`merged_linear`); a layout key (cosmos3_core/step.py)
+    merged: bool = False
+    host: tuple[int, float] | None = None  # one group whose (slot, scale) the host knows: prefill's, never captured
 
     @classmethod
     def single(cls, slot: int, scale: float, rows: int, device: torch.device | str) -> AdapterRows:
-        """One group of `rows` rows (prefill's text)."""
+        """One group of `rows` rows (prefill's text), its slot and scale on the host too."""
         slots = torch.full((1,), slot, dtype=torch.long, device=device)
         return cls(
             slots,
             torch.full((1,), scale, dtype=torch.float32, device=device),
             torch.full((1,), rows, dtype=torch.int32, device=device),
             slots,
+            host=(slot, scale),
         )
 
 
@@ -183,12 +196,27 @@ def dense_delta(y: torch.Tensor, x: torch.Tensor, lin: nn.Module, rows: AdapterR
     return torch.addmm(y, slot_projection(x, lin, rows), b.view(-1, b.shape[-1]))
 
 
+def merged_linear(lin: nn.Module, x: torch.Tensor, rows: AdapterRows) -> torch.Tensor:
+    """x [N, in] through a 16-bit linear with group 0's adapter merged into its weight: `x (W + s·B A)ᵀ + b`
+    (rows.merged: every row reads that slot at that scale). The slot and scale are read on the device (an index
+    and a multiply), so a captured graph serves whichever adapter its pack holds."""
+    a = lin.lora_A.index_select(0, rows.slot[:1])[0]  # [R, in]
+    b = lin.lora_B.index_select(0, rows.slot[:1])[0]  # [R, out]
+    return F.linear(x, torch.addmm(lin.weight, b.t() * rows.scale[:1].to(b.dtype), a), lin.bias)
+
+
 def adapted(lin: nn.Module, x: torch.Tensor, a16_rows: int, rows: AdapterRows | None) -> torch.Tensor:
-    """`fp8.linear(lin, x, a16_rows)` plus the rows' adapter deltas (eager on the CPU: `grouped_delta`; on CUDA or
-    compiled: `dense_delta` — grouped_mm's compile-time kernel takes bf16 only); exactly `fp8.linear` when `rows` is
-    None or the linear has no slots (the pool covers the adaptable linears)."""
-    y = linear(lin, x, a16_rows)
+    """`fp8.linear(lin, x, a16_rows)` plus the rows' adapter deltas (prefill: its one slot directly; eager on the
+    CPU: `grouped_delta`; on CUDA or compiled: `merged_linear` for a merged pack's 16-bit linears, else `dense_delta`
+    — grouped_mm's compile-time kernel takes bf16 only); exactly `fp8.linear` when `rows` is None or the linear has
+    no slots (the pool covers the adaptable linears)."""
     if rows is None or not hasattr(lin, "lora_A"):
-        return y
+        return linear(lin, x, a16_rows)
     dense = x.is_cuda or torch.compiler.is_compiling()
+    if rows.host is None and dense and rows.merged and not isinstance(lin, Fp8Linear):
+        return merged_linear(lin, x, rows)
+    y = linear(lin, x, a16_rows)
+    if rows.host is not None:
+        slot, scale = rows.host
+        return y if scale == 0 else torch.addmm(y, x @ lin.lora_A[slot].t(), lin.lora_B[slot], alpha=scale)
     return (dense_delta if dense else grouped_delta)(y, x, lin, rows)
