@@ -298,7 +298,8 @@ class DenoiseEngine:
         step (rows from the row builder), so compiles, allocator growth and kernel autotuning happen before serving;
         an action request with zero clean latents (forward dynamics: zero actions). Served in FP8, a 1-step request
         (W8A8 by the policy's 1-step rule) runs beside the first one's W8A16 step, then alone: the W8A16, W8A8 and
-        mixed paths of the linears are all compiled before serving.
+        mixed paths of the linears are all compiled before serving. A request with an adapter also runs beside
+        itself without one: the merged and the dense adapter paths (model/lora.py) both compile here.
 
         Buckets (a bucketable backend only): given ones are captured first, so the requests' layouts cannot use up
         `max_captures`, and each is checked against the requests' packs (a warning when one pads a pack by more than
@@ -322,11 +323,13 @@ class DenoiseEngine:
                 cond = torch.zeros(1, cfg.latent_channel, frames, *cfg.latent_hw(*p.frame_size))
                 if not p.returns_actions:  # forward dynamics
                     actions = torch.zeros(p.chunk_size, cfg.action_dim)
-            runs = [[2, 1], [1]] if self.fp8_policy is not None else [[2]]
-            for steps in runs:  # the requests of a run share ticks
-                for n in steps:
+            runs = [[(2, p), (1, p)], [(1, p)]] if self.fp8_policy is not None else [[(2, p)]]
+            if p.lora is not None:  # alone, its adapter merges into the weights; beside a request without it, the
+                runs.append([(2, p), (2, dataclasses.replace(p, lora=None))])  # dense delta: compile both now
+            for run in runs:  # the requests of a run share ticks
+                for n, q in run:
                     pre = PrefillResult(
-                        dataclasses.replace(p, steps=n), kv[: p.cfg_branches], kv[p.cfg_branches :], cond, actions
+                        dataclasses.replace(q, steps=n), kv[: q.cfg_branches], kv[q.cfg_branches :], cond, actions
                     )
                     self.submit(pre, _NullSink())
                 self.run_until_idle()

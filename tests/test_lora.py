@@ -413,6 +413,23 @@ def test_compiled_kernels_with_adapters_equal_eager(nano_ckpt, loras, gen):
         assert rel_l2(r.latents, gen.latents(PROMPT, p)) < 1e-5
 
 
+def test_warmup_with_an_adapter_compiles_every_adapter_path(nano_ckpt, loras):
+    """`compile: true` with a warmup request naming an adapter: served afterwards, a request alone (its adapter
+    merged into the weights) and packs of one and of two adapters beside a base request (the dense delta) compile
+    nothing more."""
+    warm = [{**T2V, "lora": {"name": "gen"}}]
+    compiled = Generator(Deployment(checkpoint=str(nano_ckpt), device="cpu", dtype="float32", compile=True,
+                                    lora_dir=str(loras), max_loras=3, max_lora_rank=8, warmup_requests=warm))  # fmt: skip
+    size = {**T2V, "num_frames": 9, "seed": 5}  # other row counts than the warmup's
+    packs = [[{**size, "lora": {"name": "both"}}], [{**size, "lora": {"name": "both"}}, size],
+             [{**size, "lora": {"name": "both"}}, {**size, "lora": {"name": "mlp", "scale": 0.5}}, size]]  # fmt: skip
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for pack in packs:
+            compiled.run_together(
+                [compiled.prefill.run(compiled.prefill.validate(PROMPT, p, None), None) for p in pack]
+            )
+
+
 def test_fp8_base_with_adapters(nano_ckpt, loras, tmp_path):
     """`precision: fp8`: the adapter's delta, in the activation dtype, over the FP8 linears. W8A16 (2 steps, inside
     the official first / last windows) equals the adapter over a 16-bit checkpoint of the dequantized weights (what
