@@ -99,7 +99,7 @@ def test_bucketed_equals_exact_and_mixes_share_a_layout(parts):
     assert len(exact.layouts) == 2
     (key, layout), = bucketed.layouts.items()  # fmt: skip
     # (rows, sound capacity, action capacity, W8A16 rows: all of them), the backend, no shape key, a residual, no LoRA
-    assert key == (("bucket", 512, 16, 16, 512), "sdpa", (), True, False)
+    assert key == (("bucket", 512, 16, 16, 512), "sdpa", (), True, 0, False)
     assert layout.packed.tokens.shape[0] == 512 and layout.packed.segment_timesteps.shape[0] == 64
     # the first mix's 16 sound rows fill their capacity; its 11 action rows leave 5 entries, on the last row
     assert layout.packed.sound_rows[-1].item() < 320 and layout.packed.action_rows[-5:].tolist() == [511] * 5
@@ -143,7 +143,7 @@ def test_the_warmup_packs_fill_the_buckets_served_mixes_use(parts, monkeypatch):
     step.capture_buckets()
     assert packs == [[192, 192, 128]] * 2 + [[192] * 5 + [64]] * 2  # eager, then the capture
     keys = list(step.layouts)
-    assert keys == [(("bucket", n, 0, 0, n), "sdpa", (), False, False) for n in BUCKETS]
+    assert keys == [(("bucket", n, 0, 0, n), "sdpa", (), False, 0, False) for n in BUCKETS]
     step([make_row(cfg, pool, 30, (1, 2, 2))])  # 2 segments of 64: the 512 bucket
     assert list(step.layouts) == keys[::-1]
     step([make_row(cfg, pool, 31, (2, 8, 8)), make_row(cfg, pool, 32, (4, 8, 8))])  # 768 rows: the 1024 bucket

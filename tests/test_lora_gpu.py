@@ -171,8 +171,10 @@ def test_gpu_adapters_match_cpu_solo_and_packed(setup):
     solo = [gen.latents(p, q).float().cpu() for p, q in REQUESTS]
     for (prompt, _), ours, ref in zip(REQUESTS, solo, reference):
         assert rel_l2(ours, ref) < BF16_TOL, prompt
-    for r, alone in zip(packed(gen, REQUESTS), solo):
-        assert rel_l2(r, alone) < 1e-2
+    # alone, a request's adapter is merged into the 16-bit weights; packed, it is the dense delta: two roundings,
+    # each within bf16's distance of the CPU's fp32 run (an adapter's own effect here is > 5e-2)
+    for (prompt, _), r, ref in zip(REQUESTS, packed(gen, REQUESTS), reference):
+        assert rel_l2(r, ref) < BF16_TOL, prompt
     assert gen.engine.step.captures > 0
 
 
