@@ -39,6 +39,7 @@ import torch
 from .attention import Backend, make_attention
 from .graphs import StepLayout
 from .kv_pool import KVPool
+from .model.fp8 import Fp8Linear
 from .model.layers import Cosmos3Transformer
 from .model.towers import EAGER, GenKernels, embed_row, output_heads
 from .rows import SEGMENT_ALIGN, Branch, Row, RowOutput, Segment, denoise_step_row, segments_of, unpatchify
@@ -77,6 +78,11 @@ class DenoiseStep:
             else attention  # a backend made by the caller (parallel/ulysses.py: over a head-sharded pool)
         )
         self.cuda_graphs = cuda_graphs and pool.k_pages.is_cuda
+        # a pack on one adapter merges it into the 16-bit linears where the delta is dense (model/lora.py: CUDA or
+        # compiled); an FP8 tower (every layer linear E4M3) or the CPU's eager groups would only split layouts
+        self.merges_adapters = (pool.k_pages.is_cuda or kernels is not EAGER) and not any(
+            isinstance(m, Fp8Linear) for m in model.layers[0].modules()
+        )
         self.graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None  # shared: replays are serial
         if any(b <= 0 or b % SEGMENT_ALIGN for b in graph_buckets):
             raise ValueError(f"graph_buckets: positive multiples of {SEGMENT_ALIGN} rows; got {list(graph_buckets)}")
@@ -133,7 +139,7 @@ class DenoiseStep:
         # the distinct adapters the pack reads (its dense delta's width, model/lora.py); 0: it runs without deltas
         lora = len({r.lora[0] for r, _ in running if r.lora is not None})
         # every running row on one adapter at one scale (a request alone): its linears merge it (model/lora.py)
-        merged = lora == 1 and len({r.lora for r, _ in running}) == 1
+        merged = self.merges_adapters and lora == 1 and len({r.lora for r, _ in running}) == 1
         bucket = self.bucket(segments, total, attention)
         size, capacity = (total, None) if bucket is None else (bucket[0], (bucket[0] // SEGMENT_ALIGN, *bucket[1:]))
         a16_segments = sum(n for r, n in running if r.a16)  # the running branches' segments only

@@ -413,16 +413,20 @@ def test_compiled_kernels_with_adapters_equal_eager(nano_ckpt, loras, gen):
         assert rel_l2(r.latents, gen.latents(PROMPT, p)) < 1e-5
 
 
-def test_warmup_with_an_adapter_compiles_every_adapter_path(nano_ckpt, loras):
+@pytest.mark.parametrize("precision", ["checkpoint", "fp8"])
+def test_warmup_with_an_adapter_compiles_every_adapter_path(nano_ckpt, loras, precision):
     """`compile: true` with a warmup request naming an adapter: served afterwards, a request alone (its adapter
-    merged into the weights) and packs of one and of two adapters beside a base request (the dense delta) compile
-    nothing more."""
+    merged into the 16-bit weights) and packs of one and of two adapters beside a base request (the dense delta)
+    compile nothing more. In FP8 (no merge: E4M3 weights) a 1-step request runs W8A8 (the policy's 1-step rule), so
+    the same packs run W8A8 alone and mixed with W8A16 rows, with adapters and without."""
     warm = [{**T2V, "lora": {"name": "gen"}}]
     compiled = Generator(Deployment(checkpoint=str(nano_ckpt), device="cpu", dtype="float32", compile=True,
-                                    lora_dir=str(loras), max_loras=3, max_lora_rank=8, warmup_requests=warm))  # fmt: skip
+                                    lora_dir=str(loras), max_loras=3, max_lora_rank=8, warmup_requests=warm,
+                                    precision=precision))  # fmt: skip
     size = {**T2V, "num_frames": 9, "seed": 5}  # other row counts than the warmup's
-    packs = [[{**size, "lora": {"name": "both"}}], [{**size, "lora": {"name": "both"}}, size],
-             [{**size, "lora": {"name": "both"}}, {**size, "lora": {"name": "mlp", "scale": 0.5}}, size]]  # fmt: skip
+    one = {**size, "steps": 1}
+    packs = [[{**one, "lora": {"name": "both"}}], [{**size, "lora": {"name": "both"}}, one],
+             [{**one, "lora": {"name": "both"}}, {**size, "lora": {"name": "mlp", "scale": 0.5}}, size]]  # fmt: skip
     with torch._dynamo.config.patch(error_on_recompile=True):
         for pack in packs:
             compiled.run_together(

@@ -213,7 +213,7 @@ def adapted(lin: nn.Module, x: torch.Tensor, a16_rows: int, rows: AdapterRows | 
     if rows is None or not hasattr(lin, "lora_A"):
         return linear(lin, x, a16_rows)
     dense = x.is_cuda or torch.compiler.is_compiling()
-    if rows.host is None and dense and rows.merged and not isinstance(lin, Fp8Linear):
+    if rows.host is None and dense and not isinstance(lin, Fp8Linear) and rows.merged:  # FP8: no guard on merged
         return merged_linear(lin, x, rows)
     y = linear(lin, x, a16_rows)
     if rows.host is not None:
