@@ -1,12 +1,18 @@
-"""Where the wall time goes that no kernel fills. One request of the deployment's default shape runs in-process
-(prefill, denoise as served: compiled, graphs, the configured attention; whole-video decode) under the profiler.
-Per phase it prints the wall time, the GPU's busy time (union of kernel, copy and memset intervals), the idle
-time, the largest idle gaps with the host op that was running when each began and ended, and the host calls
-that waited on the GPU (synchronise, blocking copies), by the op that made them.
+"""Where the wall time goes that no kernel fills. One request runs in-process (prefill, denoise as served:
+compiled, graphs, the configured attention; each chunk's decode as the decode stage starts it) under the profiler,
+after a warm one. Per phase it prints the wall time, the GPU's busy time (union of kernel, copy and memset
+intervals), the idle time, the largest idle gaps with the host op that was running when each began and ended, and
+the host calls that waited on the GPU (synchronise, blocking copies), by the op that made them.
 
-  python -m bench.timeline --config configs/bench_edge.yaml [--trace OUT.json] [--analyze OUT.json]
+  python -m bench.timeline --config configs/bench_edge.yaml [--set KEY=YAML] [--params JSON] [--trace OUT.json]
+      [--analyze OUT.json]
 
-`--analyze` reads a trace written earlier (no GPU needed). Needs CUDA otherwise.
+Phases: `prefill`, then per chunk the engine hands out `denoise k` (until its latents are final) and `decode k`
+(the latents to the host, as they cross the wire, then the decode stage's `start_chunk` to uint8 frames). A
+single-shot request has one of each (the whole video decoded at once). An AR request (`--params '{"window_mode":
+"chained", "num_frames": 45}'`) has one per window; the served path overlaps window k's decode with window k+1's
+denoise, this one runs them in turn, so `prefill` + `denoise 0` + `decode 0` is the time to first chunk without the
+wire and the queues. `--analyze` reads a trace written earlier (no GPU needed). Needs CUDA otherwise.
 """
 
 from __future__ import annotations
@@ -33,19 +39,56 @@ def record(args) -> str:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
 
-    gen = Generator(Deployment.load(args.config))
-    p = gen.prefill.validate(PROMPT, {}, None)
+    import yaml
+
+    overrides = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.set)}
+    gen = Generator(Deployment.load(args.config, **overrides))
+    p = gen.prefill.validate(PROMPT, json.loads(args.params), None)
+
+    class PhaseSink:
+        """The engine's sink for the request: each chunk's latents decoded as soon as they are final."""
+
+        def __init__(self) -> None:
+            self.k, self.failure = 0, None
+            self.phase = record_function("phase:denoise 0")
+            self.phase.__enter__()
+
+        def decode(self, latents, last: bool) -> None:
+            sync()
+            self.phase.__exit__(None, None, None)
+            with record_function(f"phase:decode {self.k}"):
+                gen.decode.start_chunk("timeline", latents.float().cpu(), last)()
+                sync()
+            self.k += 1
+            if not last:
+                self.phase = record_function(f"phase:denoise {self.k}")
+                self.phase.__enter__()
+
+        def progress(self, step: int, steps: int, window: int, windows: int) -> None:
+            pass
+
+        def chunk(self, latents, info) -> None:
+            self.decode(latents, False)
+
+        def done(self, latents, info, sound=None, actions=None) -> None:
+            self.decode(latents, True)
+
+        def error(self, message: str) -> None:
+            self.failure = message
+            self.phase.__exit__(None, None, None)
+
+        def cancelled(self) -> bool:
+            return False
 
     def request() -> None:
         with record_function("phase:prefill"):
             pre = gen.prefill.run(p, None)
             sync()
-        with record_function("phase:denoise"):
-            lat = gen.latents_from(pre)
-            sync()
-        with record_function("phase:decode"):
-            gen.decode.run(lat)
-            sync()
+        sink = PhaseSink()
+        gen.engine.submit(pre, sink)
+        gen.engine.run_until_idle()
+        if sink.failure is not None:
+            raise RuntimeError(sink.failure)
 
     request()  # warm: the decoder's compiles, this prompt's layout
     with profile(
@@ -138,6 +181,8 @@ def analyze(path: str, top: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="configs/bench_edge.yaml")
+    ap.add_argument("--params", default="{}", help="JSON request parameters (default: the config's defaults)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=YAML", help="override a top-level config key")
     ap.add_argument("--trace", default="timeline.json")
     ap.add_argument("--analyze", default="", help="a trace written earlier: analyze it, run nothing")
     ap.add_argument("--top", type=int, default=12)
