@@ -324,8 +324,9 @@ class DenoiseEngine:
                 if not p.returns_actions:  # forward dynamics
                     actions = torch.zeros(p.chunk_size, cfg.action_dim)
             runs = [[(2, p), (1, p)], [(1, p)]] if self.fp8_policy is not None else [[(2, p)]]
-            if p.lora is not None:  # alone, its adapter merges into the weights; beside a request without it, the
-                runs.append([(2, p), (2, dataclasses.replace(p, lora=None))])  # dense delta: compile both now
+            gen_adapter = p.lora is not None and self.loras is not None and GEN in self.loras.check(p.lora.name).towers
+            if gen_adapter:  # alone, its adapter merges into the weights; beside a request without it, the dense
+                runs.append([(2, p), (2, dataclasses.replace(p, lora=None))])  # delta: compile both now
             for run in runs:  # the requests of a run share ticks
                 for n, q in run:
                     pre = PrefillResult(
