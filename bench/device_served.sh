@@ -32,6 +32,15 @@ set -uo pipefail
 [ -x /tmp/v/bin/python ] || { echo "no /tmp/v: run bench/device_env.sh first on this machine"; exit 3; }
 /tmp/v/bin/python -m pip install -q --no-index --no-deps .whl/pytriton/*.whl 2>&1 | grep -v -e "already exists" -e WARNING | tail -3
 export COSMOS3_CACHE=/tmp/c3cache FLASHINFER_WORKSPACE_BASE=/tmp/fiws
+# FI074=1: FlashInfer 0.7.4 (installed into /tmp/site074 by bench/device_fi074.sh on this machine) ahead of /tmp/site's
+# 0.6.1 for every process of this call, the servers' stubs included (they ignore PYTHONPATH: the venv's .pth), with
+# its own JIT cache (/tmp/fiws074, where device_fi074.sh's repro built the FP8 module)
+if [ -n "${FI074:-}" ]; then
+  [ -d /tmp/site074/flashinfer ] || { echo "FI074: run bench/device_fi074.sh on this machine first"; exit 3; }
+  printf '/tmp/site074\n/tmp/site\n' > /tmp/v/lib/python3.12/site-packages/flashinfer_site.pth
+  export FLASHINFER_WORKSPACE_BASE=/tmp/fiws074
+fi
+/tmp/v/bin/python -c "import flashinfer; print('flashinfer', flashinfer.__version__, flashinfer.__file__)"
 runs=("$@"); [ ${#runs[@]} -gt 0 ] || runs=(edge nano_chained)
 for run in "${runs[@]}"; do
   case $run in
@@ -42,6 +51,8 @@ for run in "${runs[@]}"; do
                     --diffusers ${DIFFUSERS:-2}
                     $([ -x /tmp/perf_analyzer/bin/perf_analyzer ] && echo --perf-analyzer /tmp/perf_analyzer/bin/perf_analyzer)) ;;
     edge_fp8attn) args=(--config configs/bench_edge_fp8attn.yaml --variants t2v t2v+sea --c1 ${C1:-3} --c4 ${C4:-8} --c4-variants t2v+sea) ;;
+    nano_ar_fp8) args=(--config configs/bench_nano_ar.yaml --set precision=fp8 $([ -n "${FP8ATTN:-}" ] && echo --set fp8_attention=true)
+                      --c1 0 --c4 0 --ar 1 --ar-params '{"window_mode": "chained", "num_frames": 45, "cache": {"policy": "sea"}}') ;;
     nano_chained) args=(--config configs/bench_nano_ar.yaml --c1 0 --c4 0 --ar 1 --ar-params '{"window_mode": "chained", "num_frames": 45}') ;;
     nano_kv) args=(--config configs/bench_nano_ar.yaml --c1 0 --c4 0 --ar 1 --ar-params '{"window_mode": "kv", "num_frames": 45}') ;;
     nano_sound) args=(--config configs/bench_nano_sound.yaml --c1 ${C1:-1} --c4 0 --variants t2v t2v+sound v2v

@@ -221,7 +221,7 @@ def test_fa3_fp8_ragged_kernel_matrix(kv_heads, lengths, per_call, fp8_defect):
     those: each cell holds the FP8 ragged kernel (own tokens only, per-head scales as `quantize_fp8` makes them)
     to the fp32 exact attention, within RATIO x the fake quant's own error (E4M3 q/k/v, exact softmax).
     One sequence, or two in one call (short / unaligned / long: does the defect need a short sequence?), or
-    `per_call`: one call per sequence on the same buffers, each planned with its own offsets in them.
+    `per_call`: one call per sequence on views of the same buffers at its offset.
     FlashInfer 0.6.1 on the H200 (11th session): GQA fails on one 300-key sequence (0.122) and on 128 + 256 and
     100 + 300, per call exactly as in one call; it passes on one 384-key sequence and on 1500 + 2600. So the defect
     is short sequences, not batching, and calling per sequence does not go around it. 12th session: one 600-key
@@ -241,11 +241,14 @@ def test_fa3_fp8_ragged_kernel_matrix(kv_heads, lengths, per_call, fp8_defect):
     (q8, sq), (k8, sk), (v8, sv) = (quantize_fp8(x, valid) for x in (q, k, v))
     workspace = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
     out8 = torch.zeros_like(q)
-    for bounds in [indptr[r : r + 2] for r in range(len(lengths))] if per_call else [indptr]:
+    # per call: views of the same buffers at the sequence's offset (FlashInfer 0.7.4 requires q's rows to be
+    # exactly the plan's qo_indptr[-1], so an offset plan over the whole buffer is refused there)
+    for a, b in zip(indptr[:-1].tolist(), indptr[1:].tolist()) if per_call else [(0, rows)]:
+        bounds = indptr[: len(lengths) + 1] if not per_call else torch.tensor([0, b - a], dtype=torch.int32)
         w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD", backend="fa3")
         w.plan(bounds, bounds, HEADS, kv_heads, HEAD_DIM, causal=False, q_data_type=E4M3, kv_data_type=E4M3,
                o_data_type=torch.bfloat16)  # fmt: skip
-        w.run(q8, k8, v8, sq, sk, sv, out=out8)
+        w.run(q8[a:b], k8[a:b], v8[a:b], sq, sk, sv, out=out8[a:b])
         torch.cuda.synchronize()
     exact, fake = torch.empty(rows, HEADS, HEAD_DIM, device="cuda"), torch.empty(rows, HEADS, HEAD_DIM, device="cuda")
     deq = [x8.float() * s[:, None] for x8, s in ((q8, sq), (k8, sk), (v8, sv))]
