@@ -1,9 +1,10 @@
 """Where FP8 attention's time goes at a served packed-step shape (GPU, FlashInfer fa3): one GEN attention layer call
-through `FlashInferPlan` in bf16 and in FP8, and its parts alone — the [prefix | own] gather, the three per-head
-quantizations (`quantize_fp8`), the ragged kernel on ready inputs (bf16, and FP8 on pre-quantized ones).
+through `FlashInferPlan` in bf16 and in FP8 (its quantization eager, and compiled as `compile: true` runs it), and its
+parts alone — the [prefix | own] gather, the three per-head quantizations (`quantize_qkv`, eager and compiled), the
+ragged kernel on ready inputs (bf16, and FP8 on pre-quantized ones).
 
     python -m bench.fp8attn_probe --shape edge     # 2 CFG branches of 12,090 rows (832x480x121), text 274 / 199
-    python -m bench.fp8attn_probe --shape nano_ar  # 2 branches of 12,480 rows (an 8-latent-frame AR window)
+    python -m bench.fp8attn_probe --shape nano_ar  # 2 branches of 3,120 rows (an 8-latent-frame AR window)
 
 Prints ms per layer call and the kernels' TF/s (4·rows·keys·d·heads per segment). A served FP8-attention step
 costs the FP8 plan call, a bf16 one the bf16 call: their difference per layer × layers × forwards is what
@@ -23,7 +24,8 @@ from cosmos3_core.rows import Segment
 
 SHAPES = {  # rows per branch (aligned to 64 in the pack), text prefix per branch, heads, kv heads
     "edge": dict(rows=12090, text=(274, 199), heads=16, kv_heads=8),
-    "nano_ar": dict(rows=12480, text=(274, 199), heads=32, kv_heads=8),
+    "nano_ar": dict(rows=3120, text=(274, 199), heads=32, kv_heads=8),  # 8 latent frames of 15 x 26 patches
+    "nano_heads_12k": dict(rows=12480, text=(274, 199), heads=32, kv_heads=8),  # the 18th session's first "nano_ar"
 }
 HEAD_DIM, PAGE = 128, 16
 
@@ -54,8 +56,8 @@ def probe(shape: str) -> dict[str, float]:
     k, v = (torch.randn(rows, s["kv_heads"], HEAD_DIM, device="cuda", generator=g).bfloat16() for _ in range(2))
     out: dict[str, float] = {}
     plans = {}
-    for name, fp8 in (("bf16", False), ("fp8", True)):
-        attn = FlashInferAttention(pool, s["heads"], s["kv_heads"], HEAD_DIM, fp8=fp8)
+    for name, fp8, compiled in (("bf16", False, False), ("fp8", True, False), ("fp8 compiled", True, True)):
+        attn = FlashInferAttention(pool, s["heads"], s["kv_heads"], HEAD_DIM, fp8=fp8, compiled=compiled)
         plan = attn.make_plan(rows)
         plan.update(segments)
         torch.cuda.synchronize()
@@ -69,6 +71,8 @@ def probe(shape: str) -> dict[str, float]:
     out["quantize q+k+v"] = timed(
         lambda: (quantize_fp8(q, valid_rows), quantize_fp8(k_all, keys), quantize_fp8(v_all, keys))
     )
+    fused = plans["fp8 compiled"].attn.quantize
+    out["quantize compiled"] = timed(lambda: fused(q, k_all, v_all, valid_rows, keys))
     (q8, sq), (k8, sk), (v8, sv) = quantize_fp8(q, valid_rows), quantize_fp8(k_all, keys), quantize_fp8(v_all, keys)
     o = torch.empty_like(q)
     out["fp8 kernel"] = timed(lambda: plan.ragged.run(q8, k8, v8, sq, sk, sv, out=o))

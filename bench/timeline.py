@@ -5,7 +5,7 @@ intervals), the idle time, the largest idle gaps with the host op that was runni
 the host calls that waited on the GPU (synchronise, blocking copies), by the op that made them.
 
   python -m bench.timeline --config configs/bench_edge.yaml [--set KEY=YAML] [--params JSON] [--trace OUT.json]
-      [--analyze OUT.json]
+      [--analyze OUT.json] [--syncs]
 
 Phases: `prefill`, then per chunk the engine hands out `denoise k` (until its latents are final) and `decode k`
 (the latents to the host, as they cross the wire, then the decode stage's `start_chunk` to uint8 frames). A
@@ -91,6 +91,9 @@ def record(args) -> str:
             raise RuntimeError(sink.failure)
 
     request()  # warm: the decoder's compiles, this prompt's layout
+    if args.syncs:
+        audit_syncs(request)
+        return ""
     with profile(
         activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]
         if torch.cuda.is_available()
@@ -99,6 +102,39 @@ def record(args) -> str:
         request()
     prof.export_chrome_trace(args.trace)
     return args.trace
+
+
+def audit_syncs(request) -> None:
+    """`--syncs`: the request again under CUDA's sync debug mode. Every call that makes the host wait for the GPU
+    (a blocking copy either way, `.item()`, `nonzero`, a synchronize) is counted by the Python lines that made it:
+    the innermost frames of this repository, diffusers and flashinfer. Each such wait drains the GPU's queue, and
+    it idles while the host prepares what comes next."""
+    import traceback
+    import warnings
+    from collections import Counter
+
+    import torch
+
+    ours = ("cosmos3_core", "diffusers", "flashinfer", "bench")
+    counts: Counter = Counter()
+
+    def hook(message, category, filename, lineno, file=None, line=None) -> None:
+        if "synchroniz" not in str(message):
+            return
+        frames = [f for f in traceback.extract_stack()[:-1] if any(f"/{o}/" in f.filename for o in ours)]
+        counts[" < ".join(f"{f.filename.split('/')[-1]}:{f.lineno} {f.name}" for f in reversed(frames[-3:]))] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = hook
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            request()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    print(f"host syncs in one request: {sum(counts.values())}, by where (innermost first):")
+    for where, n in counts.most_common():
+        print(f"  {n:5d}  {where}")
 
 
 def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -186,8 +222,11 @@ def main() -> None:
     ap.add_argument("--trace", default="timeline.json")
     ap.add_argument("--analyze", default="", help="a trace written earlier: analyze it, run nothing")
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--syncs", action="store_true", help="count the request's host syncs by source line instead")
     args = ap.parse_args()
-    analyze(args.analyze or record(args), args.top)
+    trace = args.analyze or record(args)
+    if trace:
+        analyze(trace, args.top)
 
 
 if __name__ == "__main__":

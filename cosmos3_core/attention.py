@@ -81,6 +81,16 @@ def quantize_fp8(x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, to
     return to_fp8(x, fp8_amax(x, valid))
 
 
+def quantize_qkv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor
+) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+    """One layer's FP8 attention inputs: q [rows, heads, d] over its valid `rows`, the gathered k/v [keys, kv_heads, d]
+    over the valid `keys` → ((q8, scale_q), (k8, scale_k), (v8, scale_v)), each `quantize_fp8`'s. Compiled
+    (`compiled=True` below: one graph for every size) it runs as a few fused kernels instead of ~20 eager passes
+    (1.43 ms a layer at Edge's 2 × 12,090 rows on the H200, where FA3's FP8 kernel saves 0.95 ms: 18th session)."""
+    return quantize_fp8(q, rows), quantize_fp8(k, keys), quantize_fp8(v, keys)
+
+
 def fake_quant_fp8(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     """`to_fp8` then back to x's dtype: what FP8 attention's kernel sees, in x's dtype (SDPA's FP8 path)."""
     x8, scale = to_fp8(x, amax)
@@ -234,7 +244,9 @@ class FlashInferAttention:
     bucketable = True
     WORKSPACE_BYTES = 256 << 20
 
-    def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int, fp8: bool = False):
+    def __init__(
+        self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int, fp8: bool = False, compiled: bool = False
+    ):
         import flashinfer  # noqa: F401 - fail at construction, not mid-step
 
         from .caches import cuda_arch, use_flashinfer_aot
@@ -246,6 +258,8 @@ class FlashInferAttention:
         self.aot = use_flashinfer_aot(cuda_arch(major, minor))  # modules built ahead (tools/warm.py): no JIT
         self.backend = flashinfer_backend(major, head_dim)
         self.fp8 = fp8  # the gathered attention on FA3's FP8 kernel (see the module docstring)
+        # `compiled` (the deployment's `compile`): the FP8 quantization fused by torch.compile, bit for bit the eager's
+        self.quantize = torch.compile(quantize_qkv, dynamic=True) if compiled else quantize_qkv
         if fp8 and self.backend != "fa3":
             raise ValueError(
                 f"fp8_attention: FlashInfer's FP8 attention is its fa3 backend's (Hopper, head_dim 64/128/256); this "
@@ -472,18 +486,25 @@ class FlashInferPlan:
             return self.ragged.run(q, k_all, v_all).flatten(-2)  # the buffers: the graph's pool when captured
         rows, keys = self.valid[: self.rows], self.valid[self.rows :]
         # FA3 FP8: per-head scales as run's positional args (scale_q [heads], scale_k/v [kv_heads], fp32)
-        (q8, sq), (k8, sk), (v8, sv) = quantize_fp8(q, rows), quantize_fp8(k_all, keys), quantize_fp8(v_all, keys)
+        (q8, sq), (k8, sk), (v8, sv) = self.attn.quantize(q, k_all, v_all, rows, keys)
         out = torch.empty_like(q)  # run's own default for FP8 input is bf16 whatever the plan's o_data_type
         return self.ragged.run(q8, k8, v8, sq, sk, sv, out=out).flatten(-2)
 
 
 def make_attention(
-    name: str, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int, fp8: bool = False
+    name: str,
+    pool: KVPool,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    fp8: bool = False,
+    compiled: bool = False,
 ) -> Backend:
     """`auto`: FlashInfer on CUDA when it is installed and its kernels build and run here, else SDPA (saying
     why on stderr). `flashinfer` asked for explicitly fails here instead, and so does `auto` with `fp8` on CUDA
     (fp8_attention asks for FA3's FP8 kernel: an SDPA fallback would be slower than bf16, not faster). SDPA with
-    `fp8` (asked for, or `auto` on the CPU) is the fake-quant reference."""
+    `fp8` (asked for, or `auto` on the CPU) is the fake-quant reference. `compiled`: FlashInfer FP8's quantization
+    compiled (`quantize_qkv`)."""
     if name not in BACKENDS:
         raise ValueError(f"attention must be one of {', '.join(BACKENDS)}; got {name!r}")
     on_cuda = pool.k_pages.is_cuda
@@ -492,7 +513,7 @@ def make_attention(
     if not on_cuda:
         raise ValueError("attention: flashinfer needs a CUDA device")
     try:
-        attention = FlashInferAttention(pool, num_heads, num_kv_heads, head_dim, fp8)
+        attention = FlashInferAttention(pool, num_heads, num_kv_heads, head_dim, fp8, compiled)
         attention.check()
         return attention
     except Fp8KernelDefect:

@@ -70,10 +70,9 @@ class DenoiseStep:
     ):
         cfg = model.cfg
         self.model, self.pool, self.kernels = model, pool, kernels
+        heads = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         self.attention = (
-            make_attention(
-                attention, pool, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, fp8_attention
-            )  # fmt: skip
+            make_attention(attention, pool, *heads, fp8_attention, compiled=kernels is not EAGER)
             if isinstance(attention, str)
             else attention  # a backend made by the caller (parallel/ulysses.py: over a head-sharded pool)
         )

@@ -19,6 +19,7 @@ from cosmos3_core.attention import (
     fp8_kernel_check,
     make_attention,
     quantize_fp8,
+    quantize_qkv,
     sdpa,
 )
 from cosmos3_core.deployment import Deployment
@@ -60,6 +61,23 @@ def test_quantize_fp8_scales_per_head_over_the_segment_rows_only():
     assert 1e-3 < err < 4e-2, err  # E4M3 rounding: 3 mantissa bits
     zeros, s0 = quantize_fp8(torch.zeros(4, 2, 8), torch.ones(4, dtype=torch.bool))
     assert torch.equal(zeros.float(), torch.zeros(4, 2, 8)) and bool((s0 > 0).all())  # no division by zero
+
+
+def test_compiled_quantization_equals_the_eager_one_bit_for_bit():
+    """FlashInfer FP8 quantizes through `torch.compile(quantize_qkv, dynamic=True)` when the deployment compiles:
+    one graph for every pack size, and the same E4M3 bytes and scales as eager (a reciprocal multiply for the
+    division, or a reordered amax, would move values across E4M3 rounding boundaries)."""
+    compiled = torch.compile(quantize_qkv, dynamic=True)
+    for rows, keys in ((300, 900), (577, 8256)):  # two sizes: the second must not recompile wrongly
+        g = torch.Generator().manual_seed(rows)
+        q = (torch.randn(rows, 4, 16, generator=g) * torch.linspace(0.5, 3.0, 4)[:, None]).bfloat16()
+        k, v = (torch.randn(keys, 2, 16, generator=g).bfloat16() for _ in range(2))
+        valid_rows, valid_keys = torch.rand(rows, generator=g) > 0.2, torch.rand(keys, generator=g) > 0.3
+        q[~valid_rows] = 1e4  # padding rows: out of range, clamped, and not in the scale
+        for (x8, sx), (y8, sy) in zip(compiled(q, k, v, valid_rows, valid_keys),
+                                      quantize_qkv(q, k, v, valid_rows, valid_keys)):  # fmt: skip
+            assert torch.equal(sx, sy), (rows, keys, sx, sy)
+            assert torch.equal(x8.view(torch.uint8), y8.view(torch.uint8)), (rows, keys)
 
 
 def test_sdpa_fp8_plan_equals_the_hand_written_fake_quant_reference():

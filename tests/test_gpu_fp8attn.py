@@ -314,6 +314,20 @@ def test_fp8_plan_captured_equals_eager():
     assert second < 1e-2, f"replay with a new mix vs eager: rel-L2 {second:.3e} (first mix {first:.3e})"
 
 
+def test_compiled_fp8_quantization_plan_equals_the_eager_one():
+    """`compile: true` quantizes through torch.compile (`FlashInferAttention(compiled=True)`): the plan's output,
+    eager and captured, equals the eager-quantized plan's bit for bit (the same E4M3 inputs into the same kernel)."""
+    pool, segments, rows, q, k, v, real = pack(5)
+    eager = run_plan(FlashInferAttention(pool, HEADS, KV_HEADS, HEAD_DIM, fp8=True), rows, segments, q, k, v, 4, 0)
+    attn = FlashInferAttention(pool, HEADS, KV_HEADS, HEAD_DIM, fp8=True, compiled=True)
+    compiled = run_plan(attn, rows, segments, q, k, v, 4, 0)
+    assert torch.equal(compiled[real], eager[real]), f"rel-L2 {rel_l2(compiled[real].float(), eager[real].float())}"
+    plan = attn.make_plan(rows, 4)
+    plan.update(segments)
+    _, _, out = capture_plan(plan, q, k, v)  # an eager call first, as a step layout runs before it captures
+    assert torch.equal(out[real], eager[real]), f"captured: rel-L2 {rel_l2(out[real].float(), eager[real].float())}"
+
+
 REQUESTS = [
     ("a red fox", {"num_frames": 9, "height": 64, "width": 96, "steps": 4, "seed": 1}),
     ("a blue boat", {"num_frames": 5, "height": 96, "width": 64, "steps": 3, "seed": 2, "guidance_scale": 1.0}),
