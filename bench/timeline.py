@@ -2,7 +2,8 @@
 compiled, graphs, the configured attention; each chunk's decode as the decode stage starts it) under the profiler,
 after a warm one. Per phase it prints the wall time, the GPU's busy time (union of kernel, copy and memset
 intervals), the idle time, the largest idle gaps with the host op that was running when each began and ended, and
-the host calls that waited on the GPU (synchronise, blocking copies), by the op that made them.
+the host calls that waited on the GPU (synchronise, blocking copies), by the op that made them; then the engine's
+ticks by kind (a forward ran / every branch reused the cache / a chunk decoded inside it) with their GPU idle.
 
   python -m bench.timeline --config configs/bench_edge.yaml [--set KEY=YAML] [--params JSON] [--trace OUT.json]
       [--analyze OUT.json] [--syncs]
@@ -80,13 +81,19 @@ def record(args) -> str:
         def cancelled(self) -> bool:
             return False
 
+    ticks: list[int] = []  # per engine tick: the rows its forward ran (0: every branch reused the cache)
+
     def request() -> None:
         with record_function("phase:prefill"):
             pre = gen.prefill.run(p, None)
             sync()
         sink = PhaseSink()
         gen.engine.submit(pre, sink)
-        gen.engine.run_until_idle()
+        ticks.clear()
+        while gen.engine.has_work():
+            with record_function(f"tick {len(ticks)}"):
+                ran = gen.engine.tick()
+            ticks.append(gen.engine.scheduler.stats.rows_last_tick if ran else -1)
         if sink.failure is not None:
             raise RuntimeError(sink.failure)
 
@@ -101,6 +108,8 @@ def record(args) -> str:
     ) as prof:
         request()
     prof.export_chrome_trace(args.trace)
+    with open(args.trace + ".ticks.json", "w") as f:
+        json.dump({"rows": ticks}, f)
     return args.trace
 
 
@@ -212,6 +221,31 @@ def analyze(path: str, top: int) -> None:
     print(f"{'phase':10s} {'wall ms':>9s} {'busy ms':>9s} {'idle ms':>9s}")
     for name, wall, busy in rows:
         print(f"{name:10s} {wall:9.1f} {busy:9.1f} {wall - busy:9.1f}")
+    ticks_by_kind(events, gpu, phases, path)
+
+
+def ticks_by_kind(events: list[dict], gpu: list[tuple[float, float]], phases: list, path: str) -> None:
+    """The engine's ticks by kind — a forward ran, every branch reused the cache (no forward: only small kernels),
+    or a chunk was decoded inside it — with their GPU idle: which steps leave the GPU waiting on the host."""
+    try:
+        with open(path + ".ticks.json") as f:
+            rows = json.load(f)["rows"]
+    except FileNotFoundError:
+        return
+    decodes = [(a, b) for a, b, name in phases if name.startswith("decode")]
+    kinds: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+    for e in events:
+        if e.get("cat") != "user_annotation" or not e["name"].startswith("tick "):
+            continue
+        t0, t1 = e["ts"], e["ts"] + e["dur"]
+        ran = rows[int(e["name"][5:])]
+        kind = "with a decode" if any(a < t1 and b > t0 for a, b in decodes) else "reused" if ran == 0 else "forward"
+        busy = sum(b - a for a, b in merged([(max(a, t0), min(b, t1)) for a, b in gpu if b > t0 and a < t1]))
+        k = kinds[kind]
+        k[0], k[1], k[2] = k[0] + 1, k[1] + (t1 - t0) / 1e3, k[2] + (t1 - t0 - busy) / 1e3
+    print(f"{'ticks':14s} {'n':>4s} {'wall ms':>9s} {'idle ms':>9s} {'idle/tick':>9s}")
+    for kind, (n, wall, idle) in sorted(kinds.items()):
+        print(f"{kind:14s} {n:4d} {wall:9.1f} {idle:9.1f} {idle / n:9.2f}")
 
 
 def main() -> None:
