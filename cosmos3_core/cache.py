@@ -47,6 +47,7 @@ the residual history stay per branch, as diffusers keeps them. Residuals keep th
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -56,28 +57,56 @@ from .requests import SeaCacheParams
 BRANCH_NAMES = ("cond", "uncond")
 
 
-def sea_filter(latents: torch.Tensor, sigma: float, power_exp: float) -> torch.Tensor:
-    """latents [T, H, W, C] → the SEA-filtered latents, same shape and dtype (diffusers' `_apply_sea_filter`).
-
-    Computed in fp32 whatever the input dtype."""
-    dtype = latents.dtype
-    x = latents.contiguous().float()
+def sea_gain(grid: tuple[int, int, int], sigma: float, power_exp: float, device: torch.device) -> torch.Tensor:
+    """The SEA filter's spectral gain over a (T, H, W) latent grid at `sigma`: fp32 [T, H, W, 1], unit mean."""
     dims = (0, 1, 2)
-    spectrum = torch.fft.fftn(x, dim=dims)
     sigma = max(1e-6, min(1.0 - 1e-6, sigma))  # both scales stay > 0 at the schedule's ends
     signal, noise = 1.0 - sigma, sigma
     gain = None
     for axis in dims:
-        freqs = torch.fft.fftfreq(x.shape[axis], device=x.device, dtype=torch.float32)
+        freqs = torch.fft.fftfreq(grid[axis], device=device, dtype=torch.float32)
         clean_power = 1.0 / (freqs.abs().pow(power_exp) + 1e-16)
         axis_gain = signal * clean_power / (signal**2 * clean_power + noise**2 + 1e-16)
-        shape = [1] * x.ndim
+        shape = [1] * 4
         shape[axis] = axis_gain.shape[0]
         gain = axis_gain.reshape(shape) if gain is None else gain * axis_gain.reshape(shape)
     # unit mean over the spectrum, so distances compare across steps (the paper's Eq. 7); chosen on the device,
     # not with diffusers' `if` on the mean (a host sync per request and step): the same values
     mean_gain = gain.mean()
-    gain = torch.where(torch.isfinite(mean_gain) & (mean_gain > 0), gain / mean_gain, gain)
+    return torch.where(torch.isfinite(mean_gain) & (mean_gain > 0), gain / mean_gain, gain)
+
+
+class SeaGains:
+    """`sea_gain`s kept by (grid, sigma, power_exp, device), least recently used dropped past `capacity`: a gain
+    depends on nothing else, so every request, window and step with the same shape and schedule shares it, and a
+    step's filter is an FFT, a product and an inverse FFT (8 kernels instead of 55: each a launch the GPU waits
+    for on a step whose branches all reuse). One per engine (the scheduler's); Edge's largest is 190 KB."""
+
+    def __init__(self, capacity: int = 128):
+        self.capacity = capacity
+        self._gains: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+
+    def get(self, grid: tuple[int, int, int], sigma: float, power_exp: float, device: torch.device) -> torch.Tensor:
+        key = (grid, sigma, power_exp, str(device))
+        gain = self._gains.pop(key, None)
+        if gain is None:
+            gain = sea_gain(grid, sigma, power_exp, device)
+            while len(self._gains) >= self.capacity:
+                self._gains.popitem(last=False)
+        self._gains[key] = gain
+        return gain
+
+
+def sea_filter(latents: torch.Tensor, sigma: float, power_exp: float, gains: SeaGains | None = None) -> torch.Tensor:
+    """latents [T, H, W, C] → the SEA-filtered latents, same shape and dtype (diffusers' `_apply_sea_filter`).
+
+    Computed in fp32 whatever the input dtype; `gains`: where the gain is kept (None: computed here)."""
+    dtype = latents.dtype
+    x = latents.contiguous().float()
+    dims = (0, 1, 2)
+    spectrum = torch.fft.fftn(x, dim=dims)
+    grid = (x.shape[0], x.shape[1], x.shape[2])
+    gain = sea_gain(grid, sigma, power_exp, x.device) if gains is None else gains.get(grid, sigma, power_exp, x.device)
     return torch.fft.ifftn(spectrum * gain, dim=dims).real.to(dtype)
 
 
@@ -98,11 +127,18 @@ class SeaCache:
     after the forward `record` (the full branches' residuals)."""
 
     def __init__(
-        self, params: SeaCacheParams, branches: int, sigmas: list[float], dtype: torch.dtype, gated: bool = True
+        self,
+        params: SeaCacheParams,
+        branches: int,
+        sigmas: list[float],
+        dtype: torch.dtype,
+        gated: bool = True,
+        gains: SeaGains | None = None,
     ):
         """`gated` False: the trajectory has no noisy vision frame (inverse dynamics), hence no indicator: every
-        step runs in full and records nothing, as diffusers' SeaCache fails open there."""
-        self.params, self.sigmas, self.dtype, self.gated = params, sigmas, dtype, gated
+        step runs in full and records nothing, as diffusers' SeaCache fails open there. `gains`: the engine's
+        filter gains (None: each step computes its own)."""
+        self.params, self.sigmas, self.dtype, self.gated, self.gains = params, sigmas, dtype, gated, gains
         self.branches = [_Branch() for _ in range(branches)]
         self.previous: torch.Tensor | None = None  # the last step's indicator [T, H, W, C]
 
@@ -120,7 +156,7 @@ class SeaCache:
         if not self.gated:
             return None
         forced = step < p.retention_steps or step >= len(self.sigmas) - p.cache_end_steps or self.previous is None
-        indicator = sea_filter(latents[0].to(self.dtype).movedim(0, -1), self.sigmas[step], p.power_exp)
+        indicator = sea_filter(latents[0].to(self.dtype).movedim(0, -1), self.sigmas[step], p.power_exp, self.gains)
         distance = None
         if not forced and not all(self._run_limit(b) for b in self.branches):
             prev = self.previous.float()  # type: ignore[union-attr]

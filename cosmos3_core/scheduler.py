@@ -44,7 +44,7 @@ from typing import Any, Protocol
 import torch
 
 from . import faults
-from .cache import SeaCache, host_distances
+from .cache import SeaCache, SeaGains, host_distances
 from .errors import DRAINING
 from .kv_pool import KVPool, PageList
 from .lora_store import LoraRef, LoraStore
@@ -154,6 +154,7 @@ class Scheduler:
         self.sound = sound  # what the checkpoint says about sound; None: it cannot make sound
         self.loras = loras  # the GEN tower's adapters (lora_store.py); None: the deployment serves none
         self.stats = EngineStats()
+        self.sea_gains = SeaGains()  # SeaCache's filter gains, shared by every request of the same shape and schedule
         self.waiting: deque[Job] = deque()
         self.live: list[Job] = []
         self.reserved = 0  # context pages promised to live kv streams and not yet allocated
@@ -364,7 +365,9 @@ class Scheduler:
         if p.cache is not None:  # per window's trajectory; the sigma at each step is what the pipeline gives SeaCache
             sigmas = job.scheduler.sigmas[: len(job.timesteps)].tolist()
             # no noisy frame (inverse dynamics): no indicator, every step in full (diffusers' fail-open)
-            job.cache = SeaCache(p.cache, len(job.branches), sigmas, self.dtype, gated=bool(noisy))
+            job.cache = SeaCache(
+                p.cache, len(job.branches), sigmas, self.dtype, gated=bool(noisy), gains=self.sea_gains
+            )
         job.step = 0
         job.committing = False
 

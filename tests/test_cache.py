@@ -303,14 +303,40 @@ def test_sea_filter_equals_diffusers():
     """The indicator's filter, bit for bit (a 1-frame latent, sigma at and beyond the clamps, other priors)."""
     from diffusers.hooks.sea_cache import _apply_sea_filter
 
-    from cosmos3_core.cache import sea_filter
+    from cosmos3_core.cache import SeaGains, sea_filter
 
     g = torch.Generator().manual_seed(0)
+    gains = SeaGains(capacity=4)  # the engine's kept gains: fewer entries than the cases below, so some are dropped
     for shape in ((3, 4, 6, 8), (1, 2, 2, 16)):
         x = torch.randn(shape, generator=g)
         for sigma in (0.0, 0.3, 0.9999999, 1.0):
             for power in (0.5, 3.0):
-                assert torch.equal(sea_filter(x, sigma, power), _apply_sea_filter(x, sigma, power))
+                theirs = _apply_sea_filter(x, sigma, power)
+                assert torch.equal(sea_filter(x, sigma, power), theirs)
+                for _ in range(2):  # computed into `gains`, then read from it
+                    assert torch.equal(sea_filter(x, sigma, power, gains), theirs)
+                assert len(gains._gains) <= 4
+
+
+def test_a_kept_sea_gain_leaves_the_step_an_fft_a_product_and_an_inverse():
+    """With the engine's `SeaGains`, a step whose shape and sigma were seen runs 8 ops, not 55: on a step whose
+    branches all reuse, each is a kernel launch the GPU waits for (BENCHMARKS.md, 18th session)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from cosmos3_core.cache import SeaGains, sea_filter
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    x, gains = torch.randn(8, 15, 26, 48).bfloat16(), SeaGains()
+    sea_filter(x, 0.7, 2.0, gains)
+    with Count():
+        sea_filter(x, 0.7, 2.0, gains)
+    assert Count.ops <= 8, Count.ops
 
 
 ACTION_CASES = [  # tests.test_action's case tuples: (mode, domain, tier, chunk, input, raw rows, extra)
