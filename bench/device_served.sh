@@ -39,6 +39,8 @@ if [ -n "${FI074:-}" ]; then
   [ -d /tmp/site074/flashinfer ] || { echo "FI074: run bench/device_fi074.sh on this machine first"; exit 3; }
   printf '/tmp/site074\n/tmp/site\n' > /tmp/v/lib/python3.12/site-packages/flashinfer_site.pth
   export FLASHINFER_WORKSPACE_BASE=/tmp/fiws074
+else  # a call after an FI074 one on the same machine gets the pinned 0.6.1 back
+  echo /tmp/site > /tmp/v/lib/python3.12/site-packages/flashinfer_site.pth
 fi
 /tmp/v/bin/python -c "import flashinfer; print('flashinfer', flashinfer.__version__, flashinfer.__file__)"
 runs=("$@"); [ ${#runs[@]} -gt 0 ] || runs=(edge nano_chained)

@@ -314,18 +314,22 @@ def test_fp8_plan_captured_equals_eager():
     assert second < 1e-2, f"replay with a new mix vs eager: rel-L2 {second:.3e} (first mix {first:.3e})"
 
 
-def test_compiled_fp8_quantization_plan_equals_the_eager_one():
+def test_compiled_fp8_quantization_plan_matches_the_eager_one():
     """`compile: true` quantizes through torch.compile (`FlashInferAttention(compiled=True)`): the plan's output,
-    eager and captured, equals the eager-quantized plan's bit for bit (the same E4M3 inputs into the same kernel)."""
+    eager and captured, matches the eager-quantized plan's. Not bit for bit on CUDA (Inductor's reciprocal multiply
+    for / 448 moves a scale by one fp32 unit, and a rare element by one E4M3 step): far inside FP8's own error
+    (~3e-2 here), where a wrong scale or padding in the amax is O(1)."""
     pool, segments, rows, q, k, v, real = pack(5)
     eager = run_plan(FlashInferAttention(pool, HEADS, KV_HEADS, HEAD_DIM, fp8=True), rows, segments, q, k, v, 4, 0)
     attn = FlashInferAttention(pool, HEADS, KV_HEADS, HEAD_DIM, fp8=True, compiled=True)
     compiled = run_plan(attn, rows, segments, q, k, v, 4, 0)
-    assert torch.equal(compiled[real], eager[real]), f"rel-L2 {rel_l2(compiled[real].float(), eager[real].float())}"
+    first = rel_l2(compiled[real].float(), eager[real].float())
+    assert first < 1e-3, f"compiled vs eager quantization: rel-L2 {first:.3e}"
     plan = attn.make_plan(rows, 4)
     plan.update(segments)
     _, _, out = capture_plan(plan, q, k, v)  # an eager call first, as a step layout runs before it captures
-    assert torch.equal(out[real], eager[real]), f"captured: rel-L2 {rel_l2(out[real].float(), eager[real].float())}"
+    second = rel_l2(out[real].float(), eager[real].float())
+    assert second < 1e-3, f"captured: rel-L2 {second:.3e} (eager compiled {first:.3e})"
 
 
 REQUESTS = [
