@@ -114,10 +114,11 @@ def record(args) -> str:
 
 
 def audit_syncs(request) -> None:
-    """`--syncs`: the request again under CUDA's sync debug mode. Every call that makes the host wait for the GPU
-    (a blocking copy either way, `.item()`, `nonzero`, a synchronize) is counted by the Python lines that made it:
-    the innermost frames of this repository, diffusers and flashinfer. Each such wait drains the GPU's queue, and
-    it idles while the host prepares what comes next."""
+    """`--syncs`: the request again under CUDA's sync debug mode. Every call the mode flags (a stream synchronize,
+    a blocking copy either way, `.item()`, `nonzero`) is counted by the Python lines that made it: the innermost
+    frames of this repository, diffusers and flashinfer. A lower bound: `torch.cuda.Event.synchronize`, a device-wide
+    synchronize and syncs inside extensions are not flagged. Each such wait drains the GPU's queue, and it idles
+    while the host prepares what comes next."""
     import traceback
     import warnings
     from collections import Counter
@@ -141,7 +142,7 @@ def audit_syncs(request) -> None:
             request()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    print(f"host syncs in one request: {sum(counts.values())}, by where (innermost first):")
+    print(f"host syncs flagged in one request: {sum(counts.values())}, by where (innermost first):")
     for where, n in counts.most_common():
         print(f"  {n:5d}  {where}")
 
