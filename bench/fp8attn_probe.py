@@ -22,25 +22,14 @@ from cosmos3_core.attention import FlashInferAttention, gather_kv, quantize_fp8,
 from cosmos3_core.kv_pool import KVPool
 from cosmos3_core.rows import Segment
 
+from .attention_probe import timed
+
 SHAPES = {  # rows per branch (aligned to 64 in the pack), text prefix per branch, heads, kv heads
     "edge": dict(rows=12090, text=(274, 199), heads=16, kv_heads=8),
     "nano_ar": dict(rows=3120, text=(274, 199), heads=32, kv_heads=8),  # 8 latent frames of 15 x 26 patches
     "nano_heads_12k": dict(rows=12480, text=(274, 199), heads=32, kv_heads=8),  # the 18th session's first "nano_ar"
 }
 HEAD_DIM, PAGE = 128, 16
-
-
-def timed(fn, iters: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def probe(shape: str) -> dict[str, float]:
