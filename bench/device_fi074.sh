@@ -9,6 +9,7 @@
 #   2. tests/test_gpu_fp8attn.py (the load check and the kernel matrix; FI074_K='' runs the whole file: with
 #      the defect gone, its engine test JIT-builds the bf16 module too) ($OUT/test_fp8attn.txt)
 #   3. bench/fp8attn_fidelity.py: the 1.25x bar on a tiny model, when the load check passes ($OUT/fidelity.*)
+#   4. PROBE=1: bench/fp8attn_probe.py (one attention layer call split; the compiled quantization's rows) ($OUT/probe.*)
 #   REPRO_061=1 first runs the repro against the pinned 0.6.1 too ($OUT/repro061.*), for the bug report's before
 #   device run, carry [.whl/fi074] (+ out/fi074_aot, the FP8 module built ahead without a GPU, when there):
 #     bash bench/device_env.sh && bash bench/device_fi074.sh
@@ -68,4 +69,10 @@ grep -v Warning "$OUT/test_fp8attn.txt" | grep -E "passed|failed|skipped|XFAIL|X
 timeout 240 $PY -m bench.fp8attn_fidelity --json "$OUT/fidelity.json" > "$OUT/fidelity.txt" 2>&1
 echo "fidelity rc=$? ($((SECONDS - t0)) s)"
 grep -v -e Warning -e warn "$OUT/fidelity.txt" | tail -12
+# 4. PROBE=1: one attention layer call split, bf16 / FP8 eager / FP8 compiled quantization (bench/fp8attn_probe.py)
+if [ -n "${PROBE:-}" ]; then
+  timeout 180 $PY -m bench.fp8attn_probe --json "$OUT/probe.json" > "$OUT/probe.txt" 2>&1
+  echo "probe rc=$? ($((SECONDS - t0)) s)"
+  grep -v -e Warning -e warn "$OUT/probe.txt" | tail -30
+fi
 echo "device_fi074: $((SECONDS - t0)) s"

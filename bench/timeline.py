@@ -13,7 +13,8 @@ Phases: `prefill`, then per chunk the engine hands out `denoise k` (until its la
 single-shot request has one of each (the whole video decoded at once). An AR request (`--params '{"window_mode":
 "chained", "num_frames": 45}'`) has one per window; the served path overlaps window k's decode with window k+1's
 denoise, this one runs them in turn, so `prefill` + `denoise 0` + `decode 0` is the time to first chunk without the
-wire and the queues. `--analyze` reads a trace written earlier (no GPU needed). Needs CUDA otherwise.
+wire and the queues. `--syncs` then runs the request once more under CUDA's sync debug mode and lists its host
+syncs by source line. `--analyze` reads a trace written earlier (no GPU needed). Needs CUDA otherwise.
 """
 
 from __future__ import annotations
@@ -98,9 +99,6 @@ def record(args) -> str:
             raise RuntimeError(sink.failure)
 
     request()  # warm: the decoder's compiles, this prompt's layout
-    if args.syncs:
-        audit_syncs(request)
-        return ""
     with profile(
         activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]
         if torch.cuda.is_available()
@@ -110,11 +108,13 @@ def record(args) -> str:
     prof.export_chrome_trace(args.trace)
     with open(args.trace + ".ticks.json", "w") as f:
         json.dump({"rows": ticks}, f)
+    if args.syncs:  # after the profile, on the same loaded deployment (one compile for both)
+        audit_syncs(request)
     return args.trace
 
 
 def audit_syncs(request) -> None:
-    """`--syncs`: the request again under CUDA's sync debug mode. Every call the mode flags (a stream synchronize,
+    """`--syncs`: after the profiled request, once more under CUDA's sync debug mode. Every call the mode flags (a stream synchronize,
     a blocking copy either way, `.item()`, `nonzero`) is counted by the Python lines that made it: the innermost
     frames of this repository, diffusers and flashinfer. A lower bound: `torch.cuda.Event.synchronize`, a device-wide
     synchronize and syncs inside extensions are not flagged. Each such wait drains the GPU's queue, and it idles
@@ -257,7 +257,7 @@ def main() -> None:
     ap.add_argument("--trace", default="timeline.json")
     ap.add_argument("--analyze", default="", help="a trace written earlier: analyze it, run nothing")
     ap.add_argument("--top", type=int, default=12)
-    ap.add_argument("--syncs", action="store_true", help="count the request's host syncs by source line instead")
+    ap.add_argument("--syncs", action="store_true", help="then the request once more, its host syncs by source line")
     args = ap.parse_args()
     trace = args.analyze or record(args)
     if trace:
