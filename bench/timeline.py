@@ -108,7 +108,7 @@ def record(args) -> str:
     prof.export_chrome_trace(args.trace)
     with open(args.trace + ".ticks.json", "w") as f:
         json.dump({"rows": ticks}, f)
-    if args.syncs:  # after the profile, on the same loaded deployment (one compile for both)
+    if args.syncs and torch.cuda.is_available():  # after the profile, on the same deployment (one compile for both)
         audit_syncs(request)
     return args.trace
 
