@@ -192,8 +192,8 @@ class PrefillStage:
 
 
 def warm_decoder(codec: VaeCodec, latent_channel: int) -> None:
-    """Compile the decoder's fused kernels now, not mid-stream: 1 + 4 + 1 latent frames (size-1 dims compile apart
-    from the dynamic ones) at distinct sizes (no duck-sized guards) cover every later size."""
+    """Compile the decoder's fused kernels now, not mid-stream: 1 + 4 + 1 latent frames (a stream's first piece
+    passes its own integer arguments) at distinct sizes (no duck-sized guards) cover every later size."""
     codec.decode(torch.zeros(1, latent_channel, 6, 5, 7))
 
 

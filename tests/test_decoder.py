@@ -12,7 +12,7 @@ import torch
 
 from cosmos3_core.model.checkpoint import Checkpoint
 from cosmos3_core.model.conditioning import StreamDecoder, VaeCodec
-from cosmos3_core.model.wan_decoder import DecoderKernels, WanDecoder
+from cosmos3_core.model.wan_decoder import DecoderKernels, WanDecoder, split_time
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +73,21 @@ def test_compiled_decoder_kernels_equal_eager_on_cpu(vae):
         x = torch.randn(1, vae.config.z_dim, *shape, generator=torch.Generator().manual_seed(4))
         diff = (eager.stream()(x).int() - compiled.stream()(x).int()).abs()
         assert diff.max() <= 1 and diff.float().mean() < 0.01, (shape, diff.max(), diff.float().mean())
+
+
+def test_a_one_frame_piece_runs_the_compiled_kernels_of_a_four_frame_one():
+    """Each compiled kernel's time axis is unbacked: a stream's first piece (one latent frame) and the later ones
+    (four) share a graph. With sizes 0 and 1 specialised (`maybe_mark_dynamic`) the second call here recompiled,
+    and the served warmup loaded 24 graphs instead of 17 (~0.7 s each at startup, BENCHMARKS.md 17th session)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()  # dynamo caches per function: earlier tests' graphs (other channel counts) would count
+    kernels = DecoderKernels.compiled()
+    bias = torch.randn(16)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for t in (1, 4, 2):
+            y = torch.randn(1, t, 3, 5, 16)
+            assert torch.equal(kernels.split_time(y, bias), split_time(y, bias))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled decoder kernels: CUDA")
