@@ -12,7 +12,7 @@ import torch
 
 from cosmos3_core.model.checkpoint import Checkpoint
 from cosmos3_core.model.conditioning import StreamDecoder, VaeCodec
-from cosmos3_core.model.wan_decoder import DecoderKernels, WanDecoder, split_time
+from cosmos3_core.model.wan_decoder import EAGER, DecoderKernels, WanDecoder
 
 
 @pytest.fixture(scope="module")
@@ -76,18 +76,47 @@ def test_compiled_decoder_kernels_equal_eager_on_cpu(vae):
 
 
 def test_a_one_frame_piece_runs_the_compiled_kernels_of_a_four_frame_one():
-    """Each compiled kernel's time axis is unbacked: a stream's first piece (one latent frame) and the later ones
-    (four) share a graph. With sizes 0 and 1 specialised (`maybe_mark_dynamic`) the second call here recompiled,
-    and the served warmup loaded 24 graphs instead of 17 (~0.7 s each at startup, BENCHMARKS.md 17th session)."""
+    """The compiled kernels' time axes are unbacked: a stream's first piece (one latent frame) and the later ones
+    (four, two) share a graph, equal to eager. With sizes 0 and 1 specialised (`maybe_mark_dynamic` alone) each
+    kernel here recompiled at four frames, and the served warmup loaded 24 graphs instead of 17 (~0.7 s each at
+    startup, BENCHMARKS.md 17th session)."""
     import torch._dynamo
 
     torch._dynamo.reset()  # dynamo caches per function: earlier tests' graphs (other channel counts) would count
-    kernels = DecoderKernels.compiled()
-    bias = torch.randn(16)
+    compiled, g = DecoderKernels.compiled(), torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=g)
+
+    cases = {  # kernel → its arguments for a piece of t latent frames
+        "split_time": lambda t: (rand(1, t, 3, 5, 16), rand(16)),
+        "dup_up_add": lambda t: (rand(1, 2 * t, 6, 10, 8), rand(1, t, 3, 5, 16), 2, 0),
+        "phases_to_pixels": lambda t: (rand(t, 4, 6, 32), rand(32)),
+        "to_frames": lambda t: (rand(1, t, 3, 5, 12), rand(12), 2),
+    }
     with torch._dynamo.config.patch(error_on_recompile=True):
-        for t in (1, 4, 2):
-            y = torch.randn(1, t, 3, 5, 16)
-            assert torch.equal(kernels.split_time(y, bias), split_time(y, bias))
+        for name, args in cases.items():
+            for t in (1, 4, 2):
+                a = args(t)
+                assert torch.equal(getattr(compiled, name)(*a), getattr(EAGER, name)(*a)), (name, t)
+
+
+def test_a_torch_that_refuses_an_unbacked_time_axis_compiles_it_backed(monkeypatch, capfd):
+    """Where tracing a time axis unbacked fails (a torch without the support), the kernel says so once on stderr and
+    compiles as before (size 1 specialised): the decoder still loads and decodes, only with more graphs."""
+    import torch._dynamo
+
+    def refuse(t, dim):
+        raise RuntimeError("unbacked symbols are not supported here")
+
+    monkeypatch.setattr(torch._dynamo.decorators, "mark_unbacked", refuse)
+    torch._dynamo.reset()
+    compiled = DecoderKernels.compiled()
+    for t in (1, 4):
+        y, bias = torch.randn(1, t, 3, 5, 16), torch.randn(16)
+        assert torch.equal(compiled.split_time(y, bias), EAGER.split_time(y, bias))
+    err = capfd.readouterr().err
+    assert err.count("split_time compiles with its time axis backed") == 1, err
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled decoder kernels: CUDA")

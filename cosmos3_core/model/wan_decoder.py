@@ -25,6 +25,7 @@ symbolic channels the kernels ran at a fraction of the memory bandwidth).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -127,23 +128,43 @@ class DecoderKernels:
 
     @classmethod
     def compiled(cls) -> DecoderKernels:
-        def c(fn: Callable) -> Callable:
+        def c(fn: Callable, time: tuple[tuple[int, int], ...] = ()) -> Callable:
             static = torch.compile(fn, dynamic=False)  # one graph per channel count (and per int argument)
+            unbacked = list(time)  # emptied when this torch cannot compile them unbacked: then backed, as before
+
+            def marked(args: list, time: list[tuple[int, int]]) -> list:
+                """Fresh views of the tensor arguments (the marks are theirs), every axis but the channels dynamic
+                (backed: sizes 0 and 1 still specialise), the `time` axes unbacked: 1 on a stream's first piece,
+                which then shares the later pieces' graph (24 → 17 graphs at warmup)."""
+                out = [a.contiguous().view(a.shape) if isinstance(a, torch.Tensor) else a for a in args]  # one layout
+                for a in out:
+                    if isinstance(a, torch.Tensor):
+                        for dim in range(a.dim() - 1):
+                            torch._dynamo.maybe_mark_dynamic(a, dim)
+                for i, dim in time:
+                    torch._dynamo.decorators.mark_unbacked(out[i], dim)
+                return out
 
             def run(*args):
-                args = [a.contiguous() if isinstance(a, torch.Tensor) else a for a in args]  # one layout, one graph
-                for a in args:
-                    if isinstance(a, torch.Tensor):
-                        # unbacked: no specialisation on sizes 0 and 1, so a stream's one-latent-frame first
-                        # piece runs the graphs of the later pieces (24 → 17 graphs to load at startup, ~0.7 s each)
-                        for dim in range(a.dim() - 1):
-                            torch._dynamo.decorators.mark_unbacked(a, dim)
-                return static(*args)
+                if unbacked:
+                    try:
+                        return static(*marked(list(args), unbacked))
+                    except Exception as e:  # noqa: BLE001 - a torch that cannot trace these axes unbacked
+                        print(f"cosmos3: the decoder's {fn.__name__} compiles with its time axis backed here "
+                              f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})",
+                              file=sys.stderr)  # fmt: skip
+                        unbacked.clear()
+                return static(*marked(list(args), []))
 
             return run
 
-        fns = (norm_silu_cat, rms_norm, add_bias, split_time, dup_up_add, phases_to_pixels, to_frames)
-        return cls(*(c(fn) for fn in fns))
+        return cls(
+            c(norm_silu_cat), c(rms_norm), c(add_bias),  # rows [T·H·W, C]: never 1
+            c(split_time, time=((0, 1),)),
+            c(dup_up_add, time=((0, 1), (1, 1))),
+            c(phases_to_pixels, time=((0, 0),)),  # [B·T, h+1, w+1, 4C]
+            c(to_frames, time=((0, 1),)),
+        )  # fmt: skip
 
 
 EAGER = DecoderKernels()
