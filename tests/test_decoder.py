@@ -82,7 +82,6 @@ def test_a_one_frame_piece_runs_the_compiled_kernels_of_a_four_frame_one():
     startup, BENCHMARKS.md 17th session)."""
     import torch._dynamo
 
-    torch._dynamo.reset()  # dynamo caches per function: earlier tests' graphs (other channel counts) would count
     compiled, g = DecoderKernels.compiled(), torch.Generator().manual_seed(0)
 
     def rand(*shape: int) -> torch.Tensor:
@@ -91,14 +90,17 @@ def test_a_one_frame_piece_runs_the_compiled_kernels_of_a_four_frame_one():
     cases = {  # kernel → its arguments for a piece of t latent frames
         "split_time": lambda t: (rand(1, t, 3, 5, 16), rand(16)),
         "dup_up_add": lambda t: (rand(1, 2 * t, 6, 10, 8), rand(1, t, 3, 5, 16), 2, 0),
+        "dup_up_add ": lambda t: (rand(1, t, 6, 10, 8), rand(1, t, 3, 5, 16), 1, 0),  # a spatial-only block
         "phases_to_pixels": lambda t: (rand(t, 4, 6, 32), rand(32)),
         "to_frames": lambda t: (rand(1, t, 3, 5, 12), rand(12), 2),
     }
     with torch._dynamo.config.patch(error_on_recompile=True):
         for name, args in cases.items():
+            torch._dynamo.reset()  # each case from no graph: its integer arguments make a graph of their own
             for t in (1, 4, 2):
                 a = args(t)
-                assert torch.equal(getattr(compiled, name)(*a), getattr(EAGER, name)(*a)), (name, t)
+                kernel = name.strip()
+                assert torch.equal(getattr(compiled, kernel)(*a), getattr(EAGER, kernel)(*a)), (name, t)
 
 
 def test_a_torch_that_refuses_an_unbacked_time_axis_compiles_it_backed(monkeypatch, capfd):

@@ -19,8 +19,9 @@ cuDNN, unfused norms) around 40 % convolutions. Here:
   rounding depends on its input's length, and one frame per call decodes any chunking of a stream bit for bit
   alike (the CPU tests compare served pieces with offline whole videos exactly).
 `DecoderKernels.compiled()` fuses the elementwise functions with torch.compile: every axis but the channels is
-dynamic (unbacked: a size of 1 shares the graph); channels stay static, so loads vectorise along them and the norms reduce over a known length (with
-symbolic channels the kernels ran at a fraction of the memory bandwidth).
+dynamic, and a time axis unbacked (a stream's first piece of one latent frame shares the later pieces' graph);
+channels stay static, so loads vectorise along them and the norms reduce over a known length (with symbolic channels
+the kernels ran at a fraction of the memory bandwidth).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 
 def norm_silu_cat(x: torch.Tensor, bias: torch.Tensor | None, weight: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
@@ -132,7 +134,7 @@ class DecoderKernels:
             static = torch.compile(fn, dynamic=False)  # one graph per channel count (and per int argument)
             unbacked = list(time)  # emptied when this torch cannot compile them unbacked: then backed, as before
 
-            def marked(args: list, time: list[tuple[int, int]]) -> list:
+            def marked(args: list, time: tuple[tuple[int, int], ...]) -> list:
                 """Fresh views of the tensor arguments (the marks are theirs), every axis but the channels dynamic
                 (backed: sizes 0 and 1 still specialise), the `time` axes unbacked: 1 on a stream's first piece,
                 which then shares the later pieces' graph (24 → 17 graphs at warmup)."""
@@ -145,21 +147,31 @@ class DecoderKernels:
                     torch._dynamo.decorators.mark_unbacked(out[i], dim)
                 return out
 
+            def refused(e: Exception) -> None:
+                unbacked.clear()
+                print(f"cosmos3: the decoder's {fn.__name__} compiles with its time axis backed here "
+                      f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})",
+                      file=sys.stderr)  # fmt: skip
+
             def run(*args):
-                if unbacked:
+                axes = tuple(unbacked)  # read once: a refusal on another thread empties it
+                if axes:
                     try:
-                        return static(*marked(list(args), unbacked))
-                    except Exception as e:  # noqa: BLE001 - a torch that cannot trace these axes unbacked
-                        print(f"cosmos3: the decoder's {fn.__name__} compiles with its time axis backed here "
-                              f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})",
-                              file=sys.stderr)  # fmt: skip
-                        unbacked.clear()
-                return static(*marked(list(args), []))
+                        inputs = marked(list(args), axes)
+                    except Exception as e:  # noqa: BLE001 - a torch without (or refusing) unbacked marks
+                        refused(e)
+                    else:
+                        try:
+                            return static(*inputs)
+                        except (torch._dynamo.exc.TorchDynamoException, GuardOnDataDependentSymNode) as e:
+                            refused(e)  # tracing or compiling them unbacked failed; an error of the run propagates
+                            return static(*marked(list(args), ()))
+                return static(*marked(list(args), ()))
 
             return run
 
         return cls(
-            c(norm_silu_cat), c(rms_norm), c(add_bias),  # rows [T·H·W, C]: never 1
+            c(norm_silu_cat), c(rms_norm), c(add_bias),  # rows [T·H·W, C]: 1 only at a 1×1 latent grid
             c(split_time, time=((0, 1),)),
             c(dup_up_add, time=((0, 1), (1, 1))),
             c(phases_to_pixels, time=((0, 0),)),  # [B·T, h+1, w+1, 4C]
