@@ -6,7 +6,7 @@ the host calls that waited on the GPU (synchronise, blocking copies), by the op 
 ticks by kind (a forward ran / every branch reused the cache / a chunk decoded inside it) with their GPU idle.
 
   python -m bench.timeline --config configs/bench_edge.yaml [--set KEY=YAML] [--params JSON] [--trace OUT.json]
-      [--analyze OUT.json] [--syncs]
+      [--analyze OUT.json] [--syncs] [--concurrency N]
 
 Phases: `prefill`, then per chunk the engine hands out `denoise k` (until its latents are final) and `decode k`
 (the latents to the host, as they cross the wire, then the decode stage's `start_chunk` to uint8 frames). A
@@ -14,7 +14,9 @@ single-shot request has one of each (the whole video decoded at once). An AR req
 "chained", "num_frames": 45}'`) has one per window; the served path overlaps window k's decode with window k+1's
 denoise, this one runs them in turn, so `prefill` + `denoise 0` + `decode 0` is the time to first chunk without the
 wire and the queues. `--syncs` then runs the request once more under CUDA's sync debug mode and lists its host
-syncs by source line. `--analyze` reads a trace written earlier (no GPU needed). Needs CUDA otherwise.
+syncs by source line. `--concurrency N` submits N requests together (seeds apart), their phases named `r0 …`
+beside a `phase:all`; each chunk's decode runs inside the tick that finished it, so the others wait on it (the server
+decodes on its own instance). `--analyze` reads a trace written earlier (no GPU needed). Needs CUDA otherwise.
 """
 
 from __future__ import annotations
@@ -45,25 +47,30 @@ def record(args) -> str:
 
     overrides = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.set)}
     gen = Generator(Deployment.load(args.config, **overrides))
-    p = gen.prefill.validate(PROMPT, json.loads(args.params), None)
+    params = json.loads(args.params)
+    # --concurrency N: N requests, seeds apart, submitted together (packed as the engine packs them served)
+    requests = [
+        gen.prefill.validate(PROMPT, {**params, "seed": params.get("seed", 0) + i}, None) for i in range(args.concurrency)
+    ]
 
     class PhaseSink:
-        """The engine's sink for the request: each chunk's latents decoded as soon as they are final."""
+        """The engine's sink for one request: each chunk's latents decoded as soon as they are final (in the tick
+        that finished them: at concurrency > 1 the other requests wait, where the server decodes beside them)."""
 
-        def __init__(self) -> None:
-            self.k, self.failure = 0, None
-            self.phase = record_function("phase:denoise 0")
+        def __init__(self, name: str) -> None:
+            self.name, self.k, self.failure = name, 0, None
+            self.phase = record_function(f"phase:{self.name}denoise 0")
             self.phase.__enter__()
 
         def decode(self, latents, last: bool) -> None:
             sync()
             self.phase.__exit__(None, None, None)
-            with record_function(f"phase:decode {self.k}"):
+            with record_function(f"phase:{self.name}decode {self.k}"):
                 gen.decode.start_chunk("timeline", latents.float().cpu(), last)()
                 sync()
             self.k += 1
             if not last:
-                self.phase = record_function(f"phase:denoise {self.k}")
+                self.phase = record_function(f"phase:{self.name}denoise {self.k}")
                 self.phase.__enter__()
 
         def progress(self, step: int, steps: int, window: int, windows: int) -> None:
@@ -85,18 +92,24 @@ def record(args) -> str:
     ticks: list[int] = []  # per engine tick: the rows its forward ran (0: every branch reused the cache)
 
     def request() -> None:
-        with record_function("phase:prefill"):
-            pre = gen.prefill.run(p, None)
-            sync()
-        sink = PhaseSink()
-        gen.engine.submit(pre, sink)
-        ticks.clear()
-        while gen.engine.has_work():
-            with record_function(f"tick {len(ticks)}"):
-                ran = gen.engine.tick()
-            ticks.append(gen.engine.scheduler.stats.rows_last_tick if ran else -1)
-        if sink.failure is not None:
-            raise RuntimeError(sink.failure)
+        names = [f"r{i} " if len(requests) > 1 else "" for i in range(len(requests))]
+        with record_function("phase:all"):
+            pres = []
+            for name, p in zip(names, requests):
+                with record_function(f"phase:{name}prefill"):
+                    pres.append(gen.prefill.run(p, None))
+                    sync()
+            sinks = [PhaseSink(name) for name in names]
+            for pre, sink in zip(pres, sinks):
+                gen.engine.submit(pre, sink)
+            ticks.clear()
+            while gen.engine.has_work():
+                with record_function(f"tick {len(ticks)}"):
+                    ran = gen.engine.tick()
+                ticks.append(gen.engine.scheduler.stats.rows_last_tick if ran else -1)
+        failures = [s.failure for s in sinks if s.failure is not None]
+        if failures:
+            raise RuntimeError(failures[0])
 
     request()  # warm: the decoder's compiles, this prompt's layout
     with profile(
@@ -219,9 +232,9 @@ def analyze(path: str, top: int) -> None:
         for (call, caller), durs in sorted(waits.items(), key=lambda kv: -sum(kv[1]))[:top]:
             print(f"  host wait {sum(durs) / 1e3:7.2f} ms in {len(durs):4d} x {call} from {caller}")
         rows.append((name, (t1 - t0) / 1e3, busy_us / 1e3))
-    print(f"{'phase':10s} {'wall ms':>9s} {'busy ms':>9s} {'idle ms':>9s}")
+    print(f"{'phase':14s} {'wall ms':>9s} {'busy ms':>9s} {'idle ms':>9s}")
     for name, wall, busy in rows:
-        print(f"{name:10s} {wall:9.1f} {busy:9.1f} {wall - busy:9.1f}")
+        print(f"{name:14s} {wall:9.1f} {busy:9.1f} {wall - busy:9.1f}")
     ticks_by_kind(events, gpu, phases, path)
 
 
@@ -233,7 +246,7 @@ def ticks_by_kind(events: list[dict], gpu: list[tuple[float, float]], phases: li
             rows = json.load(f)["rows"]
     except FileNotFoundError:
         return
-    decodes = [(a, b) for a, b, name in phases if name.startswith("decode")]
+    decodes = [(a, b) for a, b, name in phases if name.split()[-2:-1] == ["decode"]]
     kinds: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
     for e in events:
         if e.get("cat") != "user_annotation" or not e["name"].startswith("tick "):
@@ -258,6 +271,7 @@ def main() -> None:
     ap.add_argument("--analyze", default="", help="a trace written earlier: analyze it, run nothing")
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--syncs", action="store_true", help="then the request once more, its host syncs by source line")
+    ap.add_argument("--concurrency", type=int, default=1, help="requests submitted together (seeds apart)")
     args = ap.parse_args()
     trace = args.analyze or record(args)
     if trace:
