@@ -50,7 +50,8 @@ def record(args) -> str:
     params = json.loads(args.params)
     # --concurrency N: N requests, seeds apart, submitted together (packed as the engine packs them served)
     requests = [
-        gen.prefill.validate(PROMPT, {**params, "seed": params.get("seed", 0) + i}, None) for i in range(args.concurrency)
+        gen.prefill.validate(PROMPT, {**params, "seed": params.get("seed", 0) + i}, None)
+        for i in range(args.concurrency)
     ]
 
     class PhaseSink:
