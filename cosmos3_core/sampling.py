@@ -23,8 +23,8 @@ class Scheduler(UniPCMultistepScheduler):
     sigmas' device: on CUDA each is a kernel launch, and the solve reads its error flag back (a sync). Here the same
     ops, in the same order and dtype, run on `host_sigmas` (the CPU copy `set_timesteps` leaves), and only the ops
     on the latents reach the device, ~30 a step: the same values on the CPU bit for bit, on CUDA within an fp32 unit
-    of the coefficients (CUDA's and the CPU's log/expm1 may round apart). The updates cover every prediction type
-    (`solver_p` runs diffusers' own); the model output's conversion is flow's x0 here, diffusers' for the rest."""
+    of the coefficients (CUDA's and the CPU's log/expm1 may round apart). Configurations this does not cover
+    (`solver_p`, thresholding, prediction types but flow) run diffusers' own methods."""
 
     host_sigmas: torch.Tensor
 
@@ -32,9 +32,13 @@ class Scheduler(UniPCMultistepScheduler):
         super().set_timesteps(*args, **kwargs)
         self.host_sigmas = self.sigmas.cpu()  # diffusers leaves them on the CPU; make_scheduler moves `sigmas`
 
+    def _own(self) -> bool:
+        c = self.config
+        return (self.solver_p is None and not c.thresholding and c.solver_type in ("bh1", "bh2")
+                and (c.prediction_type == "flow_prediction") == self.predict_x0)  # fmt: skip
+
     def convert_model_output(self, model_output: torch.Tensor, *args: Any, sample: torch.Tensor = None, **kwargs: Any):
-        flow_x0 = self.predict_x0 and self.config.prediction_type == "flow_prediction" and not self.config.thresholding
-        if args or kwargs or not flow_x0:
+        if args or kwargs or not self._own():
             return super().convert_model_output(model_output, *args, sample=sample, **kwargs)
         return sample - self.host_sigmas[self.step_index] * model_output  # flow: x0 = x - sigma * v
 
@@ -75,7 +79,7 @@ class Scheduler(UniPCMultistepScheduler):
     def multistep_uni_p_bh_update(
         self, model_output: torch.Tensor, *args: Any, sample: torch.Tensor = None, order: int = None, **kwargs: Any
     ) -> torch.Tensor:
-        if args or kwargs or self.solver_p is not None:
+        if args or kwargs or not self._own():
             return super().multistep_uni_p_bh_update(model_output, *args, sample=sample, order=order, **kwargs)
         i = self.step_index
         terms = self._host_terms(i + 1, i, [i - k for k in range(1, order)], order)
@@ -94,7 +98,7 @@ class Scheduler(UniPCMultistepScheduler):
         order: int = None,
         **kwargs: Any,
     ) -> torch.Tensor:
-        if args or kwargs or self.solver_p is not None:
+        if args or kwargs or not self._own():
             return super().multistep_uni_c_bh_update(
                 this_model_output, *args, last_sample=last_sample, this_sample=this_sample, order=order, **kwargs
             )
