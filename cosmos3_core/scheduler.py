@@ -363,7 +363,7 @@ class Scheduler:
         job.timesteps = job.scheduler.timesteps.tolist()
         job.cache, job.reuse = None, ()
         if p.cache is not None:  # per window's trajectory; the sigma at each step is what the pipeline gives SeaCache
-            sigmas = job.scheduler.host_sigmas[: len(job.timesteps)].tolist()
+            sigmas = job.scheduler.sigmas[: len(job.timesteps)].tolist()
             # no noisy frame (inverse dynamics): no indicator, every step in full (diffusers' fail-open)
             job.cache = SeaCache(
                 p.cache, len(job.branches), sigmas, self.dtype, gated=bool(noisy), gains=self.sea_gains
