@@ -28,7 +28,7 @@
 #   `KERNELS_IN=out/kernels_in bash bench/device_coldstart.sh carried` ([.whl/pytriton]: out/kernels_in stays there)
 set -uo pipefail
 [ -x /tmp/v/bin/python ] || { echo "no /tmp/v: run bench/device_env.sh first on this machine"; exit 3; }
-[ -d .whl/pytriton ] && ! /tmp/v/bin/python -c "import pytriton" 2>/dev/null && /tmp/v/bin/python -m pip install -q --no-index --no-deps .whl/pytriton/*.whl
+[ -d .whl/pytriton ] && ! /tmp/v/bin/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('pytriton') is None)" && /tmp/v/bin/python -m pip install -q --no-index --no-deps .whl/pytriton/*.whl
 unset FLASHINFER_WORKSPACE_BASE TORCHINDUCTOR_CACHE_DIR TRITON_CACHE_DIR FLASHINFER_CUDA_ARCH_LIST
 export COSMOS3_CACHE=/tmp/coldstart
 CONFIG=configs/bench_edge.yaml
@@ -41,7 +41,7 @@ fresh() {  # an empty cache (and torch.compile's default folder), then the check
   fi
 }
 serve() {  # a new server on the cache: startup (launch → ready) and one request
-  /tmp/v/bin/python -c "import pytriton" 2>/dev/null || { echo "no pytriton in /tmp/v: carry .whl/pytriton"; exit 3; }
+  /tmp/v/bin/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('pytriton') is None)" || { echo "no pytriton in /tmp/v: carry .whl/pytriton"; exit 3; }
   timeout 400 /tmp/v/bin/python -m bench.served --config $CONFIG --c1 1 --c4 0 --inprocess 0 --diffusers 0 \
     --json $OUT/coldstart_$1.json > $OUT/coldstart_$1.txt 2>&1
   grep -e "server startup" -e "^c1" -e Error $OUT/coldstart_$1.txt | tail -4

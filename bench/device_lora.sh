@@ -13,7 +13,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out_lora}
 mkdir -p "$OUT"
 [ -x /tmp/v/bin/python ] || { echo "no /tmp/v: run bench/device_env.sh first on this machine"; exit 3; }
-/tmp/v/bin/python -c "import pytriton" 2>/dev/null || \
+/tmp/v/bin/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('pytriton') is None)" || \
   /tmp/v/bin/python -m pip install -q --no-index --no-deps .whl/pytriton/*.whl 2>&1 | grep -v -e "already exists" -e WARNING | tail -3
 /tmp/v/bin/python -c "import sys, peft; sys.exit(tuple(map(int, peft.__version__.split('.')[:2])) < (0, 17))" 2>/dev/null || \
   { [ -d .whl/lora ] && /tmp/v/bin/python -m pip install -q --no-index --no-deps .whl/lora/*.whl 2>&1 | tail -2; }

@@ -7,7 +7,7 @@
 # markdown goes into BENCHMARKS.md's "GPU matrix" by hand from those lines.
 set -uo pipefail
 [ -x /tmp/v/bin/python ] || { echo "no /tmp/v: run bench/device_env.sh first on this machine"; exit 3; }
-/tmp/v/bin/python -c "import pytriton" 2>/dev/null || \
+/tmp/v/bin/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('pytriton') is None)" || \
   /tmp/v/bin/python -m pip install -q --no-index --no-deps .whl/pytriton/*.whl 2>&1 | grep -v -e "already exists" -e WARNING | tail -3
 export COSMOS3_CACHE=/tmp/c3cache FLASHINFER_WORKSPACE_BASE=/tmp/fiws PYTHONUNBUFFERED=1
 cells=("$@"); [ ${#cells[@]} -gt 0 ] || cells=(edge:bf16 edge:fp8 nano:bf16 nano:fp8)
