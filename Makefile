@@ -66,9 +66,9 @@ fuzz: setup
 	$(PY) -m bench.fuzz --config $(or $(FUZZ_CONFIG),configs/fuzz.yaml) --n $(or $(N),1000)
 
 bench: setup
-	$(PY) -m bench.served --config $(or $(BENCH_CONFIG),configs/bench_edge.yaml) --json out/bench_served.json --md BENCHMARKS.md
-	$(PY) -m bench.served --config configs/bench_nano_ar.yaml --c1 0 --c4 0 --ar 1 --json out/bench_nano_ar.json --md BENCHMARKS.md
-	$(PY) -m bench.inprocess --preset edge --compile --variants sdpa flashinfer+graphs --json out/bench_inprocess.json --md BENCHMARKS.md
+	$(PY) -m bench.served --config $(or $(BENCH_CONFIG),configs/bench_edge.yaml) --json out/bench_served.json --md out/bench_rows.md
+	$(PY) -m bench.served --config configs/bench_nano_ar.yaml --c1 0 --c4 0 --ar 1 --json out/bench_nano_ar.json --md out/bench_rows.md
+	$(PY) -m bench.inprocess --preset edge --compile --variants sdpa flashinfer+graphs --json out/bench_inprocess.json --md out/bench_rows.md
 
 # build the deployment's kernels (FlashInfer's modules, torch.compile's graphs) into $$COSMOS3_CACHE/kernels before
 # serving, on the GPU it will serve on. warm-kernels: FlashInfer's modules only, no GPU needed (nvcc, flashinfer
@@ -88,9 +88,7 @@ parity: setup
 # wheels the H200 lacks, for the device tool's carry (each folder under 64 MiB): parity = diffusers + flashinfer,
 # env = the Triton stub's numpy<2 + tritonclient, pytriton = the bundled tritonserver (bench/device_*.sh),
 # fp8 = ModelOpt and what its import needs beyond the image's (diffusers' FP8: parity --fp8-reference diffusers)
-# (not regex: the image has a newer one, which its transformers requires; an older one carried in broke the import),
-# fi074 = FlashInfer 0.7.4 less the CUDA sources its prefill modules never read (97 → 54 MiB: bench/slim_wheel.py;
-# bench/device_fi074.sh; `import flashinfer` and its fa3 prefill need none of its new requirements: checked on the CPU)
+# (not regex: the image has a newer one, which its transformers requires; an older one carried in broke the import)
 WHEEL_PLATFORMS = --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 	$(foreach v,manylinux_2_35 manylinux_2_28 manylinux_2_27 manylinux_2_24 manylinux_2_17 manylinux2014,--platform $(v)_x86_64)
 device-wheels:
@@ -101,9 +99,6 @@ device-wheels:
 	pip download -q $(WHEEL_PLATFORMS) -d .whl/fp8 nvidia-modelopt==0.47.0 pulp==3.3.2 omegaconf==2.4.0 \
 		nvidia-ml-py==13.615.71 pydantic==2.11.9 pydantic-core==2.33.2 annotated-types==0.7.0 \
 		typing-inspection==0.4.1 rich==14.1.0 markdown-it-py==4.0.0 mdurl==0.1.2 pygments==2.19.2
-	pip download -q $(WHEEL_PLATFORMS) -d .whl/fi074-full flashinfer-python==0.7.4
-	$(PY) -m bench.slim_wheel .whl/fi074-full/flashinfer_python-0.7.4-py3-none-any.whl .whl/fi074 \
-		--drop-subfolders flashinfer/data/csrc
 	bash bench/perf_analyzer/fetch.sh .whl/perf_analyzer
 
 # the real Cosmos guardrail (cosmos_guardrail 0.3.2, random weights at real sizes) in served requests on the CPU

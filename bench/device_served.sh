@@ -32,11 +32,13 @@ set -uo pipefail
 [ -x /tmp/v/bin/python ] || { echo "no /tmp/v: run bench/device_env.sh first on this machine"; exit 3; }
 /tmp/v/bin/python -m pip install -q --no-index --no-deps .whl/pytriton/*.whl 2>&1 | grep -v -e "already exists" -e WARNING | tail -3
 export COSMOS3_CACHE=/tmp/c3cache FLASHINFER_WORKSPACE_BASE=/tmp/fiws
-# FI074=1: FlashInfer 0.7.4 (installed into /tmp/site074 by bench/device_fi074.sh on this machine) ahead of /tmp/site's
-# 0.6.1 for every process of this call, the servers' stubs included (they ignore PYTHONPATH: the venv's .pth), with
-# its own JIT cache (/tmp/fiws074, where device_fi074.sh's repro built the FP8 module)
+# FI074=1: FlashInfer 0.7.4 (the carried .whl/fi074 wheel, installed into /tmp/site074 once; fp8_attention needs it:
+# on the pinned 0.6.1 the load refuses it) ahead of /tmp/site's 0.6.1 for every process of this call, the servers'
+# stubs included (they ignore PYTHONPATH: the venv's .pth), with its own JIT cache (/tmp/fiws074)
 if [ -n "${FI074:-}" ]; then
-  [ -d /tmp/site074/flashinfer ] || { echo "FI074: run bench/device_fi074.sh on this machine first"; exit 3; }
+  [ -d /tmp/site074/flashinfer ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site074 \
+    .whl/fi074/*.whl 2>&1 | grep -v -e WARNING -e "already exists" | tail -2
+  [ -d /tmp/site074/flashinfer ] || { echo "FI074: carry .whl/fi074 (flashinfer-python 0.7.4)"; exit 3; }
   printf '/tmp/site074\n/tmp/site\n' > /tmp/v/lib/python3.12/site-packages/flashinfer_site.pth
   export FLASHINFER_WORKSPACE_BASE=/tmp/fiws074
 else  # a call after an FI074 one on the same machine gets the pinned 0.6.1 back
