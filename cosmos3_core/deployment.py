@@ -11,7 +11,9 @@ from typing import Any
 import torch
 import yaml
 
+from . import memory
 from .lora_store import LoraSettings
+from .memory import MemoryPlan
 from .model.checkpoint import Checkpoint
 from .model.fp8 import validate_precision
 from .model.provision import resolve_checkpoint
@@ -55,6 +57,16 @@ def _check_lora(raw: dict[str, Any], parallel: ParallelConfig, where: str) -> No
         raise ValueError(f"{where}: lora_dir: adapters need a single-GPU denoise (parallel cfg and ulysses must be 1)")
 
 
+def _check_memory_keys(raw: dict[str, Any], where: str) -> None:
+    util = raw.get("gpu_memory_utilization", 0.9)
+    if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
+        raise ValueError(f"{where}: gpu_memory_utilization: a share of the card in (0, 1]; got {util!r}")
+    for key, least in (("pool_pages", 1), ("max_step_rows", 64)):
+        value = raw.get(key, "auto")
+        if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+            raise ValueError(f"{where}: {key}: an integer ≥ {least}, or auto; got {value!r}")
+
+
 @dataclass(frozen=True)
 class Deployment:
     checkpoint: str = ""  # empty: the tiny checkpoint (model/provision.py); rendered deployments hold the path
@@ -66,8 +78,15 @@ class Deployment:
     # FP8 step policy overrides, the checkpoint schema's fields: first_steps, last_steps (W8A16 windows, in steps),
     # overlap, reasoner (a16 | native); unset fields keep the checkpoint's policy, else the official 3 + 3
     fp8_policy: dict[str, Any] = field(default_factory=dict)
-    pool_pages: int = 256
+    # K/V pool pages; auto: what the card leaves after the memory plan's other entries (memory.py), up to max_queue
+    # requests' text and an AR stream's context
+    pool_pages: int | str = 256
     page_size: int = 16
+    # the share of the card the server's processes may use together (vLLM's name): the memory plan must fit it, or
+    # the server refuses to load, saying what to change (memory.py, `make plan`)
+    gpu_memory_utilization: float = 0.9
+    # packed rows a denoise step may hold (requests wait for room); auto: the largest request the limits admit
+    max_step_rows: int | str = "auto"
     max_queue: int = 16
     decode_chunk_frames: int = 4  # latent frames per streamed piece (decode + transfer overlap); 0: whole windows
     # torch.compile the GEN layer stack and (on CUDA) the VAE decoder's fused kernels; dynamic shapes
@@ -128,6 +147,14 @@ class Deployment:
             return torch.bfloat16 if self.torch_device.startswith("cuda") else torch.float32
         return DTYPES[self.dtype]
 
+    def planned(self, ckpt: Checkpoint, card: int | None = None) -> tuple[Deployment, MemoryPlan]:
+        """This deployment with `pool_pages` and `max_step_rows` resolved by its memory plan on this machine's card
+        (`card` bytes: another's), and the plan. On CUDA, `PlanError` when the plan does not fit the card."""
+        card = memory.card_bytes() if card is None and self.torch_device.startswith("cuda") else (card or 0)
+        p = memory.plan(self, ckpt.root, ckpt.config, card)
+        memory.check(p)
+        return replace(self, pool_pages=p.pool_pages, max_step_rows=p.max_step_rows), p
+
     def open_checkpoint(self) -> Checkpoint:
         """The deployment's checkpoint (generated on first use when it is the tiny or a `random:` one), with its
         precision."""
@@ -158,6 +185,7 @@ class Deployment:
             raise ValueError(f"{path}: graph_buckets: ascending positive multiples of 64 rows; got {buckets}")
         if not isinstance(raw.get("max_captures", 0), int) or raw.get("max_captures", 0) < 0:
             raise ValueError(f"{path}: max_captures: a count ≥ 0; got {raw['max_captures']}")
+        _check_memory_keys(raw, str(path))
         raw["safety_checker"] = check_spec(raw.get("safety_checker", NONE), str(path))
         if not isinstance(raw.get("safety_checker_optional", False), bool):
             raise ValueError(f"{path}: safety_checker_optional: true or false; got {raw['safety_checker_optional']!r}")

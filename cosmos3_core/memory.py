@@ -1,0 +1,348 @@
+"""The GPU memory plan of a deployment: what each part holds at its peak, sized before anything loads.
+
+A server is four processes on one card: the prefill stub (UND tower, VAE encoder, text guardrail), the denoise stub
+(GEN tower, K/V pool, the packed step's activations), the decode stub (VAE decoder, video guardrail) and
+tritonserver itself. `plan(deployment, config, card_bytes)` sizes every entry from the checkpoint's configs (weights
+are counted on the meta device, exactly) and the deployment's limits (the largest request they admit), resolves
+`pool_pages: auto`, `max_step_rows: auto` and the decoder's latent frames per call, and says whether the whole fits
+`gpu_memory_utilization` of the card. The server refuses to load on a plan that does not fit, with `verdict()`'s
+text (what to change, by how much); `python -m cosmos3_core.tools.plan` prints the same without a GPU.
+
+Activations are per-row (step) and per-pixel (decoder, encoder) coefficients measured on an H100 with the allocator's
+own peak (`bench/memory.py` checks them); weights, K/V pages and Triton's CUDA pool are counted exactly.
+Sizes are bytes; the table prints GiB.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .model.config import ModelConfig
+from .model.fp8 import layer_linear_names
+from .model.layers import GEN, UND, Cosmos3Transformer
+from .windows import latent_frames
+
+GIB = 1 << 30
+MIB = 1 << 20
+PARTS = ("prefill", "denoise", "vae_decode", "server")
+
+# a CUDA context with torch, cuBLAS and cuDNN loaded, per process (nvidia-smi's share of a stub that allocated nothing)
+CONTEXT_BYTES = 600 * MIB
+SERVER_BYTES = 1100 * MIB  # tritonserver's own process (its context, the Python backend's shm bookkeeping)
+# the denoise step's live activations per packed row, in units of hidden × dtype bytes, with the MLP run in row chunks
+# (towers.gen_forward: the residual stream, its normed copy, q/k/v, the attention output, the gathered own K/V)
+STEP_HIDDEN_COPIES = 6.0
+MLP_CHUNK_ROWS = 32768  # rows per MLP chunk of a packed step (model/towers.py): its [rows, intermediate] tensors
+MLP_INTERMEDIATE_COPIES = 3.0  # gate, up and their product, live at once within a chunk
+STEP_FIXED_BYTES = 512 * MIB  # FlashInfer's workspace, cuBLAS's, the step's small buffers
+# the VAE decoder's workspace per call: bytes per output pixel of one latent frame (4 video frames), and the share
+# each further latent frame in the same call adds (a call's activations grow less than linearly with its frames)
+DECODE_BYTES_PER_PIXEL = 7200
+DECODE_EXTRA_FRAME = 0.42
+MAX_DECODE_FRAMES_PER_CALL = 4
+ENCODE_BYTES_PER_PIXEL = 6000  # the VAE encoder's workspace per input pixel of one call (a frame, or 4 of a clip)
+# NVIDIA's guardrail (safety.py, cosmos_guardrail 0.3.2): Qwen3Guard-0.6B in prefill; RetinaFace and the video
+# content filter in decode (3.9 GiB for both, measured on the H200)
+GUARDRAIL_BYTES = {"prefill": 1600 * MIB, "vae_decode": 2300 * MIB}
+EXTRA_ROWS_PER_BRANCH = 512  # sound and action tokens beside a branch's video tokens (189 frames of sound: 197)
+
+
+class PlanError(ValueError):
+    """A deployment whose plan does not fit its card; the text says what to change."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    part: str  # prefill | denoise | vae_decode | server
+    kind: str  # weights | kv_pool | step | workspace | guardrail | context | cuda_pool
+    bytes: int
+    what: str  # how it was sized
+
+
+@dataclass(frozen=True)
+class Largest:
+    """The largest request the limits admit, as the denoise step and the decoder see it."""
+
+    height: int
+    width: int
+    frames: int
+    rows: int  # packed rows of its step, both CFG branches
+    decode_pixels: int  # output pixels of one frame at the largest area the limits admit
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    entries: tuple[Entry, ...]
+    card_bytes: int  # the card's memory; 0: unknown (the verdict then only sizes)
+    utilization: float
+    pool_pages: int
+    max_step_rows: int
+    largest: Largest
+    decode_budget: int  # the decoder's workspace bound: frames per call are chosen under it
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def part_bytes(self, part: str) -> int:
+        return sum(e.bytes for e in self.entries if e.part == part)
+
+    @property
+    def total(self) -> int:
+        return sum(e.bytes for e in self.entries)
+
+    @property
+    def budget(self) -> int:
+        return int(self.card_bytes * self.utilization)
+
+    @property
+    def fits(self) -> bool:
+        return not self.card_bytes or self.total <= self.budget
+
+    def decode_frames_per_call(self, height: int, width: int) -> int:
+        return decode_frames_per_call(height * width, self.decode_budget)
+
+    def table(self) -> str:
+        lines = [f"{'part':<11} {'kind':<10} {'GiB':>7}  what"]
+        for part in PARTS:
+            for e in (e for e in self.entries if e.part == part):
+                lines.append(f"{e.part:<11} {e.kind:<10} {e.bytes / GIB:7.2f}  {e.what}")
+            lines.append(f"{part:<11} {'(part)':<10} {self.part_bytes(part) / GIB:7.2f}")
+        card = f" of {self.budget / GIB:.1f} GiB ({self.utilization:g} × {self.card_bytes / GIB:.1f} GiB card)"
+        lines.append(f"{'total':<22} {self.total / GIB:7.2f}{card if self.card_bytes else ''}")
+        return "\n".join(lines + list(self.notes))
+
+    def verdict(self) -> str:
+        """One paragraph: fits, or by how much it does not and what would make it fit."""
+        if not self.card_bytes:
+            return f"plan: {self.total / GIB:.1f} GiB in all (no card given: pass --gpu-memory GIB to check a fit)"
+        if self.fits:
+            return f"plan: {self.total / GIB:.1f} GiB fits {self.budget / GIB:.1f} GiB (gpu_memory_utilization)"
+        over = self.total - self.budget
+        return (
+            f"memory plan: {self.total / GIB:.1f} GiB does not fit {self.budget / GIB:.1f} GiB "
+            f"({self.utilization:g} of the {self.card_bytes / GIB:.1f} GiB card): {over / GIB:.1f} GiB over. "
+            + " ".join(self._advice(over))
+        )
+
+    def _advice(self, over: int) -> list[str]:
+        out = []
+        weights = sum(e.bytes for e in self.entries if e.kind == "weights" and e.part in ("prefill", "denoise"))
+        if "fp8" not in " ".join(e.what for e in self.entries if e.kind == "weights"):
+            out.append(f"precision: fp8 saves ~{weights * 0.45 / GIB:.1f} GiB of weights.")
+        pool = next(e for e in self.entries if e.kind == "kv_pool")
+        page = pool.bytes // max(self.pool_pages, 1)
+        if pool.bytes and page:
+            fewer = min(self.pool_pages, -(-over // page))
+            out.append(
+                f"pool_pages: {self.pool_pages - fewer} (from {self.pool_pages}) saves {fewer * page / GIB:.1f} GiB."
+            )
+        step = next(e for e in self.entries if e.kind == "step")
+        if step.bytes:
+            rows_cut = -(-over * self.max_step_rows // step.bytes)
+            out.append(
+                f"limits (max_pixel_frames, max_height, max_width, max_frames) or max_step_rows: the step holds "
+                f"{self.max_step_rows} rows ({step.bytes / GIB:.1f} GiB); {max(self.max_step_rows - rows_cut, 0)} "
+                "rows would fit."
+            )
+        out.append("Or gpu_memory_utilization, if the card holds nothing else.")
+        return out
+
+
+def decode_workspace(pixels: int, frames: int) -> int:
+    """The decoder's activations for one call over `frames` latent frames of `pixels` output pixels each."""
+    return int(DECODE_BYTES_PER_PIXEL * pixels * (1 + DECODE_EXTRA_FRAME * (frames - 1)))
+
+
+def decode_frames_per_call(pixels: int, budget: int) -> int:
+    """The most latent frames (≤ 4) a decoder call may take at `pixels` output pixels a frame within `budget`
+    (at least 1). Larger calls keep every kernel busy; 1 is diffusers' own pattern, bit-identical."""
+    for frames in range(MAX_DECODE_FRAMES_PER_CALL, 1, -1):
+        if decode_workspace(pixels, frames) <= budget:
+            return frames
+    return 1
+
+
+def largest_request(cfg: ModelConfig, limits, ar: bool = False) -> Largest:  # limits: requests.Limits
+    """The admitted request with the most packed rows (both CFG branches): over every frame count the limits allow
+    (per window for AR), the largest area `max_pixel_frames` leaves, within max_height × max_width."""
+    align, t = cfg.pixel_alignment, cfg.vae_scale_temporal
+    max_area = limits.max_height * limits.max_width
+    best: Largest | None = None
+    for frames in range(1, limits.max_frames + 1, t):
+        area = min(max_area, limits.max_pixel_frames // frames)
+        # the tallest frame of that area (rows and columns multiples of the alignment)
+        height = min(limits.max_height, (area // align // align) // max(1, limits.max_width // align) * align)
+        height = max(align, height if height else align)
+        width = min(limits.max_width, area // height // align * align)
+        if width < align:
+            continue
+        gh, gw = cfg.token_grid(height, width)
+        rows = 2 * (gh * gw * latent_frames(frames, t) + EXTRA_ROWS_PER_BRANCH)
+        if best is None or rows > best.rows:
+            best = Largest(height, width, frames, rows, 0)
+    assert best is not None
+    pixels = max(
+        min(max_area, limits.max_pixel_frames // f) for f in range(1, limits.max_frames + 1, t)
+    )  # a 1-frame request's area
+    return Largest(best.height, best.width, best.frames, best.rows, pixels)
+
+
+def tower_bytes(cfg: ModelConfig, tower: str, dtype: torch.dtype, fp8: bool) -> int:
+    """Bytes of one tower's parameters as loaded (counted on the meta device): 16-bit, or FP8 layer linears (one
+    byte a weight and their scales) beside 16-bit rest; the timestep embedder in fp32."""
+    with torch.device("meta"):
+        model = Cosmos3Transformer(cfg, frozenset({tower}))
+    fp8_weights = {n + ".weight" for n in layer_linear_names(model)} if fp8 else set()
+    total = 0
+    for name, p in model.named_parameters():
+        if name in fp8_weights:
+            total += p.numel() + p.shape[0] * 4  # E4M3, and an fp32 scale per output channel
+        elif name.startswith("time_embedder."):
+            total += p.numel() * 4
+        else:
+            total += p.numel() * dtype.itemsize
+    return total
+
+
+def vae_bytes(vae_config: dict, dtype: torch.dtype) -> tuple[int, int]:
+    """(encoder, decoder) parameter bytes of the checkpoint's AutoencoderKLWan (quant_conv with the encoder,
+    post_quant_conv with the decoder)."""
+    from diffusers import AutoencoderKLWan
+
+    with torch.device("meta"):
+        vae = AutoencoderKLWan.from_config(vae_config)
+
+    def size(*modules: torch.nn.Module) -> int:
+        return sum(p.numel() for m in modules for p in m.parameters()) * dtype.itemsize
+
+    return size(vae.encoder, vae.quant_conv), size(vae.decoder, vae.post_quant_conv)
+
+
+def page_bytes(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
+    """One K/V pool page: K and V of `page_size` tokens in every layer (kv_pool.py)."""
+    return 2 * cfg.num_hidden_layers * page_size * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
+
+
+def step_bytes(cfg: ModelConfig, rows: int, dtype: torch.dtype) -> int:
+    """The packed step's activations at `rows` rows (gen_forward with its MLP in chunks of MLP_CHUNK_ROWS)."""
+    hidden = STEP_HIDDEN_COPIES * rows * cfg.hidden_size
+    mlp = MLP_INTERMEDIATE_COPIES * min(rows, MLP_CHUNK_ROWS) * cfg.intermediate_size
+    return int((hidden + mlp) * dtype.itemsize) + STEP_FIXED_BYTES
+
+
+def card_bytes() -> int:
+    """This machine's first visible GPU's memory; 0 without one."""
+    return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 0
+
+
+def plan(d, ckpt_root: str | Path, cfg: ModelConfig, card: int) -> MemoryPlan:  # d: deployment.Deployment
+    """The deployment's plan on a card of `card` bytes (0: size only, no verdict)."""
+    dtype = d.torch_dtype
+    fp8 = d.precision == "fp8" or _fp8_checkpoint(Path(ckpt_root))
+    label = f"{'fp8 linears, ' if fp8 else ''}{str(dtype).removeprefix('torch.')}"
+    vae_config = json.loads((Path(ckpt_root) / "vae" / "config.json").read_text())
+    encoder, decoder = vae_bytes(vae_config, dtype)
+    largest = largest_request(cfg, d.limits)
+    entries: list[Entry] = []
+    notes: list[str] = []
+    n_pre, n_den = d.instances["prefill"], d.instances["denoise"]
+
+    def add(part: str, kind: str, nbytes: int, what: str, times: int = 1) -> None:
+        entries.append(Entry(part, kind, int(nbytes) * times, what + (f" × {times} instances" if times > 1 else "")))
+
+    guard = d.safety_checker != "none"
+    # prefill: the UND tower, the VAE's encoder, the text guardrail; activations: its largest conditioning encode
+    add("prefill", "weights", tower_bytes(cfg, UND, dtype, fp8) + encoder, f"UND tower ({label}) + VAE encoder", n_pre)
+    enc_pixels = min(d.limits.max_height * d.limits.max_width, d.limits.max_image_pixels)
+    add("prefill", "workspace", ENCODE_BYTES_PER_PIXEL * enc_pixels + 256 * MIB,
+        f"VAE encode of a {d.limits.max_height}x{d.limits.max_width} frame, the UND pass", n_pre)  # fmt: skip
+    if guard:
+        add("prefill", "guardrail", GUARDRAIL_BYTES["prefill"], "text guardrail (Qwen3Guard)", n_pre)
+    add("prefill", "context", CONTEXT_BYTES, "CUDA context", n_pre)
+
+    # denoise: the GEN tower, the step at max_step_rows, the K/V pool from what is left
+    rows = largest.rows if d.max_step_rows == "auto" else int(d.max_step_rows)
+    if rows < largest.rows:
+        notes.append(f"max_step_rows {rows} is below the largest admitted request's {largest.rows} rows: "
+                     "such a request is refused at submit")  # fmt: skip
+    add("denoise", "weights", tower_bytes(cfg, GEN, dtype, fp8), f"GEN tower ({label})", n_den)
+    add("denoise", "step", step_bytes(cfg, rows, dtype),
+        f"packed step of {rows} rows (largest admitted: {largest.width}x{largest.height}x{largest.frames}, CFG)", n_den)  # fmt: skip
+    add("denoise", "context", CONTEXT_BYTES, "CUDA context", n_den)
+
+    # decode: the decoder, its workspace at the largest frame (1 latent frame per call there), the video guardrail
+    budget = decode_workspace(largest.decode_pixels, 1)
+    add("vae_decode", "weights", decoder, f"VAE decoder ({str(dtype).removeprefix('torch.')})")
+    add("vae_decode", "workspace", budget,
+        f"decoder call at {largest.decode_pixels / 1e6:.2f} MP a frame, latent frames per call ≤ budget")  # fmt: skip
+    if guard:
+        add("vae_decode", "guardrail", GUARDRAIL_BYTES["vae_decode"], "video guardrail (RetinaFace, content filter)")
+    add("vae_decode", "context", CONTEXT_BYTES, "CUDA context")
+
+    add("server", "context", SERVER_BYTES, "tritonserver")
+    add("server", "cuda_pool", cuda_pool_bytes(d, cfg), "Triton's CUDA memory pool (text K/V between stages)")
+
+    page = page_bytes(cfg, d.page_size, dtype)
+    need_pages = n_den * max_prompt_pages(cfg, d)
+    if d.pool_pages == "auto":
+        left = int(card * d.gpu_memory_utilization) - sum(e.bytes for e in entries) if card else 0
+        pages = max(need_pages, min(left // (page * n_den), max_pool_pages(cfg, d))) if card else max_pool_pages(cfg, d)
+        how = "auto: what the card leaves" if card else "auto (no card: sized for max_queue requests)"
+    else:
+        pages, how = int(d.pool_pages), "pool_pages"
+    if pages < need_pages:
+        notes.append(f"pool_pages {pages} is below one largest prompt's {need_pages} pages")
+    entries.insert(
+        [i for i, e in enumerate(entries) if e.part == "denoise"][-1],
+        Entry("denoise", "kv_pool", page * pages * n_den, f"{pages} pages of {d.page_size} tokens ({how})"),
+    )
+    return MemoryPlan(tuple(entries), card, d.gpu_memory_utilization, pages, rows, largest, budget, tuple(notes))
+
+
+def max_prompt_pages(cfg: ModelConfig, d) -> int:
+    """Pages of one request's text K/V at max_prompt_tokens, both CFG branches: the least a pool must hold."""
+    return 2 * -(-d.limits.max_prompt_tokens // d.page_size)
+
+
+def max_pool_pages(cfg: ModelConfig, d) -> int:
+    """What `pool_pages: auto` never goes beyond: max_queue requests' text at max_prompt_tokens, and one AR kv
+    stream's context (4 windows of the largest step's rows; kv streams hold their context frames' K/V)."""
+    text = d.max_queue * max_prompt_pages(cfg, d)
+    context_rows = 4 * largest_request(cfg, d.limits).rows if d.limits.max_windows > 1 else 0
+    return text + -(-context_rows // d.page_size)
+
+
+def cuda_pool_bytes(d, cfg: ModelConfig) -> int:
+    """Triton's CUDA pool for a deployment that serves on the GPU (0 on the CPU), a multiple of 64 MiB: room for
+    the largest `text_kv` in each prefill instance's output and each denoise instance's input at once, plus 64 MiB
+    for the rest (latents, conditioning). Triton's default, 64 MiB, holds no Nano K/V (70 MB at a 473-token
+    prompt): such a tensor then crosses through host shared memory, slower."""
+    if not d.torch_device.startswith("cuda"):
+        return 0
+    from .wire import max_text_kv_bytes
+
+    kv = max_text_kv_bytes(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, d.torch_dtype.itemsize,
+                           d.limits.max_prompt_tokens)  # fmt: skip
+    need = (d.instances["prefill"] + d.instances["denoise"]) * kv + (64 << 20)
+    return -(-need // (64 << 20)) * (64 << 20)
+
+
+def _fp8_checkpoint(root: Path) -> bool:
+    try:
+        qc = json.loads((root / "transformer" / "config.json").read_text()).get("quantization_config")
+    except (OSError, ValueError):
+        return False
+    return isinstance(qc, dict) and "FP8" in str(qc.get("quant_algo") or qc.get("quant_type") or "").upper()
+
+
+def in_use_bytes() -> int:
+    """This process's share of the card: what torch's allocator reserves, plus a CUDA context."""
+    return torch.cuda.memory_reserved() + CONTEXT_BYTES if torch.cuda.is_available() else 0
+
+
+def check(p: MemoryPlan) -> None:
+    """Raise `PlanError` with the verdict when the plan does not fit."""
+    if not p.fits:
+        raise PlanError(p.verdict() + "\n" + p.table())
