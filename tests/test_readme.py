@@ -8,6 +8,8 @@
 - Every fenced shell command in README.md and docs/*.md is one of those lines or carries a marker comment, on its own
   line or as its block's first line (then it covers the block): `# GPU-only`, `# not run by tests: <why>`, or
   `# run by <file>` where <file> contains the command.
+- docs/requests.md's raw `tritonclient` example runs as written (its `URL` pointed at that server) and streams the
+  progress events, a `done` event and the video.
 """
 
 from __future__ import annotations
@@ -208,3 +210,17 @@ def test_try_every_mode_runs_as_written(tiny_server, tmp_path):
         for proc in running.values():  # a failed line: the others end with it
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.served
+def test_raw_tritonclient_example_runs_as_written(tiny_server):
+    text = (ROOT / "docs" / "requests.md").read_text()
+    m = re.search(r"^## A raw tritonclient stream$.*?^```python\n(.*?)^```", text, re.S | re.M)
+    assert m, "docs/requests.md: a python block under '## A raw tritonclient stream'"
+    code = m.group(1)
+    assert 'URL = "127.0.0.1:8001"' in code
+    code = code.replace('URL = "127.0.0.1:8001"', f"URL = {tiny_server!r}")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "'type': 'progress'" in run.stdout and "'type': 'done'" in run.stdout, run.stdout[-2000:]
+    assert "video (9, 128, 192, 3)" in run.stdout, run.stdout[-2000:]
