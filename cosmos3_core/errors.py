@@ -6,8 +6,8 @@ causes into the same texts. docs/operations.md tables them.
 Pure stdlib: the client, the supervisor and the stubs import it.
 
 A part is one Python model of the ensemble, named without its `cosmos3_` prefix (`denoise` is `cosmos3_denoise`);
-the supervisor marks a dead part in the deployment's cancel dir (`down_mark`, a `CancelMarks` id) until it is loaded
-again, so that the stubs still alive can answer for it.
+the supervisor marks a dead part down in the server's state (triton/state.py) until it is loaded again, so that the
+stubs still alive can answer for it.
 """
 
 from __future__ import annotations
@@ -35,11 +35,6 @@ def part_of(model_or_instance: str) -> str | None:
     """`cosmos3_denoise` or its instance `cosmos3_denoise_0_0` → `denoise`; None for anything else."""
     model = re.sub(r"_\d+_\d+$", "", model_or_instance)
     return model.removeprefix("cosmos3_") if model.startswith("cosmos3_") and model != "cosmos3_" else None
-
-
-def down_mark(part: str) -> str:
-    """The `CancelMarks` id that says `part` is dead or reloading (ids are alphanumeric)."""
-    return "DOWN" + part.replace("_", "")
 
 
 def part_died(part: str) -> str:

@@ -254,7 +254,7 @@ class CosmosVideoBatched:
       `blur_detected_faces`, which would find no box in it and leave it as it is;
     - the frames are pixelated in place and returned (the package returns a copy of the same values);
     - on CUDA it runs on a high-priority stream of its own: a piece's check does not wait behind the next piece's
-      decode, which the decode loop launches meanwhile on the default stream (triton/glue.py's DecodeLoop).
+      decode, which the decode loop launches meanwhile on the default stream (triton/decode.py's DecodeLoop).
     So on the CPU the frames out equal the package's call frame for frame (tests/test_safety_cosmos.py). On a GPU
     they need not: the batched forward's convolution kernels are not the package's one-frame ones, and their TF32
     sums put confidences within ~2e-3 of the package's (1.7e-3 measured on the H200), so a box whose confidence is

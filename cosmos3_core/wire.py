@@ -24,7 +24,7 @@ from .requests import GenerationParams
 if TYPE_CHECKING:  # the client reads events through this module without importing torch
     import torch
 
-EVENT_TYPES = ("progress", "chunk", "done", "error", "accepted")
+EVENT_TYPES = ("progress", "chunk", "done", "error", "accepted", "poll", "end")
 
 
 class ProgressEvent(TypedDict):
@@ -68,7 +68,7 @@ class ChunkEvent(ChunkInfo, total=False):
 
 class ErrorEvent(TypedDict):
     """The engine's end of a failed or cancelled request, sent as data in its FINAL response; the decode step
-    after it, the request's last, turns it into the Triton error the client sees (see triton/cancel.py: why not
+    after it, the request's last, turns it into the Triton error the client sees (triton/lifecycle.py: why not
     an error from the engine's step)."""
 
     type: Literal["error"]
@@ -78,14 +78,22 @@ class ErrorEvent(TypedDict):
 
 class AcceptedEvent(TypedDict):
     """Server-internal, never sent to a client: the denoise model took the request. vae_decode answers nothing for it
-    but holds its step (triton/glue.DecodeLoop), so that a process besides denoise holds every request denoise holds
+    but holds its step (triton/lifecycle.py), so that a process besides denoise holds every request denoise holds
     and can answer for it should denoise die."""
 
     type: Literal["accepted"]
     id: str
 
 
-Event = ProgressEvent | ChunkEvent | ErrorEvent | AcceptedEvent
+class StreamEvent(TypedDict):
+    """Server-internal, never sent to a client: denoise's `poll` (a step that carries a client's cancel to vae_decode
+    while its pieces decode) and `end` (its FINAL, once vae_decode is done with the frames): triton/lifecycle.py."""
+
+    type: Literal["poll", "end"]
+    id: str
+
+
+Event = ProgressEvent | ChunkEvent | ErrorEvent | AcceptedEvent | StreamEvent
 
 
 def encode_event(event: Event) -> str:

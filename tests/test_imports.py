@@ -27,9 +27,9 @@ LAYERS: list[set[str]] = [
     {"scheduler"},
     {"engine"},
     {"generate"},
-    {"triton.__init__", "triton.cancel", "triton.launcher", "triton.glue", "triton.serve", "triton.admission",
-     "triton.door", "triton.front", "triton.outcomes", "tools.warm", "tools.make_lora"},
-    {"triton.adaptors"},
+    {"triton.__init__", "triton.state", "triton.admission", "triton.lifecycle", "triton.launcher", "triton.front",
+     "triton.outcomes", "triton.io", "tools.warm", "tools.make_lora"},
+    {"triton.serve", "triton.door", "triton.prefill", "triton.denoise", "triton.decode"},
 ]  # fmt: skip
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 

@@ -105,6 +105,6 @@ def test_autoscaler_reads_the_engine_queue():
     assert hpa["spec"]["scaleTargetRef"]["name"] == one("Deployment")["metadata"]["name"]
     (metric,) = hpa["spec"]["metrics"]
     name = metric["pods"]["metric"]["name"]
-    assert f'family("{name}",' in (ROOT / "cosmos3_core/triton/glue.py").read_text()  # the gauge's real name
+    assert f'family("{name}",' in (ROOT / "cosmos3_core/triton/denoise.py").read_text()  # the gauge's real name
     rules = yaml.safe_load(one("ConfigMap", "prometheus-adapter-cosmos3")["data"]["config.yaml"])["rules"]
     assert any(rule["name"]["as"] == name and name in rule["seriesQuery"] for rule in rules)

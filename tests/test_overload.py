@@ -18,42 +18,44 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cosmos3_core.triton.admission import DOOR_TTL_S, Ticket, Tickets, tickets_dir
+from cosmos3_core.triton.admission import DOOR_TTL_S, Ticket
+from cosmos3_core.triton.state import ServerState
 
 
 def test_tickets_count_claim_release_expire(tmp_path):
-    tickets = Tickets(tmp_path / "tickets")
-    (a,) = tickets.take(3)
-    b, c = tickets.take(3, 5)  # a batch of 5 arrivals: 2 more fit
+    tickets = ServerState(tmp_path / "state")
+    (a,) = (Ticket(*t) for t in tickets.take(3))
+    b, c = (Ticket(*t) for t in tickets.take(3, 5))  # a batch of 5 arrivals: 2 more fit
     assert tickets.take(3) == [] and tickets.held() == 3
     tickets.release(c.id)
     assert Ticket.decode(a.encode()) == a
     tickets.claim(a.id)  # reached the engine: held until its first event
     tickets.release(b.id)  # failed in prefill
     assert tickets.held() == 1
-    (c,) = tickets.take(2)
+    (c,) = (Ticket(*t) for t in tickets.take(2))
     old = time.time() - DOOR_TTL_S - 1  # c never reached the engine (cancelled between the steps): it expires
-    os.utime(tickets.dir / f"{c.id}.door", (old, old))
+    os.utime(tickets.dir / "tickets" / f"{c.id}.door", (old, old))
     assert tickets.held() == 1
-    os.utime(tickets.dir / f"{a.id}.engine", (old, old))  # an engine ticket never expires: its request always ends
+    # an engine ticket never expires: its request always ends
+    os.utime(tickets.dir / "tickets" / f"{a.id}.engine", (old, old))
     assert tickets.held() == 1
     tickets.claim(c.id)  # an expired one that reaches the engine after all is counted again
     assert tickets.held() == 2
-    (d,) = tickets.take(3)
-    tickets.clear("engine")  # the denoise model starting: a dead incarnation's waiting requests never end
+    (d,) = (Ticket(*t) for t in tickets.take(3))
+    tickets.clear_tickets("engine")  # the denoise model starting: a dead incarnation's waiting requests never end
     assert tickets.held() == 1
-    tickets.clear("door")
+    tickets.clear_tickets("door")
     assert tickets.held() == 0
     tickets.release(d.id)  # a late release of a dropped ticket is harmless
     with pytest.raises(ValueError):
         Ticket.decode("../x 1.0")
 
 
-def _tickets_of(server) -> Tickets:
+def _tickets_of(server) -> ServerState:
     """The ticket directory of the served deployment (its rendered deployment.yaml, beside the repository)."""
     repo = next(a.split("=", 1)[1] for a in server.proc.command if a.startswith("--model-repository="))
     deployment = yaml.safe_load((Path(repo).parent / "deployment.yaml").read_text())
-    return Tickets(tickets_dir(deployment["cancel_dir"]))
+    return ServerState(deployment["state_dir"])
 
 
 @pytest.mark.served

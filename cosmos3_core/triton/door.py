@@ -5,7 +5,7 @@ step first, not read); output `ticket` (BYTES [1, 1], `admission.Ticket`) for pr
 request queued meanwhile (up to the config's max_batch_size) in one round trip. A refusal is a Triton error whose text
 is `errors.OVER_CAPACITY` (or `errors.DRAINING` while the server drains), counted as
 `cosmos3_requests_total{outcome="rejected"}` with this model's labels (outcomes.py; published by a thread of its own
-every 0.2 s). Its execute reads a few marks and counts the tickets once per batch, then touches one file per admitted
+every 0.2 s). Its execute reads the server's state (state.py) and counts the tickets once per batch, then touches one file per admitted
 request: its own Triton queue (bounded by the config's queue policy) holds at most what arrived during one execute, so
 the answer comes within milliseconds of arrival.
 
@@ -23,10 +23,10 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 import yaml
 
-from ..errors import DRAINING, OVER_CAPACITY, down_mark, part_restarting
-from .admission import Tickets, tickets_dir
-from .cancel import CancelMarks
+from ..errors import DRAINING, OVER_CAPACITY, part_restarting
+from .admission import Ticket
 from .outcomes import Outcomes
+from .state import ServerState
 
 
 class AdmitModel:
@@ -37,9 +37,8 @@ class AdmitModel:
         # the rendered deployment (plain YAML: reading it through `Deployment` would import torch)
         deployment = yaml.safe_load(Path(config["parameters"]["deployment"]["string_value"]).read_text())
         self.max_queue = int(deployment["max_queue"])
-        self.marks = CancelMarks(deployment["cancel_dir"])
-        self.tickets = Tickets(tickets_dir(deployment["cancel_dir"]))
-        self.tickets.clear("door")  # those of a dead incarnation; a live request is counted again by the engine
+        self.state = ServerState(deployment["state_dir"])
+        self.state.clear_tickets("door")  # those of a dead incarnation; a live request is counted again by the engine
         # counted in execute, handed to Triton by a thread: a metric update is a round trip to the server, which a
         # refusal must not wait for
         self.outcomes = Outcomes({"model": args["model_name"], "instance": args["model_instance_name"]}, ("rejected",))
@@ -50,7 +49,7 @@ class AdmitModel:
     def execute(self, requests: list[Any]) -> list[Any]:
         """One answer for the whole batch (the arrivals queued during the previous execute), in arrival order."""
         refusal = self._refusal()
-        tickets = [] if refusal else self.tickets.take(self.max_queue, len(requests))
+        tickets = [] if refusal else [Ticket(*t) for t in self.state.take(self.max_queue, len(requests))]
         responses = []
         for i in range(len(requests)):
             if i < len(tickets):
@@ -64,10 +63,10 @@ class AdmitModel:
     def _refusal(self) -> str | None:
         """Why every request now is refused whatever the queue, or None."""
         # a part the supervisor reloads (docs/operations.md): Triton would send the request to its dead instance
-        down = next((p for p in ("prefill", "denoise", "vae_decode") if self.marks.is_marked(down_mark(p))), None)
+        down = next((p for p in self.state.down_parts() if p != "admit"), None)
         if down is not None:
             return part_restarting(down)
-        return DRAINING if self.marks.is_draining() else None
+        return DRAINING if self.state.draining() else None
 
     def _publish(self) -> None:
         while not self._stop.wait(0.2):

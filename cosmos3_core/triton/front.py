@@ -21,15 +21,22 @@ import threading
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from ..errors import part_restarting
+from .state import ServerState
+
 _READY = re.compile(r"/v2/health/ready|/v2/models/[^/]+(?:/versions/[^/]+)?/ready")
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-connection", "host"}
 
 
 class Front:
-    """Why the server is not ready (`set_down(key, text)` / `clear(key)`) and the restart counts, served on
-    `http_port` and `metrics_port` at `address` in front of tritonserver's `backend_http` / `backend_metrics`."""
+    """Why the server is not ready and the restart counts, served on `http_port` and `metrics_port` at `address` in
+    front of tritonserver's `backend_http` / `backend_metrics`. A part down is read from the server's `state` (the
+    supervisor marks it there for the stubs too); the whole server's causes (starting, restarting) are set here
+    (`set_down(key, text)` / `clear(key)`)."""
 
-    def __init__(self, address: str, http_port: int, metrics_port: int, backend_http: int, backend_metrics: int):
+    def __init__(self, address: str, http_port: int, metrics_port: int, backend_http: int, backend_metrics: int,
+                 state: ServerState | None = None):  # fmt: skip
+        self.state = state
         self._down: dict[str, str] = {}  # insertion order: the first cause is the one readiness names
         self.restarts: Counter[str] = Counter()
         self.draining: str | None = None  # set by a signal handler: a plain assignment, no lock
@@ -57,7 +64,10 @@ class Front:
         if self.draining is not None:
             return self.draining
         with self._lock:
-            return next(iter(self._down.values()), None)
+            why = next(iter(self._down.values()), None)
+        if why is None and self.state is not None:
+            why = next((part_restarting(p) for p in self.state.down_parts()), None)
+        return why
 
     def count_restart(self, part: str) -> None:
         with self._lock:

@@ -4,9 +4,12 @@ it ended. docs/metrics.md gives the identity these counters keep and what each o
 Who counts what (each stage under its own `model` label; the server merges the families, same name and kind):
   cosmos3_admit       rejected (over capacity, shutting down)
   cosmos3_prefill     bad_input, failed, rejected (a later stage is down); refused (the text guardrail's)
-  cosmos3_denoise     rejected (queue full, draining), bad_input (what only the engine checks), cancelled, failed
-  cosmos3_vae_decode  completed (the done piece's frames handed to Triton), failed (a piece that did not decode),
-                      cancelled (the client left after the engine's last step, which counted nothing)
+  cosmos3_denoise     rejected (queue full, draining), bad_input (what only the engine checks), cancelled, failed,
+                      refused: a request its engine ended (the reason vae_decode gave it to stop, if any); failed: a
+                      request whose pieces were decoding when vae_decode died
+  cosmos3_vae_decode  a request whose engine part ended with its last piece: completed, cancelled (during the decode),
+                      failed, refused (the video guardrail's); failed or cancelled: a request whose denoise died
+lifecycle.py decides each count.
 
 `count` only bumps a plain counter under a lock: the engine thread counts and never talks to the server. `publish`
 hands the increments to Triton (the engine's metrics thread calls it; prefill and decode right after counting).
@@ -19,21 +22,13 @@ import threading
 
 import triton_python_backend_utils as pb_utils
 
-from .cancel import CancelMarks
-
 NAME = "cosmos3_requests_total"
 DESCRIPTION = "Requests ended, by outcome"  # every stage registers the family with this same text
 OUTCOMES = ("completed", "cancelled", "failed", "rejected", "bad_input", "refused")  # all, as docs/metrics.md
 # what each stage counts (the door counts its own `rejected`, door.py; prefill's guardrail its `refused`)
 AT_PREFILL = ("bad_input", "failed", "rejected")
-AT_DENOISE = ("rejected", "bad_input", "cancelled", "failed")
+AT_DENOISE = ("rejected", "bad_input", "cancelled", "failed", "refused")
 AT_DECODE = ("completed", "cancelled", "failed", "refused")
-
-
-def decode_failures(marks: CancelMarks) -> CancelMarks:
-    """Requests decode has counted `failed` (a piece that did not decode) and marked for the engine to end: the
-    engine, seeing such a mark among its cancel marks, counts nothing."""
-    return CancelMarks(marks.dir / "decode_failed")
 
 
 class Outcomes:

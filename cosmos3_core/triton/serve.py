@@ -7,13 +7,14 @@
 Rendering writes `<workdir>/deployment.yaml` (the effective deployment, checkpoint resolved — the tiny one is
 made here, once, before any stub starts) and `<workdir>/model_repository/` (each `config.pbtxt` filled in
 from the deployment, each `model.py` copied). The server binds loopback unless `--address` says otherwise.
-Each server has its own workdir (its cancel and drain marks live there), held by a lock while it runs.
+Each server has its own workdir (its state folder lives there: state.py), held by a lock while it runs.
 
 Supervision (docs/operations.md): this process owns the HTTP and metrics ports (`front.Front`; tritonserver's
 listen on private loopback ports behind it) and watches tritonserver's Python stubs every 0.1 s. A dead stub's part
-is marked down at once (readiness 503 with the part's text; `errors.down_mark` for the stubs still alive, which
-answer its requests in flight and refuse new ones) and reloaded alone through Triton's model control; a tritonserver
-that exits is restarted whole. SIGINT/SIGTERM drain: readiness 503 from the first moment, requests in flight finish.
+is marked down at once (readiness 503 with the part's text; `ServerState.mark_down` for the stubs still alive, which
+answer its requests in flight and refuse new ones) and reloaded alone through Triton's model control, up to
+RELOAD_ATTEMPTS times, then tritonserver is restarted whole, as it is when it exits. SIGINT/SIGTERM drain at any
+moment (a reload in progress included): readiness 503 from the first moment, requests in flight finish.
 """
 
 from __future__ import annotations
@@ -27,7 +28,10 @@ import signal
 import subprocess
 import sys
 import threading
+import time
+import urllib.request
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from string import Template
 
@@ -38,7 +42,6 @@ from ..deployment import DEFAULT_CONFIG, Deployment
 from ..model.checkpoint import Checkpoint
 from ..model.provision import resolve_checkpoint
 from ..wire import max_text_kv_bytes
-from .cancel import CancelMarks
 from .front import Front
 from .launcher import (
     ServerConfig,
@@ -52,6 +55,7 @@ from .launcher import (
     wait_until_ready,
     worker_pids,
 )
+from .state import ServerState
 
 REPO_TEMPLATE = Path(__file__).resolve().parents[2] / "model_repository"
 MODELS = ("cosmos3", "cosmos3_admit", "cosmos3_prefill", "cosmos3_denoise", "cosmos3_vae_decode")
@@ -64,10 +68,10 @@ def render(deployment: Deployment, workdir: Path) -> tuple[Path, Deployment]:
     deployment = dataclasses.replace(
         deployment,
         checkpoint=str(resolve_checkpoint(deployment.checkpoint).absolute()),
-        # always this workdir's: a shared one would let one server's drain mark stop every other server
-        cancel_dir=str(workdir / "cancelled"),
+        # always this workdir's: a shared one would let one server's drain stop every other server
+        state_dir=str(workdir / "state"),
     )
-    shutil.rmtree(deployment.cancel_dir, ignore_errors=True)  # no stale cancel or drain marks from a previous run
+    ServerState(deployment.state_dir).reset()  # nothing of a previous run's
     dep_path = workdir / "deployment.yaml"
     dep_path.write_text(yaml.safe_dump(dataclasses.asdict(deployment), sort_keys=False))
     gpu = deployment.torch_device.startswith("cuda")
@@ -167,10 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.render_only:
         return 0
     private = [free_port(), free_port()]  # tritonserver's HTTP and metrics, on loopback behind the front
-    front = Front(args.address, ports[1], ports[2], *private)
+    front = Front(args.address, ports[1], ports[2], *private, state=ServerState(deployment.state_dir))
     stopping = threading.Event()
 
-    def stop(*_) -> None:  # readiness answers 503 from this moment (a reload in progress finishes first)
+    def stop(*_) -> None:  # readiness answers 503 from this moment; a reload in progress stops at its next check
         front.drain(errors.DRAINING)
         stopping.set()
 
@@ -186,14 +190,15 @@ def _serve(args, repo: Path, deployment: Deployment, pool: int, ports: list[int]
            stopping: threading.Event) -> int:  # fmt: skip
     """Run tritonserver (`pool`: its CUDA pool, `cuda_pool_bytes`) until asked to stop, healing what dies (module
     docstring) → the exit code."""
-    marks = CancelMarks(deployment.cancel_dir)
+    state = ServerState(deployment.state_dir)
     cpu_only = not deployment.torch_device.startswith("cuda")
     front.set_down("server", errors.STARTING)
     healed: set[str] = set()
 
     def heal_parts(parts: list[str]) -> None:
         healed.update(parts)
-        heal(parts, front, marks, private[0], cfg.admin_token)  # cfg: the running tritonserver's (below)
+        # cfg, proc: the running tritonserver's (below)
+        heal(parts, Reloader(proc, repo, private[0], cfg.admin_token), front, state, stopping)
 
     while not stopping.is_set():
         cfg = ServerConfig(repo, ports[0], *private, args.address, cpu_only, extra=tuple(args.extra),
@@ -211,9 +216,9 @@ def _serve(args, repo: Path, deployment: Deployment, pool: int, ports: list[int]
             file=sys.stderr,
         )
         healed.clear()  # parts healed in this tritonserver's life
-        reason = supervise(proc, stopping, heal_parts)
+        reason = supervise(proc, stopping, heal_parts, state)
         if reason is None:  # asked to stop (readiness said so at once): drain, then stop the server
-            drain(deployment, private[1], "127.0.0.1")
+            drain(state, deployment.drain_timeout_s)
             if not healed & {"denoise", "vae_decode"}:
                 return stop_server(proc)
             # tritonserver still holds the requests of a dead decoupled instance (nothing can end them: see
@@ -225,9 +230,7 @@ def _serve(args, repo: Path, deployment: Deployment, pool: int, ports: list[int]
         front.count_restart("tritonserver")
         print(f"{reason}; restarting tritonserver (its in-flight requests end with errors)", file=sys.stderr)
         stop_server(proc, timeout_s=5)
-        for part in errors.PARTS:  # a part whose reload failed: the new server loads it afresh
-            marks.clear(errors.down_mark(part))
-            front.clear(part)
+        state.reset()  # the new server starts afresh: no part down, no stream, no ticket of the old one
     return 0
 
 
@@ -246,30 +249,21 @@ def lock_workdir(workdir: Path) -> int | None:
     return fd
 
 
-def drain(deployment: Deployment, metrics_port: int, host: str) -> None:
-    """Stop admitting; wait until no request is live or waiting (the engine ends stragglers after its drain
-    timeout). Then tritonserver can stop with nothing in flight."""
-    import re
-    import time
-    import urllib.request
-
-    marks = CancelMarks(deployment.cancel_dir)
-    marks.drain()
-    deadline = time.monotonic() + deployment.drain_timeout_s + 10
-    while time.monotonic() < deadline:
-        time.sleep(0.5)
-        try:
-            text = urllib.request.urlopen(f"http://{host}:{metrics_port}/metrics", timeout=5).read().decode()
-        except OSError:
-            break
-        busy = sum(float(v) for v in re.findall(r"^cosmos3_(?:live_requests|queue_depth)\{[^}]*\} (\S+)$", text, re.M))
-        if busy == 0:
-            time.sleep(1.0)  # let the last responses pass the decode step
-            break
-    marks.undrain()
+def drain(state: ServerState, timeout_s: float) -> None:
+    """Stop admitting; wait until no denoise instance holds a request (the engine ends stragglers after its drain
+    timeout; a request whose pieces still decode is held until its last frames are out). Then tritonserver can stop
+    with nothing in flight."""
+    state.drain()
+    deadline = time.monotonic() + timeout_s + 10
+    while time.monotonic() < deadline and not state.idle():
+        time.sleep(0.2)
+    time.sleep(0.2)  # each held request's last step (vae_decode's answer to its `end`)
+    state.undrain()
 
 
-def supervise(proc: subprocess.Popen, stopping: threading.Event, heal: Callable[[list[str]], None]) -> str | None:
+def supervise(
+    proc: subprocess.Popen, stopping: threading.Event, heal: Callable[[list[str]], None], state: ServerState
+) -> str | None:
     """Wait until asked to stop (→ None) or tritonserver exits or a part cannot be reloaded (→ why). A Python stub
     that dies is not restarted by Triton 2.51 (every later request of its model fails 'Stub process ... is not
     healthy'), and a parallel worker that dies leaves its stub without its group until the next request: either
@@ -287,9 +281,12 @@ def supervise(proc: subprocess.Popen, stopping: threading.Event, heal: Callable[
             workers = worker_pids(stubs)
         dead = {name for pid, name in stubs.items() if not pid_alive(pid)}
         dead |= {f"{stubs[stub]} (a parallel worker)" for pid, stub in workers.items() if not pid_alive(pid)}
-        while dead:
+        while dead and not stopping.is_set():
             parts = sorted({errors.part_of(name.split()[0]) or name for name in dead})
             print(f"died: {', '.join(sorted(dead))}; reloading {', '.join(parts)}", file=sys.stderr)
+            for name in dead:  # a dead engine holds nothing the drain should wait for
+                if errors.part_of(name.split()[0]) == "denoise":
+                    state.set_busy(name.split()[0], False)
             try:
                 heal(parts)
             except Exception as e:  # noqa: BLE001 - whatever failed, a whole restart heals it
@@ -300,17 +297,66 @@ def supervise(proc: subprocess.Popen, stopping: threading.Event, heal: Callable[
     return None
 
 
-def heal(parts: list[str], front: Front, marks: CancelMarks, http_port: int, admin_token: str) -> None:
-    """Mark `parts` down (readiness; the stubs still alive answer for them), reload each, mark them up again."""
+RELOAD_ATTEMPTS = 3  # reloads of a part in a row that fail before tritonserver is restarted whole
+
+
+@dataclass(frozen=True)
+class Reloader:
+    """Reloads one model of a running tritonserver `proc` (its repository `repo`, private HTTP port, admin token)."""
+
+    proc: subprocess.Popen
+    repo: Path
+    http_port: int
+    admin_token: str
+
+    def stubs(self, part: str) -> set[int]:
+        return {pid for pid, name in stub_pids(self.proc).items() if errors.part_of(name) == part}
+
+    def reload(self, part: str, timeout_s: float = 30.0) -> float:
+        """A real reload → seconds it took; raises RuntimeError unless a new stub of `part` runs and Triton says the
+        model is ready. Triton skips an explicit load of a model whose files look unchanged (it kept the instance
+        whose stub died, and answered the load at once): newer files make it start new instances."""
+        model, old = errors.model_of(part), self.stubs(part)
+        now = time.time()
+        for path in (self.repo / model / "1" / "model.py", self.repo / model / "1"):
+            os.utime(path, (now, now))
+        t0 = time.monotonic()
+        load_model(self.http_port, model, self.admin_token)
+        while not (self.stubs(part) - old and _ready(self.http_port, model)):
+            if time.monotonic() - t0 > timeout_s:
+                raise RuntimeError(f"{model} was loaded but no new stub of it answers")
+            time.sleep(0.1)
+        return time.monotonic() - t0
+
+
+def _ready(http_port: int, model: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v2/models/{model}/ready", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def heal(parts: list[str], reloader: Reloader, front: Front, state: ServerState, stopping: threading.Event) -> None:
+    """Mark `parts` down (readiness; the stubs still alive answer for them), reload each until a new stub answers,
+    mark them up again. Raises RuntimeError after RELOAD_ATTEMPTS failed reloads of a part; returns at once, the part
+    still down, when the server is asked to stop."""
     for part in parts:
-        front.set_down(part, errors.part_restarting(part))
-        marks.mark(errors.down_mark(part))
+        state.mark_down(part)
         front.count_restart(part)
     for part in parts:
-        took = load_model(http_port, errors.model_of(part), admin_token)
+        for attempt in range(1, RELOAD_ATTEMPTS + 1):
+            if stopping.is_set():
+                return
+            try:
+                took = reloader.reload(part)
+                break
+            except RuntimeError as e:
+                print(f"{errors.model_of(part)}: reload {attempt} of {RELOAD_ATTEMPTS} failed: {e}", file=sys.stderr)
+        else:
+            raise RuntimeError(f"{errors.model_of(part)} did not come back in {RELOAD_ATTEMPTS} reloads")
         print(f"{errors.model_of(part)} reloaded in {took:.1f}s", file=sys.stderr)
-        marks.clear(errors.down_mark(part))
-        front.clear(part)
+        state.mark_up(part)
 
 
 if __name__ == "__main__":

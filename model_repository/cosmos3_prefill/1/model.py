@@ -1,13 +1,13 @@
 """cosmos3_prefill: validate the request, tokenize, run the understanding tower once, VAE-encode an i2v image, the
 v2v clip's conditioning frames or an action request's anchor frame (inverse dynamics: its clip).
 
-A shim over `cosmos3_core.triton.adaptors.PrefillModel` (why it imports in `initialize`: that module's docstring).
+A shim over `cosmos3_core.triton.prefill.PrefillModel` (imported in `initialize`: see the denoise shim).
 """
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        from cosmos3_core.triton.adaptors import PrefillModel  # here: the auto-complete stub loads this file too
+        from cosmos3_core.triton.prefill import PrefillModel  # here: the auto-complete stub loads this file too
 
         self.model = PrefillModel(args)
 

@@ -1,13 +1,13 @@
 """cosmos3_vae_decode (decoupled, one response per request): latents → uint8 frames; progress events pass through
 with an empty video.
 
-A shim over `cosmos3_core.triton.adaptors.DecodeModel` (why it imports in `initialize`: that module's docstring).
+A shim over `cosmos3_core.triton.decode.DecodeModel` (imported in `initialize`: see the denoise shim).
 """
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        from cosmos3_core.triton.adaptors import DecodeModel  # here: the auto-complete stub loads this file too
+        from cosmos3_core.triton.decode import DecodeModel  # here: the auto-complete stub loads this file too
 
         self.model = DecodeModel(args)
 

@@ -1,0 +1,261 @@
+"""`cosmos3_vae_decode` (decoupled, one instance), its stub process: `DecodeModel` queues each step; `DecodeLoop`
+launches each piece's decode in arrival order and hands it to the responder, which waits for its frames on the host
+and sends them while the next piece decodes. What each step of a stream is answered with, whether its FINAL is held
+back, and which outcome is counted: lifecycle.py (this file only executes it). `DecodeMetrics`: the latency
+histograms measured where frames leave the server.
+
+Only imported inside a Triton Python stub.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import triton_python_backend_utils as pb_utils
+
+from .. import faults
+from ..model.checkpoint import Checkpoint
+from ..requests import RequestError
+from ..stages import DecodeStage
+from ..wire import ChunkEvent, decode_event
+from . import lifecycle
+from .io import (
+    EMPTY_VIDEO,
+    FINAL,
+    Responder,
+    deployment_from_args,
+    error_response,
+    input_array,
+    input_torch,
+    log_exception,
+    video_response,
+)
+from .outcomes import AT_DECODE, Outcomes
+from .state import ServerState
+
+
+def to_decode_s(done: ChunkEvent) -> float:
+    """The engine's done → its decode starting now: the latents' hand-off and the decode loop's queue (earlier
+    pieces). The engine ended it `queue_s + denoise_s` after it reached the denoise model, `prefill_s +
+    to_denoise_s` after arrival (`t0`), so the parts and this add up to the time since arrival."""
+    t = done["timings"]
+    return time.time() - done["t0"] - sum(t.get(k, 0.0) for k in ("prefill_s", "to_denoise_s", "queue_s", "denoise_s"))
+
+
+class DecodeLoop:
+    """vae_decode's threads. `put` (Triton's execute thread) reads each step's event and sees a cancel at once, so
+    that the piece decoding now is the stream's last; the loop thread answers the steps in order as
+    `lifecycle.decode_step` says, holding each stream's latest step; the watcher answers a dead denoise's streams on
+    those held steps within a fraction of a second, whatever piece the loop is decoding."""
+
+    WATCH_S = 0.1
+
+    def __init__(self, stage: DecodeStage, state: ServerState, metrics: DecodeMetrics, device: str):
+        self.stage, self.state, self.metrics, self.device = stage, state, metrics, device
+        # at most 2 pieces launched ahead of the sends: little pinned host memory held
+        self.responder = Responder(device, maxsize=2)
+        self.inbox: queue.Queue = queue.Queue()
+        self.streams: dict[str, lifecycle.DecodeStream] = {}
+        self.held: dict[str, Any] = {}  # stream id → the sender of its latest step, FINAL held back
+        self.lock = threading.Lock()  # streams and held: the three threads
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="cosmos3-decode", daemon=True)
+        self.thread.start()
+        self.watcher = threading.Thread(target=self._watch, name="cosmos3-decode-watch", daemon=True)
+        self.watcher.start()
+
+    def put(self, request: Any) -> None:
+        try:
+            event = decode_event(input_array(request, "event").reshape(-1)[0])
+        except Exception as e:  # noqa: BLE001 - answered by the loop, in order
+            event = {"type": "error", "id": "", "message": log_exception("cosmos3_vae_decode", e)}
+        if request.is_cancelled():  # seen now, not after the pieces queued ahead of this step
+            with self.lock:
+                s = self.streams.get(event["id"])
+                do = lifecycle.decode_cancelled(s) if s is not None else None
+            if do is not None and do.stop:
+                self.state.stop(event["id"], do.stop)
+        self.inbox.put((request, event))
+
+    def _run(self) -> None:
+        while (item := self.inbox.get()) is not None:
+            request, event = item
+            ident, sender = event["id"], request.get_response_sender()
+            with self.lock:
+                if event["type"] == "accepted":
+                    self.streams.setdefault(ident, lifecycle.DecodeStream())
+                s = self.streams.get(ident)
+                do = lifecycle.decode_step(s, event["type"], request.is_cancelled(), event.get("message", ""))
+                previous = self.held.pop(ident, None)
+                if not do.final:
+                    self.held[ident] = sender
+            if previous is not None:
+                self.responder.send(previous, lambda: None, final=True)  # its previous step is done now
+            self._apply(ident, s, do)
+            if do.send == "frames":
+                build = self._launch(request, event, s, do.finish)
+            elif do.send == "error":
+                build = lambda m=do.message: error_response(m)  # noqa: E731
+            else:
+                build = lambda: None  # noqa: E731
+                if do.finish:
+                    self.state.finish(ident)
+            self.responder.send(sender, build, final=do.final)
+
+    def _apply(self, ident: str, s: lifecycle.DecodeStream | None, do: lifecycle.Do) -> None:
+        """The facts and counts of a `Do` (its sends are the caller's)."""
+        if do.stop:
+            self.state.stop(ident, do.stop)
+        if do.count:
+            self.metrics.outcomes.count_now(do.count)
+        if do.forget:
+            with self.lock:
+                self.streams.pop(ident, None)
+            self.stage.drop(ident)
+            self.metrics.forget(ident)
+            self.state.forget(ident)
+
+    def _watch(self) -> None:
+        """A dead denoise: every stream held now was its instance's (vae_decode is never reloaded with them)."""
+        was_down = False
+        while not self._stop.wait(self.WATCH_S):
+            down = self.state.is_down("denoise")
+            if down and not was_down:
+                with self.lock:
+                    held, self.held = self.held, {}
+                    dos = {i: lifecycle.denoise_died(self.streams.get(i) or lifecycle.DecodeStream()) for i in held}
+                for ident, sender in held.items():
+                    do = dos[ident]
+                    try:  # directly: the responder may be waiting seconds for a piece's frames
+                        if do.send == "error":
+                            sender.send(error_response(do.message), flags=FINAL)
+                        else:
+                            sender.send(flags=FINAL)
+                    except Exception as e:  # noqa: BLE001 - the request is already gone
+                        log_exception("cosmos3_vae_decode", e)
+                    self._apply(ident, None, do)
+            was_down = down
+
+    def _launch(
+        self, request: Any, event: ChunkEvent, s: lifecycle.DecodeStream, finish_after: bool
+    ) -> Callable[[], Any]:
+        """Start decoding a piece (a progress event passes through) → the build that sends it."""
+        ident = event["id"]
+        try:
+            latents = input_torch(request, "latents")
+            if not latents.numel():  # a progress event passes through
+                return lambda: video_response(EMPTY_VIDEO, event)
+            if faults.CHECK_FINITE:
+                faults.report_nonfinite("decode input", f"{ident} ({event['type']})", latents=latents)
+            sound = input_torch(request, "sound_latents")
+            # passed through (on the host): FP32 [chunk, D] on an action request's done, else [0, 0]
+            actions = input_torch(request, "actions").cpu().numpy()
+            if event["type"] == "done":
+                event["timings"]["to_decode_s"] = to_decode_s(event)
+            finish = self.stage.launch(event, latents, sound if sound.numel() else None)
+        except Exception as e:  # noqa: BLE001
+            return self._failed(s, ident, e, finish_after)
+
+        def build(_inputs: Any = (request, latents)) -> Any:  # the inputs outlive the GPU work that reads them
+            try:
+                video, out, audio = finish()
+            except Exception as e:  # noqa: BLE001
+                return self._failed(s, ident, e, finish_after)()
+            with self.lock:
+                go = lifecycle.frames_go(s)
+            if finish_after:
+                self.state.finish(ident)
+            if not go:  # cancelled (or an earlier piece failed) while this one decoded
+                return None
+            out["timings"].update(self.metrics.frames_out(out))
+            del out["t0"]
+            return video_response(video, out, audio, actions)
+
+        return build
+
+    def _failed(self, s: lifecycle.DecodeStream, ident: str, e: Exception, finish_after: bool) -> Callable[[], Any]:
+        """A piece that did not decode: the stream ends with its text (lifecycle.decode_failed)."""
+        # the guardrail's refusal (a RequestError) is the client's error as it stands, never an internal one
+        message = str(e) if isinstance(e, RequestError) else log_exception("cosmos3_vae_decode", e)
+        with self.lock:
+            do = lifecycle.decode_failed(s, message, "refused" if isinstance(e, RequestError) else "failed")
+        self._apply(ident, s, do)
+        if finish_after:
+            self.state.finish(ident)
+        return lambda: None
+
+    def close(self, timeout: float) -> None:
+        self._stop.set()
+        self.inbox.put(None)
+        self.thread.join(timeout)
+        for sender in self.held.values():
+            self.responder.send(sender, lambda: None, final=True)
+        self.responder.close(timeout)
+
+
+class DecodeModel:
+    """`cosmos3_vae_decode`'s model.py, as its `TritonPythonModel` calls it: `initialize` builds the decode stage,
+    then its metrics and threads."""
+
+    def __init__(self, args):
+        t0 = time.perf_counter()
+        d, device = deployment_from_args(args)
+        stage = DecodeStage.from_deployment(Checkpoint.open(d.checkpoint), d, device)  # parallel.vae: over a group
+        metrics = DecodeMetrics({"model": args["model_name"], "instance": args["model_instance_name"]})
+        self.loop = DecodeLoop(stage, ServerState(d.state_dir), metrics, device)
+        parts = ", ".join(f"{k} {v:.1f}s" for k, v in stage.startup.items())
+        pb_utils.Logger.log_info(f"cosmos3_vae_decode: ready in {time.perf_counter() - t0:.1f}s ({parts})")
+
+    def execute(self, requests):
+        for request in requests:
+            self.loop.put(request)
+        return None
+
+    def finalize(self):
+        self.loop.close(timeout=30)
+
+
+class DecodeMetrics:
+    """Latency histograms measured where frames leave the server (after decode): time to first chunk (the
+    whole video for single-shot requests), gaps between an AR stream's chunks, end-to-end time."""
+
+    BUCKETS = [0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+
+    def __init__(self, labels: dict[str, str]):
+        H = pb_utils.MetricFamily.HISTOGRAM
+        self._families = [
+            pb_utils.MetricFamily(name=n, description=d, kind=H)
+            for n, d in (
+                ("cosmos3_ttfc_seconds", "Request arrival to its first frames out"),
+                ("cosmos3_chunk_gap_seconds", "Between consecutive chunks of one AR stream"),
+                ("cosmos3_e2e_seconds", "Request arrival to its last frames out"),
+            )
+        ]
+        self.ttfc, self.gap, self.e2e = (f.Metric(labels=labels, buckets=self.BUCKETS) for f in self._families)
+        self.outcomes = Outcomes(labels, AT_DECODE)  # how requests ended here (outcomes.py)
+        self.last_chunk: dict[str, float] = {}  # stream id → when its previous chunk left
+
+    def frames_out(self, event: ChunkEvent) -> dict[str, float]:
+        """Record a chunk/done event leaving; returns the timings to add to it."""
+        now = time.time()
+        prev = self.last_chunk.pop(event["id"], None)
+        timings: dict[str, float] = {}
+        if prev is None:
+            timings["ttfc_s"] = now - event["t0"]
+            self.ttfc.observe(timings["ttfc_s"])
+        else:
+            timings["chunk_gap_s"] = now - prev
+            self.gap.observe(timings["chunk_gap_s"])
+        if event["type"] == "done":
+            timings["server_e2e_s"] = now - event["t0"]
+            self.e2e.observe(timings["server_e2e_s"])
+        else:
+            self.last_chunk[event["id"]] = now
+        return timings
+
+    def forget(self, stream_id: str) -> None:
+        self.last_chunk.pop(stream_id, None)

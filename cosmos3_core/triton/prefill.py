@@ -1,0 +1,105 @@
+"""`cosmos3_prefill`, its stub process: validate the request, tokenize, run the understanding tower once, VAE-encode an
+i2v image, the v2v clip's conditioning frames or an action request's anchor frame (inverse dynamics: its clip); over
+`stages.PrefillStage`. What it sends on is typed in wire.py. `RefusalMetric` counts the text guardrail's refusals.
+
+Only imported inside a Triton Python stub.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import triton_python_backend_utils as pb_utils
+
+from .. import faults
+from ..errors import part_restarting
+from ..requests import RequestError, parse_parameters_json
+from ..safety import Refused
+from ..stages import PrefillStage
+from ..wire import RequestMeta
+from .admission import Ticket
+from .io import deployment_from_args, error_response, input_array, log_exception, output, text_output
+from .outcomes import AT_PREFILL, Outcomes
+from .state import ServerState
+
+
+class RefusalMetric:
+    """Prefill's share of `cosmos3_requests_total`: prompts the guardrail refused (outcome "refused"). The same
+    family (name, description, kind) as the engine's, which the server merges into one."""
+
+    def __init__(self, labels: dict[str, str]):
+        self._family = pb_utils.MetricFamily(
+            name="cosmos3_requests_total", description="Requests ended, by outcome", kind=pb_utils.MetricFamily.COUNTER
+        )
+        self._metric = self._family.Metric(labels={**labels, "outcome": "refused"})
+
+    def refused(self) -> None:
+        self._metric.increment(1)
+
+
+class PrefillModel:
+    """`cosmos3_prefill`'s model.py, as its `TritonPythonModel` calls it."""
+
+    def __init__(self, args):
+        t0 = time.perf_counter()
+        d, device = deployment_from_args(args)
+        self.stage = PrefillStage.from_deployment(d.open_checkpoint(), d, device)  # with its text guardrail
+        self.refusals = RefusalMetric({"model": args["model_name"], "instance": args["model_instance_name"]})
+        self.state = ServerState(d.state_dir)
+        # how requests ended here: one count each, the only one (outcomes.py)
+        self.outcomes = Outcomes({"model": args["model_name"], "instance": args["model_instance_name"]}, AT_PREFILL)
+        pb_utils.Logger.log_info(f"cosmos3_prefill: ready in {time.perf_counter() - t0:.1f}s")  # startup's parts
+
+    def execute(self, requests):
+        return [self._one(r) for r in requests]
+
+    def _one(self, request):
+        raw = input_array(request, "ticket")  # the door's; absent when prefill is called on its own
+        try:
+            ticket = Ticket(uuid.uuid4().hex, time.time()) if raw is None else Ticket.decode(raw.reshape(-1)[0])
+        except (ValueError, IndexError) as e:
+            self.outcomes.count_now("bad_input")
+            return error_response(f"ticket: the door's '<id> <arrival>' ({e})")
+        response = self._run(request, ticket)
+        if response.has_error():  # the request ends here: it no longer waits (admission.py)
+            self.state.release(ticket.id)
+        return response
+
+    def _run(self, request, ticket: Ticket):
+        t_start = time.time()
+        if (why := self._refusal()) is not None:
+            self.outcomes.count_now("rejected")
+            return error_response(why)
+        try:
+            prompt = input_array(request, "prompt")
+            if prompt is None or prompt.size != 1:
+                raise RequestError("prompt", "expected exactly one string")
+            raw_params = input_array(request, "parameters")
+            if raw_params is not None and raw_params.size != 1:
+                raise RequestError("parameters", "expected exactly one JSON string")
+            params = parse_parameters_json(None if raw_params is None else raw_params.reshape(-1)[0])
+            image, video = input_array(request, "image"), input_array(request, "condition_video")
+            raw_actions = input_array(request, "raw_actions")
+            p = self.stage.validate(prompt.reshape(-1)[0], params, image, video, raw_actions)
+            wire = self.stage.run(p, image, video, raw_actions).to_wire()
+            if faults.CHECK_FINITE:
+                faults.report_nonfinite("prefill output", f"{ticket.id} seed {p.seed}", text_kv=wire["text_kv"],
+                                        cond_latent=wire["cond_latent"])  # fmt: skip
+        except Refused as e:  # the guardrail's: counted, and its text names the guardrail, not the prompt
+            self.refusals.refused()
+            return error_response(str(e))
+        except RequestError as e:
+            self.outcomes.count_now("bad_input")
+            return error_response(str(e))
+        except Exception as e:  # noqa: BLE001 - one bad request never takes the instance down
+            self.outcomes.count_now("failed")
+            return error_response(log_exception("cosmos3_prefill", e))
+        meta = RequestMeta(ticket.id, p, ticket.t0, time.time() - t_start)  # t0: arrival at the door
+        outs = [output(name, value) for name, value in wire.items()] + [text_output("request", meta.encode())]
+        return pb_utils.InferenceResponse(output_tensors=outs)
+
+    def _refusal(self) -> str | None:
+        """A new request's refusal while a later part is down: until its reload is done, Triton sends it to the dead
+        instance (the supervisor marks the part: state.py)."""
+        return next((part_restarting(p) for p in ("denoise", "vae_decode") if self.state.is_down(p)), None)

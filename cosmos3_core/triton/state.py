@@ -1,0 +1,165 @@
+"""`ServerState(state_dir)`: every fact that crosses between the processes of one server (the supervisor and the
+Triton stubs of the door, prefill, denoise and vae_decode), and the only code that touches its folder.
+
+The processes share no memory and Triton gives them no channel besides a request's tensors, so each fact is a file
+under `<workdir>/state` (per server: `serve.render` gives each its own and wipes it at start). One method per fact:
+
+| fact | files | written by | read by |
+|---|---|---|---|
+| a stream must stop: `stop(id, why)` "cancelled" (the client left) or a piece that did not decode ("failed", "refused") | `stop/<id>` (why) | vae_decode (it sees the cancel: Triton cancels only the steps it schedules after it) | the denoise engine, between ticks (`stop_reason`) |
+| decode is done with a stream: `finish(id)` | `finished/<id>` | vae_decode (after its last piece, or the stop) | denoise, which then sends the stream's FINAL (`finished`) |
+| a part is dead or reloading: `mark_down` / `mark_up` | `down/<part>` | the supervisor (up only once the new stub answers) | the door and prefill (refuse), denoise and vae_decode (answer the dead part's streams), the front (readiness): `down_parts` |
+| the server drains: `drain` / `undrain` | `DRAINING` | the supervisor (SIGINT / SIGTERM) | the door and the engine (admit nothing new) |
+| an engine is busy: `set_busy(instance, busy)` | `busy/<instance>` | each denoise instance, on change | the supervisor's drain (`idle`) |
+| admission tickets: `take`, `claim`, `release`, `held` | `tickets/<id>.door`, `.engine` | the door (take), prefill (release on its error), denoise (claim, release at the first event) | the door (`held`): admission.py |
+
+A stream's facts are dropped by whoever ends it (`forget`): vae_decode at its last step, denoise when vae_decode died.
+Stream ids and part names are alphanumeric (`_` allowed in part and instance names).
+
+Stdlib only: the supervisor and the door's stub import it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+# A `.door` ticket older than this is a request that never reached the engine (cancelled between two steps).
+# Legitimately a request spends at most max_queue prefills there (well under a minute on any deployment): an expired
+# live one only lets the door admit one more, which the engine's own queue limit still bounds.
+DOOR_TTL_S = 120.0
+
+_NAME = re.compile(r"\w+")
+
+
+def _name(value: str) -> str:
+    if not _NAME.fullmatch(value):
+        raise ValueError(f"a state name must be alphanumeric, got {value!r}")
+    return value
+
+
+class ServerState:
+    def __init__(self, state_dir: str | Path):
+        self.dir = Path(state_dir)
+        for sub in ("stop", "finished", "down", "busy", "tickets"):
+            (self.dir / sub).mkdir(parents=True, exist_ok=True)
+
+    def reset(self) -> None:
+        """A new server: nothing of a previous run's (serve.render, before any stub starts)."""
+        shutil.rmtree(self.dir, ignore_errors=True)
+        self.__init__(self.dir)
+
+    # ---- streams: vae_decode → denoise ----
+    def stop(self, stream: str, why: str) -> None:
+        (self.dir / "stop" / _name(stream)).write_text(why)
+
+    def stop_reason(self, stream: str) -> str | None:
+        try:
+            return (self.dir / "stop" / _name(stream)).read_text() or "cancelled"
+        except FileNotFoundError:
+            return None
+
+    def finish(self, stream: str) -> None:
+        (self.dir / "finished" / _name(stream)).touch()
+
+    def finished(self, stream: str) -> bool:
+        return (self.dir / "finished" / _name(stream)).exists()
+
+    def forget(self, stream: str) -> None:
+        for sub in ("stop", "finished"):
+            (self.dir / sub / _name(stream)).unlink(missing_ok=True)
+
+    # ---- parts: the supervisor → everyone ----
+    def mark_down(self, part: str) -> None:
+        (self.dir / "down" / _name(part)).touch()
+
+    def mark_up(self, part: str) -> None:
+        (self.dir / "down" / _name(part)).unlink(missing_ok=True)
+
+    def down_parts(self) -> list[str]:
+        """The parts down now, in the order they went down."""
+        entries = [(e.stat().st_mtime_ns, e.name) for e in os.scandir(self.dir / "down")]
+        return [name for _, name in sorted(entries)]
+
+    def is_down(self, part: str) -> bool:
+        return (self.dir / "down" / _name(part)).exists()
+
+    # ---- drain: the supervisor → the door and the engine ----
+    def drain(self) -> None:
+        (self.dir / "DRAINING").touch()
+
+    def undrain(self) -> None:
+        (self.dir / "DRAINING").unlink(missing_ok=True)
+
+    def draining(self) -> bool:
+        return (self.dir / "DRAINING").exists()
+
+    # ---- engines: denoise → the supervisor's drain ----
+    def set_busy(self, instance: str, busy: bool) -> None:
+        path = self.dir / "busy" / _name(instance)
+        if busy:
+            path.touch()
+        else:
+            path.unlink(missing_ok=True)
+
+    def idle(self) -> bool:
+        """No denoise instance holds a request (waiting, denoised, or its pieces still decoding)."""
+        return not any(os.scandir(self.dir / "busy"))
+
+    # ---- admission tickets (admission.py): door, prefill, denoise ----
+    def _ticket(self, ident: str, where: str) -> Path:
+        return self.dir / "tickets" / f"{_name(ident)}.{where}"
+
+    def take(self, limit: int, n: int = 1) -> list[tuple[str, float]]:
+        """(id, arrival) for up to `n` new requests, as many as keep `limit` or fewer tickets held: one count for a
+        whole batch of arrivals. The requests beyond them are refused by the caller."""
+        fd = os.open(self.dir / "tickets" / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # several door instances: counting and taking are one step
+            now = time.time()
+            taken = [(uuid.uuid4().hex, now) for _ in range(max(0, min(n, limit - self.held())))]
+            for ident, _ in taken:
+                self._ticket(ident, "door").touch()
+            return taken
+        finally:
+            os.close(fd)
+
+    def held(self) -> int:
+        """Tickets held now; expired `.door` ones are dropped first."""
+        count, expired = 0, time.time() - DOOR_TTL_S
+        for entry in os.scandir(self.dir / "tickets"):
+            if entry.name.endswith(".door"):
+                try:
+                    if entry.stat().st_mtime < expired:
+                        os.unlink(entry.path)
+                        continue
+                except FileNotFoundError:  # released meanwhile
+                    continue
+            elif not entry.name.endswith(".engine"):
+                continue
+            count += 1
+        return count
+
+    def claim(self, ident: str) -> None:
+        """The request reached the denoise model: its ticket no longer expires (taken anew if it had)."""
+        try:
+            os.replace(self._ticket(ident, "door"), self._ticket(ident, "engine"))
+        except FileNotFoundError:
+            self._ticket(ident, "engine").touch()
+
+    def release(self, ident: str) -> None:
+        """The request stopped waiting (it is being denoised, or it ended)."""
+        for where in ("door", "engine"):
+            self._ticket(ident, where).unlink(missing_ok=True)
+
+    def clear_tickets(self, where: str) -> None:
+        """Drop every ticket held at `where` ("door" or "engine"): the model that holds such requests is starting, so
+        those of a dead incarnation never end (Triton answers nothing for a dead decoupled stub's requests)."""
+        for entry in os.scandir(self.dir / "tickets"):
+            if entry.name.endswith(f".{where}"):
+                Path(entry.path).unlink(missing_ok=True)
