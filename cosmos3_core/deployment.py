@@ -110,7 +110,7 @@ class Deployment:
     max_captures: int = 16
     warmup_requests: list[dict[str, Any]] = field(default_factory=list)  # request parameters run at startup
     drain_timeout_s: float = 20.0  # on shutdown, live requests get this long to finish before they are ended
-    cancel_dir: str = ""  # where the decode step marks cancelled requests for the engine (set by serve.render)
+    state_dir: str = ""  # the facts its processes share (triton/state.py; set by serve.render)
     # per model, on the server's one GPU (CUDA_VISIBLE_DEVICES picks it: run one server per GPU). vae_decode is 1:
     # the chunks of a stream must reach the instance that holds their decoder cache
     instances: dict[str, int] = field(default_factory=lambda: dict(INSTANCES))
