@@ -64,7 +64,7 @@ class PrefillStage:
         # FP8: the UND tower (the policy's reasoner) runs W8A16 or W8A8 for every request alike
         self.und_a16 = ckpt.fp8 is None or ckpt.fp8.policy.reasoner_a16
         self.prompts = PromptEncoder(ckpt.load_tokenizer(), ckpt.default_use_system_prompt)
-        self.codec = VaeCodec(ckpt.load_vae(device, dtype))
+        self.codec = VaeCodec(ckpt.load_vae(device, dtype, ("encoder",)))  # it only encodes
         try:
             SoundSpec.open(ckpt.root)
             self.no_sound: str | None = None
@@ -234,7 +234,7 @@ class DecodeStage:
         cuda = str(device).startswith("cuda")
         compile = compile and cuda  # the fused kernels save memory traffic on the GPU; on CPU, only compile time
         wrap = None if group is None else (lambda decoder: PatchDecoder(decoder, group))
-        self.codec = VaeCodec(ckpt.load_vae(device, dtype), compile, wrap)
+        self.codec = VaeCodec(ckpt.load_vae(device, dtype, ("decoder",)), compile, wrap)
         lap("vae")
         try:  # the sound tokenizer in the deployment's dtype, as the pipeline loads its components
             self.sound_tokenizer = load_sound_tokenizer(ckpt.root, device, dtype)

@@ -38,6 +38,9 @@ from .fp8 import (
     quantize_layer_linears_,
     resolve_policy,
 )
+from .fp8 import (
+    quantize as quantize_weight,
+)
 from .layers import Cosmos3Transformer
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"
@@ -141,13 +144,16 @@ class Checkpoint:
     def load_transformer(
         self, parts: set[str] | frozenset[str], device: str | torch.device, dtype: torch.dtype
     ) -> Cosmos3Transformer:
-        """The towers in `parts`, activations in `dtype`; layer linears `Fp8Linear` when served in FP8."""
+        """The towers in `parts`, activations in `dtype`; layer linears `Fp8Linear` when served in FP8. A 16-bit
+        checkpoint served in FP8 is quantized while it loads, a weight at a time: no 16-bit tower is ever resident
+        (the freed 16-bit weights would stay cached in pieces nothing reuses)."""
+        quantize = self.fp8 is not None and self.fp8.quantize_at_load
         if self.random_weights:
-            model = self._random_transformer(parts, device, dtype)
+            model = self._random_transformer(parts, device, dtype, quantize)
         else:
-            model = self._load_weights(parts, device, dtype)
-        if self.fp8 is not None and self.fp8.quantize_at_load:
-            quantize_layer_linears_(model)  # the 16-bit ones (an FP8 checkpoint's are E4M3 already)
+            model = self._load_weights(parts, device, dtype, quantize)
+        if quantize:
+            quantize_layer_linears_(model)  # any 16-bit layer linear left (none: the loaders quantized them)
         return model
 
     def _fp8_linears(self, model: Cosmos3Transformer, files: dict[str, Path], dtype: torch.dtype) -> set[str]:
@@ -167,13 +173,16 @@ class Checkpoint:
         return fp8
 
     def _load_weights(
-        self, parts: set[str] | frozenset[str], device: str | torch.device, dtype: torch.dtype
+        self, parts: set[str] | frozenset[str], device: str | torch.device, dtype: torch.dtype, quantize: bool
     ) -> Cosmos3Transformer:
         with torch.device("meta"):
             model = Cosmos3Transformer(self.config, frozenset(parts))
         files = self.weight_files()
         fp8 = self._fp8_linears(model, files, dtype) if self.fp8_weights else set()
         expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        # 16-bit layer linears served in FP8: each weight is quantized as it arrives (its scale is not stored)
+        to_quantize = {n + ".weight" for n in layer_linear_names(model) if n not in fp8} if quantize else set()
+        scales: dict[str, torch.Tensor] = {}
         # the stored key holding each expected one, and the factor it is divided by (FP8 scales may come from
         # ModelOpt's quantizer buffers instead)
         source: dict[str, tuple[str, float]] = {k: (k, 1.0) for k in expected}
@@ -221,37 +230,69 @@ class Checkpoint:
                             "with a ModelOpt FP8 quantization_config may be"
                         )
                     state[key] = f.get_tensor(src).to(device=device, dtype=want)
+                    if key in to_quantize:
+                        state[key], scales[key] = quantize_weight(state[key], rowwise=True)
+        if to_quantize:
+            _swap_to_fp8(model, {k.removesuffix(".weight") for k in to_quantize}, dtype)
+            state |= {k.removesuffix("weight") + "weight_scale": v for k, v in scales.items()}
         model.load_state_dict(state, strict=True, assign=True)
         return model.eval().requires_grad_(False)
 
     def _random_transformer(
-        self, parts: set[str] | frozenset[str], device: str | torch.device, dtype: torch.dtype
+        self, parts: set[str] | frozenset[str], device: str | torch.device, dtype: torch.dtype, quantize: bool
     ) -> Cosmos3Transformer:
+        """Weights drawn in `dtype` on `device`, a module at a time (a layer's linears quantized before the next is
+        drawn when served in FP8): what a real checkpoint of this shape costs, nothing more."""
         torch.manual_seed(0)
-        with torch.device(device):
+        with torch.device("meta"):
             model = Cosmos3Transformer(self.config, frozenset(parts))
-        for p in model.parameters():
-            if p.ndim > 1:  # scaled so activations stay O(1) through the stack
-                torch.nn.init.normal_(p, std=p.shape[-1] ** -0.5)
-        model.to(dtype)
-        if hasattr(model, "time_embedder"):
-            model.time_embedder.float()  # fp32, as loaded checkpoints keep it
+        for name, module in model.named_children():
+            modules = list(module.children()) if isinstance(module, torch.nn.ModuleList) else [module]
+            for m in modules:
+                m.to(torch.float32 if name == "time_embedder" else dtype)  # on meta: no copy
+                m.to_empty(device=device)
+                for sub in m.modules():
+                    for pname, p in sub.named_parameters(recurse=False):
+                        if p.ndim > 1:  # scaled so activations stay O(1) through the stack
+                            torch.nn.init.normal_(p, std=p.shape[-1] ** -0.5)
+                        elif pname == "weight" and type(sub).__name__ == "RMSNorm":
+                            torch.nn.init.ones_(p)
+                        else:
+                            torch.nn.init.zeros_(p)
+                if quantize and name == "layers":  # before the next layer is drawn
+                    for lname, lin in [(n, x) for n, x in m.named_modules() if isinstance(x, torch.nn.Linear)]:
+                        parent, _, child = lname.rpartition(".")
+                        setattr(m.get_submodule(parent), child, Fp8Linear.from_linear(lin))
+        for pname, p in list(model.named_parameters(recurse=False)):  # the modality embeddings: zeros
+            setattr(model, pname, torch.nn.Parameter(torch.zeros(p.shape, dtype=dtype, device=device)))
+        if device != "cpu" and torch.cuda.is_available():
+            torch.cuda.empty_cache()
         return model.eval().requires_grad_(False)
 
-    def load_vae(self, device: str | torch.device, dtype: torch.dtype):  # -> AutoencoderKLWan
+    def load_vae(
+        self, device: str | torch.device, dtype: torch.dtype, halves: tuple[str, ...] = ("encoder", "decoder")
+    ):  # -> AutoencoderKLWan
+        """The VAE with the `halves` a stage runs on `device` ("encoder": with quant_conv; "decoder": with
+        post_quant_conv); the other half stays on the meta device, holding no memory."""
         from diffusers import AutoencoderKLWan
 
         if self.random_weights:  # drawn on the target device, as the transformer is (on the host: ~10 s for Wan2.2)
             torch.manual_seed(0)
             with torch.device(device):
                 vae = AutoencoderKLWan.from_config(read_json(self.root / "vae" / "config.json"))
-            return vae.to(device, dtype).eval().requires_grad_(False)
-
-        try:
-            vae = AutoencoderKLWan.from_pretrained(self.root / "vae", torch_dtype=dtype)
-        except (OSError, ValueError, KeyError, RuntimeError) as e:
-            raise CheckpointError(f"{self.root / 'vae'}: cannot load AutoencoderKLWan ({e})") from e
-        return vae.to(device).eval().requires_grad_(False)
+        else:
+            try:
+                vae = AutoencoderKLWan.from_pretrained(self.root / "vae", torch_dtype=dtype)
+            except (OSError, ValueError, KeyError, RuntimeError) as e:
+                raise CheckpointError(f"{self.root / 'vae'}: cannot load AutoencoderKLWan ({e})") from e
+        modules = {"encoder": ("encoder", "quant_conv"), "decoder": ("decoder", "post_quant_conv")}
+        for half, names in modules.items():
+            for name in names:
+                getattr(vae, name).to("meta" if half not in halves else device, dtype)
+        vae = vae.eval().requires_grad_(False)
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()  # the random draw's fp32 copies, the unused half
+        return vae
 
     def load_tokenizer(self):  # -> transformers.PreTrainedTokenizerBase
         from transformers import AutoTokenizer
@@ -260,3 +301,13 @@ class Checkpoint:
             return AutoTokenizer.from_pretrained(self.root / "text_tokenizer")
         except (OSError, ValueError, json.JSONDecodeError) as e:
             raise CheckpointError(f"{self.root / 'text_tokenizer'}: cannot load tokenizer ({e})") from e
+
+
+def _swap_to_fp8(model: Cosmos3Transformer, names: set[str], dtype: torch.dtype) -> None:
+    """Replace the meta model's linears `names` by rowwise `Fp8Linear` placeholders (their tensors are assigned)."""
+    for name in names:
+        parent, _, child = name.rpartition(".")
+        owner = model.get_submodule(parent)
+        lin = getattr(owner, child)
+        with torch.device("meta"):
+            setattr(owner, child, Fp8Linear(lin.in_features, lin.out_features, lin.bias is not None, True, dtype))

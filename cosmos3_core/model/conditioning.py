@@ -70,7 +70,7 @@ class VaeCodec:
 
     @property
     def device(self) -> torch.device:
-        return next(self.vae.parameters()).device
+        return next(p.device for p in self.vae.parameters() if not p.is_meta)  # a stage loads one half
 
     @torch.inference_mode()
     def encode_first_frame(self, image: np.ndarray, height: int, width: int) -> torch.Tensor:
