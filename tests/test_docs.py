@@ -3,8 +3,8 @@
 - No tracked text file names a work session, a round or an issue by number: a measurement is named by its date,
   commit, card and command, a decision by its reason (git history keeps the chronology).
 - README.md stays within 120 lines, and BENCHMARKS.md within 400.
-- Every `python -m MODULE` in a fenced shell block of README.md, BENCHMARKS.md and docs/*.md answers `--help` (one
-  process imports them all: torch is loaded once), and every `make TARGET` there has a recipe (`make -n`).
+- Every `python -m MODULE` in README.md, BENCHMARKS.md and docs/*.md (fenced shell blocks and inline code) answers
+  `--help` (one process imports them all: torch is loaded once), and every `make TARGET` there has a recipe (`make -n`).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ CHRONOLOGY = re.compile(
     r"|\b(?:session|round|issue)s?\s+#?\d+",  # "issue 30", "issues 27-32", "session 4"
     re.IGNORECASE,
 )
+INTERNAL = {"cosmos3_core.parallel.worker"}  # started by the server itself, with its arguments: not a user command
 MODULE = re.compile(r"(?:^|[\s;&|(])(?:\S*python3?)\s+-m\s+([A-Za-z_][\w.]*)")
 MAKE = re.compile(r"(?:^|[\s;&|(])make\s+((?:[A-Za-z_][\w-]*(?:\s+|$))+)")
 
@@ -56,16 +57,17 @@ def test_readme_and_benchmarks_stay_short():
 
 
 def documented() -> tuple[set[str], set[str]]:
-    """Every module run with `python -m` and every make target in the docs' fenced shell blocks."""
+    """Every module run with `python -m` and every make target in the docs: their fenced shell blocks and their
+    inline code spans."""
     modules, targets = set(), set()
     for path in DOCS:
-        for _, lines in fenced_blocks(path):
-            for line in commands(lines):
-                command = split_comment(line)[0]
-                modules.update(MODULE.findall(command))
-                for m in MAKE.finditer(command):
-                    targets.update(w for w in m.group(1).split() if "=" not in w)
-    return modules, targets
+        found = [split_comment(line)[0] for _, lines in fenced_blocks(path) for line in commands(lines)]
+        found += re.findall(r"`([^`\n]*(?:python3? -m|make) [^`\n]*)`", path.read_text())
+        for command in found:
+            modules.update(MODULE.findall(command))
+            for m in MAKE.finditer(command):
+                targets.update(w for w in m.group(1).split() if "=" not in w and w not in ("and", "or", "then"))
+    return modules - INTERNAL, targets
 
 
 HELP_ALL = """
