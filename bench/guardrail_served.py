@@ -1,4 +1,4 @@
-"""The real Cosmos guardrail in served requests on the CPU (issue 31): `cosmos_guardrail.CosmosSafetyChecker` with
+"""The real Cosmos guardrail in served requests on the CPU: `cosmos_guardrail.CosmosSafetyChecker` with
 random weights at the real sizes, behind the tiny default deployment, through tritonserver.
 
   make guardrail-served     (builds .venv-guardrail: torch 2.14.1 + torchvision 0.29.1, where the package imports)

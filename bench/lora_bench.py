@@ -1,4 +1,4 @@
-"""Served LoRA cost (issue 32's H200 rows): one server with adapters, then diffusers with the same adapter.
+"""Served LoRA cost (BENCHMARKS.md's LoRA rows): one server with adapters, then diffusers with the same adapter.
 
   python -m bench.lora_bench --config configs/bench_edge.yaml [--rank 32] [--c1 2] [--c4 1] [--diffusers 1]
       [--json out.json] [--md BENCHMARKS.md]
@@ -12,14 +12,14 @@ startup, as in a deployment that serves adapters). The request is the config's d
 seed i for a lane's i-th request. In order, on that one server:
 
 - c=1: `--c1` base requests, then `--c1` with adapter `a0` (each after a 2-step one of its kind) → the adapter's
-  e2e over the base's (issue: ≤ 1.10×);
+  e2e over the base's (target: ≤ 1.10×);
 - c=4: four client lanes at once, each sending `--c4` requests one after another — all base, then lane k with
   adapter `a<k>`, so the four requests in flight always hold four different adapters → e2e p50 and videos/min
-  against the base lanes (issue: ≤ 1.15×). Before each, a burst of the same lanes with 2/4/6/8-step requests, so
+  against the base lanes (target: ≤ 1.15×). Before each, a burst of the same lanes with 2/4/6/8-step requests, so
   the packs of 8, 6, 4 and 2 CFG branches have run (eagerly, then captured) before the timed ones;
 - first use: a 2-step request with `new0` (never used: its weights are read by prefill and by denoise and copied
   into a slot, evicting the least recently used adapter) between two 2-step requests with a resident adapter
-  (`a0`, then `new0` again); its extra e2e over their mean is the first-use cost (issue: ≤ 1 s); again for `new1`.
+  (`a0`, then `new0` again); its extra e2e over their mean is the first-use cost (target: ≤ 1 s); again for `new1`.
 
 Then, with the server gone, `--diffusers N` runs the same request through diffusers' `Cosmos3OmniPipeline`
 (bench.served.diffusers_variants, the same random init at the same shapes as its other rows) without an adapter
@@ -116,7 +116,7 @@ def served(url: str, params: dict, c1: int, c4: int, result: dict, save) -> None
 
 
 def rows(result: dict) -> list[str]:
-    """The printed summary: each row and its ratio against the issue's target."""
+    """The printed summary: each row and its ratio against its target."""
     out = []
 
     def p50(key: str) -> float:

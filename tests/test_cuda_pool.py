@@ -2,7 +2,7 @@
 
 A Python model's GPU output or input larger than the pool (`--cuda-memory-pool-byte-size`, 64 MiB by default)
 crosses through host shared memory, where the input of a decoupled model is freed when `execute` returns. Nano's
-text K/V at an ordinary prompt is 70 MB; served Nano packs came back black (BENCHMARKS.md, 14th/15th sessions).
+text K/V at an ordinary prompt is 70 MB; served Nano packs came back black that way (H200, 2026-12-02).
 """
 
 from __future__ import annotations

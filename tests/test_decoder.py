@@ -79,7 +79,7 @@ def test_a_one_frame_piece_runs_the_compiled_kernels_of_a_four_frame_one():
     """The compiled kernels' time axes are unbacked: a stream's first piece (one latent frame) and the later ones
     (four, two) share a graph, equal to eager. With sizes 0 and 1 specialised (`maybe_mark_dynamic` alone) each
     kernel here recompiled at four frames, and the served warmup loaded 24 graphs instead of 17 (~0.7 s each at
-    startup, BENCHMARKS.md 17th session)."""
+    startup on the H200)."""
     import torch._dynamo
 
     compiled, g = DecoderKernels.compiled(), torch.Generator().manual_seed(0)

@@ -24,8 +24,8 @@ ORDINALS = (
     "fifteenth|sixteenth|seventeenth|eighteenth|nineteenth|twentieth"
 )
 CHRONOLOGY = re.compile(
-    rf"\b(?:\d+(?:st|nd|rd|th)|{ORDINALS})[ -](?:session|round)s?\b"  # "the 12th session", "third round"
-    r"|\b(?:session|round|issue)s?\s+#?\d+",  # "issue 30", "issues 27-32", "session 4"
+    rf"\b(?:\d+(?:st|nd|rd|th)|{ORDINALS})[ -](?:session|round)s?\b"  # an ordinal, in digits or words, before "session" or "round"
+    r"|\b(?:session|round|issue)s?\s+#?\d+",  # "issue", "session" or "round" before a number
     re.IGNORECASE,
 )
 INTERNAL = {"cosmos3_core.parallel.worker"}  # started by the server itself, with its arguments: not a user command
@@ -118,3 +118,12 @@ def test_the_requests_table_is_the_ensembles_inputs_and_outputs():
     doc = (ROOT / "docs" / "requests.md").read_text()
     rows = re.findall(r"^\| `(\w+)` \| (?:input|output)[^|]* \| (TYPE_\w+) \| \[ ([^\]]*) \] \|", doc, re.M)
     assert sorted(rows) == sorted((n, t, d.strip()) for n, t, d in tensors)
+
+
+def test_every_bench_script_is_named_in_development_md():
+    """bench/ holds what a maintainer runs, and docs/development.md says what each script measures and its command."""
+    listed = subprocess.run(["git", "ls-files", "bench"], cwd=ROOT, capture_output=True, text=True, check=True)
+    scripts = [n for n in listed.stdout.split() if n.endswith((".py", ".sh")) and not n.endswith("__init__.py")]
+    doc = (ROOT / "docs" / "development.md").read_text()
+    missing = [n for n in scripts if n not in doc and str(Path(n).parent) + "/" not in doc]
+    assert not missing, f"docs/development.md names no entry for {missing}"

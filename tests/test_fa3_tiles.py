@@ -2,7 +2,7 @@
 spreads to it. The real `FlashInferPlan` (gather, padding requests, fixed batch, the re-plan skip) runs over a
 stand-in `flashinfer` whose ragged kernel reads K/V by whole 192-row tiles bounded by the buffer, as FA3 does
 (masked rows' V times 0: NaN · 0 = NaN), every buffer the GPU would leave unwritten (`torch.empty`) holds NaN, and
-so do the pool's free pages. Issue 27 (served Nano black after the first pack): the engine's own bookkeeping must
+so do the pool's free pages. Served Nano once came back black after a first pack: the engine's own bookkeeping must
 keep every output finite, packed equal to solo, and one non-finite request must not poison later ones."""
 
 from __future__ import annotations

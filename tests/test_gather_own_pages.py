@@ -5,7 +5,7 @@ entries fill the kv rows after the last request's keys, which FA3 reads in its l
 multiplies by a probability of 0 — a NaN there is NaN in that request's rows, and from there (its padding rows' K/V
 in the next layer) in the last segment of the pack. Those entries copied pool token 0 (page 0), a page no request
 of the pack need hold: stale K/V of any earlier request (a failed one's NaN) then blackened the last request of
-every later pack, whatever it was (issue 27: served Nano, every cell after the first failing pack).
+every later pack, whatever it was (served Nano, every GPU matrix cell after the first failing pack).
 """
 
 from __future__ import annotations

@@ -125,5 +125,5 @@ def test_a_capture_beside_another_threads_stream_work(ckpt):
     """Another thread copies on its own stream and synchronizes it while the engine thread captures (the denoise
     stub's `input_torch` beside the engine): neither fails. A global-mode capture forbade that sync ("operation not
     permitted when stream is capturing"): on the H200 a served Nano request failed and its layout's capture with it
-    (BENCHMARKS.md, 15th session); captures are thread-local now."""
+    (H200, 2026-12-02); captures are thread-local now."""
     assert "captures" in run_case(ckpt, "checkpoint", "auto", busy=True)

@@ -11,13 +11,13 @@ Every assertion message carries the measured numbers. What each test isolates, i
    wrappers' plan() asks for (else the AOT lookup misses and the server JIT-builds at load).
 2. test_fa3_fp8_ragged_kernel_matrix — the ragged FP8 kernel alone (run's positional per-head scales) against
    exact attention, over MHA / GQA, one sequence / two (128-aligned, unaligned, long), bf16 output (the cases
-   FlashInfer's own FP8 tests do and do not cover; fp16 output, which they use, failed alike on the 10th session).
+   FlashInfer's own FP8 tests do and do not cover; fp16 output, which they use, failed alike on the H200).
 
-FlashInfer 0.6.1's FP8 kernel is wrong on short sequences (100–600 keys failed, 384 passed; BENCHMARKS.md, 10th–12th sessions), and
+FlashInfer 0.6.1's FP8 kernel is wrong on short sequences (100–600 keys failed, 384 passed; H200, 2026-12-02), and
 the server refuses fp8_attention at load when the kernel fails `attention.fp8_kernel_check` (test 0 below). While it
 does, the matrix cells and the plan / engine tests xfail with their measured numbers in the reason (read them with
--rx); when a FlashInfer passes the check, they must pass. Another FlashInfer beside the pinned one (0.7.4, issue 30):
-bench/device_fi074.sh runs this file against it.
+-rx); when a FlashInfer passes the check, they must pass. Another FlashInfer beside the pinned one (0.7.4, whose kernel
+passes): `FI074=1`-style runs put it first on the path (bench/device_served.sh).
 3. test_fa3_fp8_attention_matches_the_sdpa_fake_quant_reference — the whole plan (gathered [prefix | own], FP8),
    exact and bucketed plans, against SDPA fake quant on the same inputs; also that FP8 is really engaged.
 4. test_fp8_plan_captured_equals_eager — the plan inside a CUDA graph, replayed with new segments and inputs.
@@ -222,12 +222,12 @@ def test_fa3_fp8_ragged_kernel_matrix(kv_heads, lengths, per_call, fp8_defect):
     to the fp32 exact attention, within RATIO x the fake quant's own error (E4M3 q/k/v, exact softmax).
     One sequence, or two in one call (short / unaligned / long: does the defect need a short sequence?), or
     `per_call`: one call per sequence on views of the same buffers at its offset.
-    FlashInfer 0.6.1 on the H200 (11th session): GQA fails on one 300-key sequence (0.122) and on 128 + 256 and
+    FlashInfer 0.6.1 on the H200 (2026-12-02): GQA fails on one 300-key sequence (0.122) and on 128 + 256 and
     100 + 300, per call exactly as in one call; it passes on one 384-key sequence and on 1500 + 2600. So the defect
-    is short sequences, not batching, and calling per sequence does not go around it. 12th session: one 600-key
+    is short sequences, not batching, and calling per sequence does not go around it. Then one 600-key
     sequence fails too (0.121); beside a 100-key one (0.328) a 2600-key one is right (0.056 against 0.049).
     one_192 / one_193: on and just past the FP8 kernel's KV tile at head_dim 128 (CTA_KV 192; 384, the short length
-    that passed, is two tiles). bench/fa3_fp8_repro.py sweeps this without cosmos3_core."""
+    that passed, is two tiles)."""
     import flashinfer
 
     g = torch.Generator(device="cuda").manual_seed(11)

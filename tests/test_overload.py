@@ -1,4 +1,4 @@
-"""Load is shed at the door (issue 28, item 2; cosmos3_core/triton/admission.py, door.py).
+"""Load is shed at the door (cosmos3_core/triton/admission.py, door.py).
 
 Served: the session's real server (max_queue 8, every engine tick 20 ms longer: tests/conftest.py) gets 3 × max_queue
 requests at once. Every refused one hears the one over-capacity text within a second of sending (a bound for a
