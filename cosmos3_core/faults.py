@@ -11,7 +11,7 @@
   check_finite=1          say on stderr ("cosmos3: check_finite: ...") where a request's values stop being finite:
                           prefill's outputs, the denoise model's inputs, the K/V admission writes to the pool, each
                           tick's outputs (with its layout), the decoder's input latents; the first CHECK_LINES of each
-                          (a host sync at each: diagnostics only; issue 27)
+                          (a host sync at each: diagnostics only)
 
 Read once at import; production servers never set it.
 """

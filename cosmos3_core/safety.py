@@ -48,7 +48,7 @@ TEXT, VIDEO = "text", "video"  # which guardrail a stage runs
 # frames copied, preprocessed and run through RetinaFace in ONE forward: a streamed piece (Edge: 13-16 frames), a
 # shorter batch padded with zeros to it (one CUDA graph serves every piece). The package runs one frame a forward,
 # which costs ~0.37 s per 121-frame 480x832 video on the H200 even replayed as a graph, against ~0.21 s at 32 frames
-# a forward (issue 31: the guardrail's budget is 5 % of a request). What that gives up: on the CPU the frames out are
+# a forward (the guardrail's budget is 5 % of a request). What that gives up: on the CPU the frames out are
 # still the package's (tests/test_safety_cosmos.py), but on a GPU batched convolutions are other kernels whose TF32
 # sums put confidences up to ~2e-3 from the package's (1.7e-3 measured on the H200), so a box whose confidence is
 # within that of the 0.7 threshold can be pixelated by one and not by the other (bench/guardrail_cost.py measures it)
@@ -175,7 +175,7 @@ class CosmosText:
     package generates up to 128 tokens and then reads only that label (its categories go into the log message), so
     the decision is the same: the tokens up to the label are the ones it would generate, and its parser finds the
     same first label in them. A real verdict, "Safety: Safe\nCategories: None", puts the label about 3 tokens in
-    of ~10: ~0.13 s instead of ~0.45 s on the H200 at 44.7 ms a token (BENCHMARKS.md, issue 31). An answer with no
+    of ~10: ~0.13 s instead of ~0.45 s on the H200 at 44.7 ms a token (2026-12-03). An answer with no
     label is let through, as the package does (it logs an error)."""
 
     def __init__(self, package: Any):

@@ -60,7 +60,7 @@ def input_torch(request, name: str) -> torch.Tensor:
     later) and the decoder reads `latents` after the launch returns. So every input is copied here, and a GPU
     copy finished: a DLPack view would read freed memory — on the host too, where an input lives in the stub's
     shared-memory region, which the model's own responses reuse (a GPU tensor larger than Triton's CUDA pool
-    crosses there: Nano's `text_kv`, BENCHMARKS.md 14th/15th sessions; `serve.cuda_pool_bytes` sizes the pool so
+    crosses there: Nano's `text_kv`, on the H200 in 2026-12; `serve.cuda_pool_bytes` sizes the pool so
     that it does not)."""
     t = pb_utils.get_input_tensor_by_name(request, name)
     value = torch.utils.dlpack.from_dlpack(t.to_dlpack())

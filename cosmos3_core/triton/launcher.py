@@ -211,8 +211,8 @@ def server_env(base: Mapping[str, str] | None = None, *, tritonserver: Path | No
       ``nvidia_pytriton.libs``, then whatever was there;
     * the kernel caches (``caches.use_kernel_caches``: those not named already, under ``$COSMOS3_CACHE``), so that
       the stubs of every server launched with it (all of ours: ``launch_server`` builds it when given none) load
-      what ``make warm`` or an earlier server compiled (until the 11th session only
-      ``serve`` set them: the benchmarks' servers compiled into torch's default folder, and ``make warm`` seemed
+      what ``make warm`` or an earlier server compiled (when only
+      ``serve`` set them, the benchmarks' servers compiled into torch's default folder, and ``make warm`` seemed
       to save nothing).
     """
     env = dict(os.environ if base is None else base)

@@ -102,7 +102,7 @@ def cuda_pool_bytes(deployment: Deployment) -> int:
     largest `text_kv` in each prefill instance's output and each denoise instance's input at once, plus 64 MiB for
     the rest (latents, conditioning). Triton's default, 64 MiB, holds no Nano K/V (70 MB at a 473-token prompt):
     such a tensor then crossed through host shared memory, slower, and the served Nano packs came back black
-    (BENCHMARKS.md, 15th session). Nano bf16: 640 MiB, Edge: 512 MiB, reserved on GPU 0 while the server runs.
+    (H200, 2026-12-02). Nano bf16: 640 MiB, Edge: 512 MiB, reserved on GPU 0 while the server runs.
     Raises what `Checkpoint.open` raises for a checkpoint it cannot read."""
     if not deployment.torch_device.startswith("cuda"):
         return 0
