@@ -10,8 +10,13 @@ being denoised, and report
 
 Then (--drain) one request in flight and SIGINT: how long until readiness answers 503, and how the request ended.
 
-  python -m bench.faults_part --part denoise|vae_decode|prefill|all [--config configs/tiny.yaml] [--drain]
+  python -m bench.faults_part --part denoise|vae_decode|prefill|admit|all [--config configs/tiny.yaml]
+      [--checkpoint DIR] [--drain]
       [--steps 50] [--json out/faults_part.json]
+
+On a GPU (the acceptance "a dead part is served again within 10 s, each part"), Edge with warm caches:
+  python -m bench.faults_part --config configs/edge.yaml --checkpoint /models/Cosmos3-Edge --part all --steps 20 \
+      --json out/faults_part_edge.json
 """
 
 from __future__ import annotations
@@ -33,19 +38,19 @@ from client.stream import ServerError, generate
 from cosmos3_core.errors import model_of
 from cosmos3_core.triton.launcher import free_port
 
-PARTS = ("denoise", "vae_decode", "prefill")
+PARTS = ("denoise", "vae_decode", "prefill", "admit")
 
 
 class Supervised:
     """`python -m cosmos3_core.triton.serve` on free loopback ports, in a session of its own (its log in workdir)."""
 
-    def __init__(self, config: str, workdir: Path, env: dict[str, str] | None = None):
+    def __init__(self, config: str, workdir: Path, env: dict[str, str] | None = None, extra_args: list[str] = ()):
         self.grpc, self.http, self.metrics = (free_port() for _ in range(3))
         self.url, self.workdir = f"127.0.0.1:{self.grpc}", workdir.absolute()
         workdir.mkdir(parents=True, exist_ok=True)
         self.log = open(workdir / "serve.log", "wb")  # noqa: SIM115 - closed by stop()
         cmd = [sys.executable, "-m", "cosmos3_core.triton.serve", "--config", config, "--workdir", str(self.workdir),
-               "--grpc-port", str(self.grpc), "--http-port", str(self.http), "--metrics-port", str(self.metrics)]  # fmt: skip
+               "--grpc-port", str(self.grpc), "--http-port", str(self.http), "--metrics-port", str(self.metrics), *extra_args]  # fmt: skip
         self.proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=self.log,
                                      stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
 
@@ -76,9 +81,12 @@ class Supervised:
             raise RuntimeError(f"expected one {model_of(part)} stub, found {pids}")
         return int(pids[0])
 
+    def metrics_text(self) -> str:
+        return urllib.request.urlopen(f"http://127.0.0.1:{self.metrics}/metrics", timeout=5).read().decode()
+
     def gauge(self, name: str) -> float:
         """A cosmos3_* sample summed over its instances."""
-        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics}/metrics", timeout=5).read().decode()
+        text = self.metrics_text()
         return sum(float(v) for v in re.findall(rf"^{name}\{{[^}}]*\}} (\S+)$", text, re.M))
 
     def restarts(self) -> dict[str, float]:
@@ -208,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.faults_part", description=__doc__.split("\n")[0])
     ap.add_argument("--part", default="all", choices=(*PARTS, "all"))
     ap.add_argument("--config", default="configs/tiny.yaml")
+    ap.add_argument("--checkpoint", default=None, help="override the config's checkpoint")
     ap.add_argument("--steps", type=int, default=50, help="of the request in flight (long enough to kill mid-way)")
     ap.add_argument("--drain", action="store_true", help="end with a drain (SIGINT) with a request in flight")
     ap.add_argument("--back-timeout", type=float, default=300.0, help="give up waiting for service after this")
@@ -215,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
-    server = Supervised(args.config, Path(args.workdir))
+    extra = ["--checkpoint", args.checkpoint] if args.checkpoint else []
+    server = Supervised(args.config, Path(args.workdir), extra_args=extra)
     rows: list[dict] = []
     try:
         print(f"server ready in {server.wait_ready(900):.1f}s", file=sys.stderr)
