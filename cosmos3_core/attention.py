@@ -11,8 +11,8 @@ Two backends with one contract, chosen by the deployment's `attention`:
   segment into one buffer (`gather_layout`: the prefix tokens from the pool's pages, then the own rows), as SDPA
   and diffusers attend: one softmax over every key. (A paged call over the prefix plus a ragged one over the own
   tokens, merged by their log-sum-exp, rounds two partial outputs to bf16 before the merge: 1.6x the max error at
-  the Edge step shape, while one ragged call with a 300-token prefix copied ran as fast, BENCHMARKS.md "Attention
-  kernels"; the gather padded to its capacity is not timed yet.) `plan` does all host work once
+  the Edge step shape, while one ragged call with a 300-token prefix copied ran as fast, on the H200
+  in 2026-11; the gather padded to its capacity is not timed yet.) `plan` does all host work once
   per step (every layer shares it) and writes only into buffers the plan owns, so a captured CUDA graph replays
   it with new prefixes; the gather's prefix capacity is a power of two (`prefix_capacity`), part of the layout
   key. With `fp8` the same call runs on FA3's FP8 kernel.
@@ -98,8 +98,8 @@ def fake_quant_fp8(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
 
 
 # The FP8 kernel's load check: two short sequences of random q/k/v (FlashInfer 0.6.1's FA3 FP8 kernel is wrong on
-# the 100-600-key sequences tried, batched or alone (384 passed), and right on 1,500-2,600: BENCHMARKS.md, 10th-12th
-# sessions), held to RATIO x the error of E4M3 rounding alone (measured: right 1.0x, these 3.8-4.4x)
+# the 100-600-key sequences tried, batched or alone (384 passed), and right on 1,500-2,600: H200,
+# 2026-12-02), held to RATIO x the error of E4M3 rounding alone (measured: right 1.0x, these 3.8-4.4x)
 FP8_CHECK_LENGTHS = (128, 256)
 FP8_CHECK_RATIO = 2.0
 
