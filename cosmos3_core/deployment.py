@@ -61,6 +61,9 @@ def _check_memory_keys(raw: dict[str, Any], where: str) -> None:
     util = raw.get("gpu_memory_utilization", 0.9)
     if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
         raise ValueError(f"{where}: gpu_memory_utilization: a share of the card in (0, 1]; got {util!r}")
+    cap = raw.get("max_capture_rows", 0)
+    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
+        raise ValueError(f"{where}: max_capture_rows: a row count ≥ 0; got {cap!r}")
     for key, least in (("pool_pages", 1), ("max_step_rows", 64)):
         value = raw.get(key, "auto")
         if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < least):
@@ -108,6 +111,9 @@ class Deployment:
     # recently used one's graph (it runs eager, then captures again, when used next); the warmup captures the buckets
     # first. 0: no captures
     max_captures: int = 16
+    # layouts of more packed rows always run eagerly: their launches are a negligible share of the step, and a graph
+    # would hold a second copy of the step's activations (memory.py). 0: no bound
+    max_capture_rows: int = 65536
     warmup_requests: list[dict[str, Any]] = field(default_factory=list)  # request parameters run at startup
     drain_timeout_s: float = 20.0  # on shutdown, live requests get this long to finish before they are ended
     state_dir: str = ""  # the facts its processes share (triton/state.py; set by serve.render)
@@ -149,11 +155,15 @@ class Deployment:
 
     def planned(self, ckpt: Checkpoint, card: int | None = None) -> tuple[Deployment, MemoryPlan]:
         """This deployment with `pool_pages` and `max_step_rows` resolved by its memory plan on this machine's card
-        (`card` bytes: another's), and the plan. On CUDA, `PlanError` when the plan does not fit the card."""
-        card = memory.card_bytes() if card is None and self.torch_device.startswith("cuda") else (card or 0)
+        (`card` bytes: another's), and the plan. On CUDA, `PlanError` when the plan does not fit the card, and the
+        largest admitted request joins `warmup_requests`: each part reaches its peak at load, not at a request."""
+        card = memory.card_bytes(self.torch_device) if card is None else card
         p = memory.plan(self, ckpt.root, ckpt.config, card)
         memory.check(p)
-        return replace(self, pool_pages=p.pool_pages, max_step_rows=p.max_step_rows), p
+        warmup = self.warmup_requests
+        if self.torch_device.startswith("cuda"):
+            warmup = [*warmup, p.largest.warmup_request()]
+        return replace(self, pool_pages=p.pool_pages, max_step_rows=p.max_step_rows, warmup_requests=warmup), p
 
     def open_checkpoint(self) -> Checkpoint:
         """The deployment's checkpoint (generated on first use when it is the tiny or a `random:` one), with its

@@ -20,6 +20,7 @@ from . import faults
 from .deployment import Deployment
 from .kv_pool import KVPool
 from .lora_store import LoraSettings, open_store
+from .memory import MemoryPlan
 from .model.checkpoint import Checkpoint
 from .model.layers import GEN
 from .model.sound import SoundSpec
@@ -89,6 +90,8 @@ class DenoiseEngine:
         max_captures: int = 16,
         fp8_attention: bool = False,
         lora: LoraSettings | None = None,
+        max_step_rows: int = 0,
+        max_capture_rows: int = 0,
     ):
         """`graph_buckets` None: derived by the warmup from its requests' packs (a bucketable backend only). `lora`:
         the adapters requests may choose (lora_store.py), in a pool of device slots on the GEN tower's linears."""
@@ -113,7 +116,7 @@ class DenoiseEngine:
                 pool_pages, page_size, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype, device
             )
             self.step = DenoiseStep(self.model, self.pool, kernels, attention, cuda_graphs, graph_buckets, max_captures,
-                                    fp8_attention)  # fmt: skip
+                                    fp8_attention, max_capture_rows)  # fmt: skip
         elif fp8_attention:
             raise ValueError("fp8_attention: a single-GPU denoise only (parallel splits it over ranks)")
         else:  # several ranks per request (parallel/denoise.py): the same interfaces over a group
@@ -121,8 +124,9 @@ class DenoiseEngine:
             self.step = parallel.step(self.model, self.pool, kernels, attention, cuda_graphs, max_captures)
         self.scheduler = Scheduler(
             cfg, self.pool, ckpt.scheduler_config, ckpt.use_native_flow_schedule, max_queue, decode_chunk,
-            sound_spec(ckpt), self.loras,
+            sound_spec(ckpt), self.loras, max_step_rows,
         )  # fmt: skip
+        self.plan: MemoryPlan | None = None  # the deployment's memory plan (from_deployment), logged and exported
 
     @classmethod
     def from_deployment(
@@ -130,9 +134,10 @@ class DenoiseEngine:
     ) -> DenoiseEngine:
         """`group`: a running group to use (the CLI shares one with its decode); else one is started when the
         deployment's `parallel` splits the denoise."""
+        d, plan = d.planned(ckpt)  # pool_pages and max_step_rows resolved; refuses a plan that does not fit
         if group is None and d.parallel.denoise_ranks > 1:
             group = Group(d.worker_spec(ckpt.root, ("denoise",)))
-        return cls(
+        engine = cls(
             ckpt,
             device or d.torch_device,
             d.torch_dtype,
@@ -151,7 +156,11 @@ class DenoiseEngine:
             max_captures=d.max_captures,
             fp8_attention=d.fp8_attention,
             lora=d.lora,
+            max_step_rows=int(d.max_step_rows),
+            max_capture_rows=d.max_capture_rows,
         )
+        engine.plan = plan
+        return engine
 
     def tick(self) -> int:
         """Advance every live request one step (or commit pass). Returns the number of requests in the forward."""
@@ -337,7 +346,9 @@ class DenoiseEngine:
         if step is not None:
             shapes, step.row_shapes = step.row_shapes or set(), None
             if bucketed and self.derive_buckets:
-                step.buckets, step.pad_limit = derive_buckets(shapes), BUCKET_PAD_WARN
+                cap = step.max_capture_rows  # a larger bucket would only pad: it runs eagerly anyway
+                step.buckets = tuple(b for b in derive_buckets(shapes) if not cap or b <= cap)
+                step.pad_limit = BUCKET_PAD_WARN
                 print(f"cosmos3: graph_buckets derived from warmup_requests: {list(step.buckets)}", file=sys.stderr)
                 t_captures += self._capture_buckets()
             elif bucketed and step.buckets:

@@ -24,6 +24,7 @@ import torch
 from .model.config import ModelConfig
 from .model.fp8 import layer_linear_names
 from .model.layers import GEN, UND, Cosmos3Transformer
+from .model.towers import MLP_CHUNK_ROWS
 from .windows import latent_frames
 
 GIB = 1 << 30
@@ -36,7 +37,6 @@ SERVER_BYTES = 1100 * MIB  # tritonserver's own process (its context, the Python
 # the denoise step's live activations per packed row, in units of hidden × dtype bytes, with the MLP run in row chunks
 # (towers.gen_forward: the residual stream, its normed copy, q/k/v, the attention output, the gathered own K/V)
 STEP_HIDDEN_COPIES = 6.0
-MLP_CHUNK_ROWS = 32768  # rows per MLP chunk of a packed step (model/towers.py): its [rows, intermediate] tensors
 MLP_INTERMEDIATE_COPIES = 3.0  # gate, up and their product, live at once within a chunk
 STEP_FIXED_BYTES = 512 * MIB  # FlashInfer's workspace, cuBLAS's, the step's small buffers
 # the VAE decoder's workspace per call: bytes per output pixel of one latent frame (4 video frames), and the share
@@ -71,7 +71,17 @@ class Largest:
     width: int
     frames: int
     rows: int  # packed rows of its step, both CFG branches
-    decode_pixels: int  # output pixels of one frame at the largest area the limits admit
+    decode_height: int  # the largest frame the limits admit (a 1-frame request's), which the decoder's call sizes
+    decode_width: int
+
+    @property
+    def decode_pixels(self) -> int:
+        return self.decode_height * self.decode_width
+
+    def warmup_request(self) -> dict:
+        """A 2-step request of this size (memory is claimed at load: `Deployment.planned`)."""
+        return {"height": self.height, "width": self.width, "num_frames": self.frames, "steps": 2,
+                "guidance_scale": 6.0}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -164,29 +174,32 @@ def decode_frames_per_call(pixels: int, budget: int) -> int:
     return 1
 
 
-def largest_request(cfg: ModelConfig, limits, ar: bool = False) -> Largest:  # limits: requests.Limits
+def largest_request(cfg: ModelConfig, limits) -> Largest:  # limits: requests.Limits
     """The admitted request with the most packed rows (both CFG branches): over every frame count the limits allow
-    (per window for AR), the largest area `max_pixel_frames` leaves, within max_height × max_width."""
+    (per window for AR), the largest frame `max_pixel_frames` leaves within max_height × max_width; and the largest
+    frame of any admitted request (the decoder's call)."""
     align, t = cfg.pixel_alignment, cfg.vae_scale_temporal
-    max_area = limits.max_height * limits.max_width
+
+    def frame(frames: int) -> tuple[int, int]:
+        """The widest, then tallest, aligned frame of at most max_pixel_frames / frames pixels."""
+        area = limits.max_pixel_frames // frames
+        width = min(limits.max_width, area // align * align) // align * align
+        height = min(limits.max_height, area // max(width, 1)) // align * align
+        return height, width
+
     best: Largest | None = None
     for frames in range(1, limits.max_frames + 1, t):
-        area = min(max_area, limits.max_pixel_frames // frames)
-        # the tallest frame of that area (rows and columns multiples of the alignment)
-        height = min(limits.max_height, (area // align // align) // max(1, limits.max_width // align) * align)
-        height = max(align, height if height else align)
-        width = min(limits.max_width, area // height // align * align)
-        if width < align:
+        height, width = frame(frames)
+        if height < align or width < align:
             continue
         gh, gw = cfg.token_grid(height, width)
         rows = 2 * (gh * gw * latent_frames(frames, t) + EXTRA_ROWS_PER_BRANCH)
         if best is None or rows > best.rows:
-            best = Largest(height, width, frames, rows, 0)
-    assert best is not None
-    pixels = max(
-        min(max_area, limits.max_pixel_frames // f) for f in range(1, limits.max_frames + 1, t)
-    )  # a 1-frame request's area
-    return Largest(best.height, best.width, best.frames, best.rows, pixels)
+            best = Largest(height, width, frames, rows, 0, 0)
+    if best is None:
+        raise ValueError("limits admit no request: max_pixel_frames is below one aligned frame")
+    decode_h, decode_w = frame(1)
+    return Largest(best.height, best.width, best.frames, best.rows, decode_h, decode_w)
 
 
 def tower_bytes(cfg: ModelConfig, tower: str, dtype: torch.dtype, fp8: bool) -> int:
@@ -232,9 +245,11 @@ def step_bytes(cfg: ModelConfig, rows: int, dtype: torch.dtype) -> int:
     return int((hidden + mlp) * dtype.itemsize) + STEP_FIXED_BYTES
 
 
-def card_bytes() -> int:
-    """This machine's first visible GPU's memory; 0 without one."""
-    return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 0
+def card_bytes(device: str = "cuda") -> int:
+    """The memory of the card a deployment on `device` serves on (the first visible GPU); 0 off CUDA."""
+    if not str(device).startswith("cuda") or not torch.cuda.is_available():
+        return 0
+    return torch.cuda.get_device_properties(0).total_memory
 
 
 def plan(d, ckpt_root: str | Path, cfg: ModelConfig, card: int) -> MemoryPlan:  # d: deployment.Deployment
@@ -270,6 +285,10 @@ def plan(d, ckpt_root: str | Path, cfg: ModelConfig, card: int) -> MemoryPlan:  
     add("denoise", "weights", tower_bytes(cfg, GEN, dtype, fp8), f"GEN tower ({label})", n_den)
     add("denoise", "step", step_bytes(cfg, rows, dtype),
         f"packed step of {rows} rows (largest admitted: {largest.width}x{largest.height}x{largest.frames}, CFG)", n_den)  # fmt: skip
+    graphs = d.torch_device.startswith("cuda") and d.cuda_graphs and d.max_captures
+    captured = min(rows, d.max_capture_rows or rows) if graphs else 0
+    if captured:  # the graphs' shared pool holds the largest captured layout's activations beside the eager ones
+        add("denoise", "graphs", step_bytes(cfg, captured, dtype), f"CUDA graph pool (layouts ≤ {captured} rows)", n_den)
     add("denoise", "context", CONTEXT_BYTES, "CUDA context", n_den)
 
     # decode: the decoder, its workspace at the largest frame (1 latent frame per call there), the video guardrail
@@ -307,11 +326,12 @@ def max_prompt_pages(cfg: ModelConfig, d) -> int:
 
 
 def max_pool_pages(cfg: ModelConfig, d) -> int:
-    """What `pool_pages: auto` never goes beyond: max_queue requests' text at max_prompt_tokens, and one AR kv
-    stream's context (4 windows of the largest step's rows; kv streams hold their context frames' K/V)."""
+    """What `pool_pages: auto` never goes beyond: max_queue requests' text at max_prompt_tokens, and one kv stream's
+    context at the default size (context_frames of both CFG branches: kv streams keep their committed K/V)."""
     text = d.max_queue * max_prompt_pages(cfg, d)
-    context_rows = 4 * largest_request(cfg, d.limits).rows if d.limits.max_windows > 1 else 0
-    return text + -(-context_rows // d.page_size)
+    gh, gw = cfg.token_grid(d.defaults.height, d.defaults.width)
+    frames = latent_frames(d.defaults.context_frames or d.limits.max_frames, cfg.vae_scale_temporal)
+    return text + 2 * frames * -(-gh * gw // d.page_size)
 
 
 def cuda_pool_bytes(d, cfg: ModelConfig) -> int:

@@ -145,8 +145,12 @@ class Scheduler:
         decode_chunk: int = 0,
         sound: SoundSpec | None = None,
         loras: LoraStore | None = None,
+        max_step_rows: int = 0,
     ):
+        """`max_step_rows`: packed rows a step may hold (the memory plan's, memory.py): a request waits (FIFO) until
+        the live ones leave it room, and one larger than that alone is refused; 0: no bound."""
         self.cfg, self.pool = cfg, pool
+        self.max_step_rows = max_step_rows
         self.device, self.dtype = pool.k_pages.device, pool.k_pages.dtype
         self.sampler_config, self.native_flow_schedule = sampler_config, native_flow_schedule
         self.max_queue = max_queue
@@ -182,6 +186,14 @@ class Scheduler:
         h, w = self.cfg.token_grid(*p.frame_size)
         return branches * frames * self.pool.pages_for(h * w)
 
+    def rows(self, p: GenerationParams, plan: WindowPlan) -> int:
+        """The most packed rows a request's step takes (its largest window, every CFG branch, sound and actions)."""
+        h, w = self.cfg.token_grid(*p.frame_size)
+        extra = p.chunk_size if p.action_mode else 0
+        if p.enable_sound and self.sound is not None:
+            extra += self.sound.latent_shape(p.num_frames, p.fps)[1]
+        return p.cfg_branches * (h * w * max(x.length for x in plan.windows) + extra)
+
     def _pages_needed(self, job_or_prefill: Job | PrefillResult, reserve: int) -> int:
         prefill = job_or_prefill.prefill if isinstance(job_or_prefill, Job) else job_or_prefill
         return sum(self.pool.pages_for(k.shape[1]) for k in prefill.text_k) + reserve
@@ -203,6 +215,10 @@ class Scheduler:
             raise RequestError(
                 "prompt", f"request needs {need} K/V pages (text + AR context), the pool has {self.pool.num_pages}"
             )
+        rows = self.rows(p, plan)
+        if self.max_step_rows and rows > self.max_step_rows:
+            raise RequestError("num_frames", f"{p.width}x{p.height}x{p.num_frames} is {rows} rows a step, more than "
+                               f"this deployment's max_step_rows ({self.max_step_rows}); fewer frames or pixels")  # fmt: skip
         with self._lock:
             if len(self.waiting) >= self.max_queue:
                 raise QueueFull(f"queue full ({self.max_queue} waiting); retry later")
@@ -278,6 +294,15 @@ class Scheduler:
                 job = self.waiting[0]
                 if self._pages_needed(job, job.reserve) > self.pool.pages_free - self.reserved:
                     return  # FIFO: the head waits for pages; nobody overtakes it
+                if (
+                    self.live
+                    and self.max_step_rows
+                    and (
+                        sum(self.rows(j.params, j.plan) for j in self.live) + self.rows(job.params, job.plan)
+                        > self.max_step_rows
+                    )
+                ):
+                    return  # the head waits for room in the step (the memory plan's bound)
                 if not self._hold_lora(job):
                     return  # every adapter slot is held by live requests: the head waits for one (FIFO)
                 self.waiting.popleft()

@@ -73,7 +73,9 @@ class PrefillStage:
 
     @classmethod
     def from_deployment(cls, ckpt: Checkpoint, d: Deployment, device: str) -> PrefillStage:
-        """With the deployment's text guardrail (`safety.Unavailable` when it cannot be built here)."""
+        """With the deployment's text guardrail (`safety.Unavailable` when it cannot be built here). Refuses a
+        deployment whose memory plan does not fit its card (`memory.PlanError`)."""
+        d.planned(ckpt)
         safety = Guardrail.load(d.safety_checker, device, TEXT)
         return cls(ckpt, device, d.torch_dtype, d.defaults, d.limits, d.lora, safety=safety,
                    safety_optional=d.safety_checker_optional)  # fmt: skip
@@ -210,10 +212,12 @@ class DecodeStage:
         compile: bool = False,
         group: Group | None = None,
         safety: Guardrail | None = None,
+        frames_per_call: Callable[[int, int], int] | None = None,
     ):
         """`group`: decode each chunk split by rows over its decode ranks (parallel/vae.py). `startup`: seconds
         per part of this load (the server logs them). `safety`: the video guardrail every piece of frames passes
-        before it is returned (None: no checks)."""
+        before it is returned (None: no checks). `frames_per_call`: the decoder's latent frames per call by latent
+        grid (h, w), the memory plan's (None: the decoder's default)."""
         self.safety = safety
         # stream id → (why the guardrail blocked one of its pieces, when): its later pieces are refused too, never
         # sent. Kept past `drop` (pieces launched before the request's end may still be finishing), until idle
@@ -234,7 +238,7 @@ class DecodeStage:
         cuda = str(device).startswith("cuda")
         compile = compile and cuda  # the fused kernels save memory traffic on the GPU; on CPU, only compile time
         wrap = None if group is None else (lambda decoder: PatchDecoder(decoder, group))
-        self.codec = VaeCodec(ckpt.load_vae(device, dtype, ("decoder",)), compile, wrap)
+        self.codec = VaeCodec(ckpt.load_vae(device, dtype, ("decoder",)), compile, wrap, frames_per_call)
         lap("vae")
         try:  # the sound tokenizer in the deployment's dtype, as the pipeline loads its components
             self.sound_tokenizer = load_sound_tokenizer(ckpt.root, device, dtype)
@@ -255,10 +259,13 @@ class DecodeStage:
     def from_deployment(cls, ckpt: Checkpoint, d: Deployment, device: str, group: Group | None = None) -> DecodeStage:
         """`group`: a running group to decode over (the CLI's, shared with its engine); else one of the
         deployment's `parallel.vae` ranks is started when that is above 1."""
+        _, plan = d.planned(ckpt)  # refuses a deployment that does not fit its card
         safety = Guardrail.load(d.safety_checker, device, VIDEO)  # first: a missing guardrail fails before the VAE
         if group is None and d.parallel.vae > 1:
             group = Group(d.worker_spec(ckpt.root, ("decode",)))
-        return cls(ckpt, device, d.torch_dtype, d.compile, group if d.parallel.vae > 1 else None, safety)
+        s = ckpt.config.vae_scale_spatial
+        frames = (lambda h, w: plan.decode_frames_per_call(h * s, w * s)) if str(device).startswith("cuda") else None
+        return cls(ckpt, device, d.torch_dtype, d.compile, group if d.parallel.vae > 1 else None, safety, frames)
 
     def run(self, latents: torch.Tensor, safety_check: bool = True) -> np.ndarray:
         """normalised latents [1, C, T, h, w] → uint8 [T', H, W, 3], through the video guardrail unless the

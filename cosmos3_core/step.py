@@ -67,7 +67,11 @@ class DenoiseStep:
         graph_buckets: tuple[int, ...] = (),
         max_captures: int = 16,
         fp8_attention: bool = False,
+        max_capture_rows: int = 0,
     ):
+        """`max_capture_rows`: larger layouts always run eagerly (0: no bound). A graph saves launch time, which a
+        step of that many rows does not notice, and holds the step's activations in its pool beside the eager
+        ones: the memory plan counts both (memory.py)."""
         cfg = model.cfg
         self.model, self.pool, self.kernels = model, pool, kernels
         heads = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
@@ -87,6 +91,7 @@ class DenoiseStep:
             raise ValueError(f"graph_buckets: positive multiples of {SEGMENT_ALIGN} rows; got {list(graph_buckets)}")
         self.buckets = tuple(sorted(graph_buckets))
         self.max_captures = max_captures
+        self.max_capture_rows = max_capture_rows
         self.layouts: OrderedDict[tuple, StepLayout] = OrderedDict()
         self.captures = 0  # graphs captured so far (replaced or dropped ones too)
         # when a set: each running row's (rows, sound, action, branches) is added (the warmup derives buckets so)
@@ -213,12 +218,14 @@ class DenoiseStep:
             layout, segments = self.layout(rows)
             layout.fill(rows, segments)
             had_graph = layout.graph is not None
-            if layout.captures_next(self.max_captures > 0):  # it captures now
+            rows_total = layout.packed.tokens.shape[0]
+            may_capture = self.max_captures > 0 and (not self.max_capture_rows or rows_total <= self.max_capture_rows)
+            if layout.captures_next(may_capture):  # it captures now
                 held = [v for v in self.layouts.values() if v.graph is not None]
                 if len(held) >= self.max_captures:
                     held[0].release_graph()  # the least recently used capture makes room
             failed = layout.capture_failed
-            fwd = layout.run(capture=self.max_captures > 0)
+            fwd = layout.run(capture=may_capture)
             self.captures += layout.graph is not None and not had_graph
             if layout.capture_failed and not failed:  # it ran eagerly; later captures go to a new pool
                 self._new_graph_pool()

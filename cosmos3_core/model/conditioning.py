@@ -45,9 +45,18 @@ class VaeCodec:
     """`wrap`: applied to our decoder when it is prepared (parallel/vae.py splits it over ranks); diffusers'
     fallback decoder is never wrapped."""
 
-    def __init__(self, vae, compile: bool = False, wrap: Callable[[WanDecoder], object] | None = None):
+    def __init__(
+        self,
+        vae,
+        compile: bool = False,
+        wrap: Callable[[WanDecoder], object] | None = None,
+        frames_per_call: Callable[[int, int], int] | None = None,
+    ):
+        """`frames_per_call`: the decoder's latent frames per call by latent grid (h, w), from the memory plan
+        (None: WanDecoder's default)."""
         self.vae = vae
         self.compile = compile
+        self.frames_per_call = frames_per_call
         self.wrap = wrap
         self._decoder: WanDecoder | DiffusersDecoder | None = None
         self.dtype = vae.dtype
@@ -60,7 +69,8 @@ class VaeCodec:
         """Prepared on first use: the prefill stage's codec only encodes."""
         if self._decoder is None:
             if (reason := unsupported(self.vae)) is None:
-                self._decoder = WanDecoder(self.vae, DecoderKernels.compiled() if self.compile else EAGER)
+                kernels = DecoderKernels.compiled() if self.compile else EAGER
+                self._decoder = WanDecoder(self.vae, kernels, self.frames_per_call)
                 if self.wrap is not None:
                     self._decoder = self.wrap(self._decoder)
             else:  # a checkpoint diffusers runs is served, only slower

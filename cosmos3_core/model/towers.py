@@ -151,15 +151,43 @@ class GenOutput:
     kv: dict[int, tuple[torch.Tensor, torch.Tensor]]  # collecting segments: K/V [layers, tokens, kv_heads, d]
 
 
+# rows of a packed step per call of the layer's residual (output projection + MLP): its [rows, intermediate] tensors
+# are the step's largest, and every op there is per row. Nano at 1280x720x189 with CFG packs 88,320 rows: its three
+# live [rows, 12288] bf16 tensors would take 6.5 GB, a chunk's 2.4 GB (memory.py plans with this)
+MLP_CHUNK_ROWS = 32768
+
+
+def chunked_residual(
+    kernels: GenKernels,
+    layer: Layer,
+    x: torch.Tensor,
+    attn: torch.Tensor,
+    a16_rows: int,
+    lora: AdapterRows | None,
+    chunk: int = MLP_CHUNK_ROWS,
+) -> torch.Tensor:
+    """`kernels.residual` over rows [a, a + chunk) at a time, into one output [N, hidden] (W8A16 rows keep their
+    place: each chunk gets its share of `a16_rows`). With adapters (their per-row groups) it runs whole."""
+    n = x.shape[0]
+    if n <= chunk or lora is not None:
+        return kernels.residual(layer, x, attn, a16_rows, lora)
+    out = torch.empty_like(x)
+    for a in range(0, n, chunk):
+        b = min(a + chunk, n)
+        out[a:b] = kernels.residual(layer, x[a:b], attn[a:b], min(max(a16_rows - a, 0), b - a), None)
+    return out
+
+
 def gen_forward(
-    model: Cosmos3Transformer, packed, attend: Attend, kernels: GenKernels = EAGER
+    model: Cosmos3Transformer, packed, attend: Attend, kernels: GenKernels = EAGER, chunk: int = MLP_CHUNK_ROWS
 ) -> GenOutput:  # packed: graphs.PackedStep
     """One GEN pass over a packed step → predictions [rows, patch_latent_dim] (every row, clean ones too), the
     sound rows' predictions [R, sound_dim] (None without sound), the action rows' [A, action_dim] (None without
     actions; clean ones too), with `packed.residual` the block stack's residual [rows, hidden] (its output after
     `norm_moe_gen` minus its input after the embedding; else None) and, for each segment that asks (`collect_kv`),
     its tokens' K/V [layers, tokens, kv_heads, d]. `attend` is the step's attention plan (already updated for these
-    segments). No host synchronisation: capturable."""
+    segments). The residual half of each layer runs `chunk` rows at a time (`chunked_residual`). No host
+    synchronisation: capturable."""
     collect = [i for i, seg in enumerate(packed.segments) if seg.collect_kv]
     ks: dict[int, list[torch.Tensor]] = {i: [] for i in collect}
     vs: dict[int, list[torch.Tensor]] = {i: [] for i in collect}
@@ -174,14 +202,17 @@ def gen_forward(
         action = domain_linear(model.action_proj_in, packed.action, packed.action_domain) + model.action_modality_embed
         t_emb = torch.where(packed.noisy_mask[action_rows, None], temb[packed.token_segment[action_rows]], 0.0)
         x = x.index_put((action_rows,), action + t_emb)
-    stack_input = x
+    stack_input = x if packed.residual else None  # kept only when the residual is returned
     for i, layer in enumerate(model.layers):
         q, k, v = kernels.qkv(layer, x, packed.cos, packed.sin, packed.a16_rows, packed.lora)
         for j in collect:
             rows = slice(packed.segments[j].start, packed.segments[j].start + packed.segments[j].length)
             ks[j].append(k[rows])
             vs[j].append(v[rows])
-        x = kernels.residual(layer, x, attend(q, k, v, i), packed.a16_rows, packed.lora)
+        attn = attend(q, k, v, i)
+        del q, k, v  # their memory serves the residual's
+        x = chunked_residual(kernels, layer, x, attn, packed.a16_rows, packed.lora, chunk)
+        del attn
     h = model.norm_moe_gen(x)
     sound_out = model.audio_proj_out(h[sound_rows]) if sound_rows.numel() else None
     action_out = (

@@ -15,7 +15,9 @@ cuDNN, unfused norms) around 40 % convolutions. Here:
   separate broadcast pass over the whole activation);
 - each nearest-2× upsample + 3×3 conv runs as one 2×2 conv at low resolution (`phase_weights`);
 - after the first latent frame (which the temporal upsamplers do not double), up to `frames_per_call` latent
-  frames go through each call on CUDA, so every kernel sees several frames. On CPU it is one: a conv's
+  frames go through each call on CUDA, so every kernel sees several frames; the deployment's memory plan picks
+  them per frame size (memory.py: 4 at 480p, 1 at 720p and above, where one frame's activations are already large
+  and a call's memory grows with its frames). On CPU it is one: a conv's
   rounding depends on its input's length, and one frame per call decodes any chunking of a stream bit for bit
   alike (the CPU tests compare served pieces with offline whole videos exactly).
 `DecoderKernels.compiled()` fuses the elementwise functions with torch.compile: every axis but the channels is
@@ -214,12 +216,17 @@ class WanDecoder:
     channels-last), upsample convs folded into phase convs, norm scales folded into their weights. `stream()`
     starts a video."""
 
-    def __init__(self, vae, kernels: DecoderKernels = EAGER, frames_per_call: int | None = None):
+    def __init__(
+        self, vae, kernels: DecoderKernels = EAGER, frames_per_call: int | Callable[[int, int], int] | None = None
+    ):
+        """`frames_per_call`: latent frames per call after a stream's first, a count or a function of the latent
+        grid (h, w); None: 4 on CUDA (16 output frames a call), 1 on CPU."""
         if (reason := unsupported(vae)) is not None:
             raise ValueError(reason)
         self.vae, self.kernels = vae, kernels
-        # on CUDA, 4 latent frames = 16 output frames at full resolution per call
-        self.frames_per_call = frames_per_call or (4 if next(vae.parameters()).is_cuda else 1)
+        cuda = next(p for p in vae.decoder.parameters()).is_cuda
+        frames = frames_per_call or (4 if cuda else 1)
+        self.frames_per_call: Callable[[int, int], int] = frames if callable(frames) else (lambda h, w: frames)
         self.phases: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(upsample Conv2d) → phase_weights
         self.norm_weights: dict[int, torch.Tensor] = {}  # id(WanRMS_norm) → sqrt(C)·gamma [C]
         with torch.no_grad():
@@ -253,7 +260,7 @@ class DecoderStream:
         if self.first:
             outs.append(self._forward(x[:, :1]))
             self.first, x = False, x[:, 1:]
-        n = self.d.frames_per_call
+        n = self.d.frames_per_call(z.shape[3], z.shape[4])
         for a in range(0, x.shape[1], n):
             outs.append(self._forward(x[:, a : a + n]))
         return torch.cat(outs) if len(outs) > 1 else outs[0]

@@ -1,0 +1,250 @@
+"""Each part's GPU memory against its plan (cosmos3_core/memory.py), in-process on one GPU, random weights at real
+shapes.
+
+  python -m bench.memory --preset nano [--precision fp8] [--compile] [--json out/memory.json]
+  python -m bench.memory --served configs/nano.yaml [--precision fp8] [--request 1280x720x189] [--steps 2]
+
+For each part, loaded alone as the server loads it (the plan's weights), then run at several sizes: the allocator's
+own peak (`torch.cuda.max_memory_allocated`) over what was resident before, beside the plan's figure for the same
+size. Rows: the GEN tower, the denoise step (through `DenoiseEngine`'s warmup: the real row builder and step, 2
+steps, CUDA graphs as served), the VAE decoder per call (1 and 4 latent frames a call), the VAE encoder (an i2v
+frame), the UND pass at max_prompt_tokens. Prints one line a row and the ratio measured / planned.
+
+`--served`: the whole server on the config (random weights of its model's preset, no guardrail), nvidia-smi sampled
+every 0.2 s per process from launch through one request: each part's peak beside its plan, and the whole card's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import subprocess
+import tempfile
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from cosmos3_core import memory
+from cosmos3_core.deployment import Deployment
+from cosmos3_core.engine import DenoiseEngine
+from cosmos3_core.model.conditioning import VaeCodec
+from cosmos3_core.model.layers import GEN, UND
+from cosmos3_core.model.rotary import rotary_tables, text_position_ids
+from cosmos3_core.model.towers import prefill_text_kv
+from cosmos3_core.requests import validate
+from cosmos3_core.sampling import checkpoint_shift
+
+GIB = memory.GIB
+STEP_SIZES = [(480, 832, 121), (720, 1280, 121), (720, 1280, 189)]
+DECODE_SIZES = [(480, 832), (720, 1280), (1280, 1280)]
+
+
+def fresh() -> int:
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated()
+
+
+def row(rows: list[dict], part: str, what: str, measured: int, planned: int) -> None:
+    ratio = measured / planned if planned else float("nan")
+    rows.append({"part": part, "what": what, "measured": measured, "planned": planned, "ratio": ratio})
+    print(f"{part:<10} {what:<44} measured {measured / GIB:7.2f} GiB  plan {planned / GIB:7.2f} GiB  "
+          f"ratio {ratio:5.2f}", flush=True)  # fmt: skip
+
+
+PART_OF = {"cosmos3_prefill": "prefill", "cosmos3_denoise": "denoise", "cosmos3_vae_decode": "vae_decode"}
+
+
+def smi_by_process() -> dict[int, int]:
+    """pid → bytes used on the GPU (nvidia-smi's own count, contexts included)."""
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, check=False).stdout  # fmt: skip
+    used = {}
+    for line in out.strip().splitlines():
+        pid, mib = (x.strip() for x in line.split(","))
+        used[int(pid)] = int(mib) * memory.MIB
+    return used
+
+
+def part_of(pid: int) -> str:
+    try:
+        cmd = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")
+    except OSError:
+        return "gone"
+    return next((part for name, part in PART_OF.items() if name in cmd), "server")
+
+
+def served(args) -> None:
+    from client.stream import generate
+    from cosmos3_core.tools.plan import checkpoint_root
+    from cosmos3_core.triton.launcher import stop_server, wait_until_ready
+    from cosmos3_core.triton.serve import start
+
+    d = Deployment.load(args.served, safety_checker="none", precision=args.precision)
+    root, _ = checkpoint_root(d.checkpoint)
+    d = replace(d, checkpoint=str(root))
+    ckpt = d.open_checkpoint()
+    p = memory.plan(d, ckpt.root, ckpt.config, memory.card_bytes())
+    print(p.table(), "\n" + p.verdict(), flush=True)
+    peaks: dict[str, int] = {}
+    total_peak = [0]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            by_part: dict[str, int] = {}
+            for pid, used in smi_by_process().items():
+                part = part_of(pid)
+                by_part[part] = by_part.get(part, 0) + used
+            for part, used in by_part.items():
+                peaks[part] = max(peaks.get(part, 0), used)
+            total_peak[0] = max(total_peak[0], sum(by_part.values()))
+            stop.wait(0.2)
+
+    threading.Thread(target=sample, daemon=True).start()
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as work:
+        proc, ports, _ = start(d, Path(work))
+        try:
+            wait_until_ready(ports[1], proc=proc, timeout_s=900)
+            ready = time.perf_counter() - t0
+            print(f"ready in {ready:.0f}s; after load: " + ", ".join(f"{k} {v / GIB:.1f}" for k, v in peaks.items()),
+                  flush=True)  # fmt: skip
+            w, h, f = (int(x) for x in args.request.split("x"))
+            for _ in range(args.requests):
+                t = time.perf_counter()
+                generate(f"127.0.0.1:{ports[0]}", "A robot arm stacks red and blue cubes on a wooden table.",
+                         {"width": w, "height": h, "num_frames": f, "steps": args.steps})  # fmt: skip
+                print(f"request {w}x{h}x{f}, {args.steps} steps: {time.perf_counter() - t:.1f}s", flush=True)
+        finally:
+            stop.set()
+            stop_server(proc)
+    rows: list[dict] = []
+    for part in memory.PARTS:
+        row(rows, part, "peak (nvidia-smi)", peaks.get(part, 0), p.part_bytes(part))
+    row(rows, "all", "whole server's peak (nvidia-smi)", total_peak[0], p.total)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"config": args.served, "precision": args.precision, "request": args.request,
+                       "device": torch.cuda.get_device_name(), "rows": rows}, fh, indent=1)  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--served", default=None, metavar="CONFIG", help="the whole server on CONFIG, sampled")
+    ap.add_argument("--request", default="1280x720x189", help="--served: WxHxF of its requests")
+    ap.add_argument("--requests", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--preset", default="nano")
+    ap.add_argument("--precision", default="checkpoint", choices=["checkpoint", "fp8"])
+    ap.add_argument("--compile", action="store_true", help="compiled GEN and decoder kernels, as the configs serve")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--skip", nargs="*", default=[], help="parts to skip: denoise decode encode prefill")
+    args = ap.parse_args(argv)
+    if args.served:
+        return served(args)
+    d = Deployment.load(f"configs/{args.preset}.yaml", checkpoint=f"random:{args.preset}", safety_checker="none",
+                        precision=args.precision, compile=args.compile, warmup_requests=[])  # fmt: skip
+    ckpt = d.open_checkpoint()
+    cfg, dtype = ckpt.config, d.torch_dtype
+    p = memory.plan(d, ckpt.root, cfg, memory.card_bytes())
+    print(p.table(), flush=True)
+    rows: list[dict] = []
+    fp8 = ckpt.fp8 is not None
+
+    if "denoise" not in args.skip:
+        base = fresh()
+        engine = DenoiseEngine.from_deployment(ckpt, replace(d, max_step_rows="auto", pool_pages=256))
+        weights = sum(x.numel() * x.element_size() for x in engine.model.parameters())
+        weights += sum(x.numel() * x.element_size() for x in engine.model.buffers())
+        row(rows, "denoise", "GEN tower (parameters)", weights, memory.tower_bytes(cfg, GEN, dtype, fp8))
+        row(rows, "denoise", "GEN tower, reserved after load", torch.cuda.memory_reserved() - base
+            - engine.pool.k_pages.nbytes * 2, memory.tower_bytes(cfg, GEN, dtype, fp8))  # fmt: skip
+        shift = checkpoint_shift(ckpt.scheduler_config)
+        sizes = (d.defaults, d.limits, cfg.pixel_alignment, cfg.vae_scale_temporal, shift)
+        for h, w, f in STEP_SIZES:
+            req = validate("warmup", {"height": h, "width": w, "num_frames": f, "steps": 2, "guidance_scale": 6.0},
+                           None, *sizes)  # fmt: skip
+            n = engine.scheduler.rows(req, engine.scheduler.plan(req))
+            before = fresh()
+            reserved = torch.cuda.memory_reserved()
+            t = time.perf_counter()
+            engine.warmup([req])
+            engine.warmup([req])  # a second run: the layout's capture (≤ max_capture_rows) and replay
+            took = time.perf_counter() - t
+            peak = torch.cuda.max_memory_allocated() - before
+            row(rows, "denoise", f"step {w}x{h}x{f}: {n} rows ({took:.0f}s)", peak, memory.step_bytes(cfg, n, dtype))
+            captured = n <= d.max_capture_rows
+            row(rows, "denoise", f"  reserved growth{' (eager + graph)' if captured else ''}",
+                torch.cuda.memory_reserved() - reserved,
+                memory.step_bytes(cfg, n, dtype) * (2 if captured else 1))  # fmt: skip
+        del engine
+        fresh()
+
+    if "decode" not in args.skip:
+        base = fresh()
+        vae = ckpt.load_vae("cuda", dtype, ("decoder",))
+        resident = torch.cuda.memory_allocated() - base
+        row(rows, "vae_decode", "VAE decoder (resident)", resident, memory.vae_bytes(_vae_config(ckpt), dtype)[1])
+        for frames in (1, 4):
+            codec = VaeCodec(vae, args.compile, frames_per_call=lambda h, w, f=frames: f)
+            codec.decode(torch.zeros(1, cfg.latent_channel, 6, 5, 7, device="cuda"))  # compiles, first use
+            s = cfg.vae_scale_spatial
+            for h, w in DECODE_SIZES:
+                before = fresh()
+                t = time.perf_counter()
+                codec.decode(torch.zeros(1, cfg.latent_channel, 1 + frames, h // s, w // s, device="cuda"))
+                torch.cuda.synchronize()
+                took = time.perf_counter() - t
+                peak = torch.cuda.max_memory_allocated() - before
+                row(rows, "vae_decode", f"decode {w}x{h}, {frames} latent frames a call ({took:.2f}s)", peak,
+                    memory.decode_workspace(h * w, frames))  # fmt: skip
+        del vae, codec
+        fresh()
+
+    if "encode" not in args.skip:
+        base = fresh()
+        vae = ckpt.load_vae("cuda", dtype, ("encoder",))
+        resident = torch.cuda.memory_allocated() - base
+        row(rows, "prefill", "VAE encoder (resident)", resident, memory.vae_bytes(_vae_config(ckpt), dtype)[0])
+        codec = VaeCodec(vae)
+        for h, w in DECODE_SIZES:
+            before = fresh()
+            codec.encode_first_frame(np.zeros((h, w, 3), np.uint8), h, w)
+            peak = torch.cuda.max_memory_allocated() - before
+            row(rows, "prefill", f"encode a {w}x{h} frame", peak, int(memory.ENCODE_BYTES_PER_PIXEL * h * w))
+        del vae, codec
+        fresh()
+
+    if "prefill" not in args.skip:
+        base = fresh()
+        model = ckpt.load_transformer({UND}, "cuda", dtype)
+        resident = torch.cuda.memory_allocated() - base
+        row(rows, "prefill", "UND tower (resident)", resident, memory.tower_bytes(cfg, UND, dtype, fp8))
+        tokens = d.limits.max_prompt_tokens
+        cos, sin = rotary_tables(cfg, text_position_ids(tokens), dtype, "cuda")
+        before = fresh()
+        for _ in range(2):
+            prefill_text_kv(model, torch.zeros(tokens, dtype=torch.long, device="cuda"), cos, sin)
+        row(rows, "prefill", f"UND pass, {tokens} tokens x 2 branches", torch.cuda.max_memory_allocated() - before,
+            256 * memory.MIB)  # fmt: skip
+
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"preset": args.preset, "precision": args.precision, "compile": args.compile,
+                       "device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)  # fmt: skip
+
+
+def _vae_config(ckpt) -> dict:
+    return json.loads((ckpt.root / "vae" / "config.json").read_text())
+
+
+if __name__ == "__main__":
+    main()
