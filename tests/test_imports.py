@@ -99,3 +99,33 @@ def test_only_tools_import_tools():
     users = [(m, d) for m, deps in graph().items() if not m.startswith("tools.")
              for d in deps if d.startswith("tools.")]  # fmt: skip
     assert not users, f"imports of tools/ from outside it: {users}"
+
+
+# stdlib only, and only such modules of the package: the supervisor's front and launcher (a supervisor that imports
+# torch starts slowly and holds its memory), the door's state and tickets, and the pure lifecycle (unit-tested without
+# a server, so no pb_utils). The plain modules they use import nothing else at their top (caches.py's flashinfer
+# import is inside the one function the supervisor never calls).
+STDLIB_ONLY = {"triton.state", "triton.admission", "triton.lifecycle", "triton.front", "triton.launcher"}
+PLAIN = {"errors", "caches", "parallel.config", "parallel.__init__"}
+
+
+def _beyond_stdlib(nodes) -> list[str]:
+    import sys
+
+    out = []
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names if a.name.split(".")[0] not in sys.stdlib_module_names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module.split(".")[0] != "cosmos3_core":
+            out += [node.module] if node.module.split(".")[0] not in sys.stdlib_module_names else []
+    return out
+
+
+def test_supervisor_state_and_lifecycle_import_the_stdlib_only():
+    bad = []
+    for module in sorted(STDLIB_ONLY | PLAIN):
+        path = PKG / (module.replace(".", "/") + ".py")
+        tree = ast.parse(path.read_text())
+        bad += [(module, m) for m in _beyond_stdlib(ast.walk(tree) if module in STDLIB_ONLY else tree.body)]
+        bad += [(module, d) for d in imports_of(path) if d not in STDLIB_ONLY | PLAIN]
+    assert not bad, f"beyond the stdlib: {bad}"
