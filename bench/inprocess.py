@@ -165,7 +165,7 @@ def main() -> None:
     ap.add_argument("--fp8-attention", action="store_true", help="a deployment's fp8_attention (FA3 FP8, Hopper)")
     ap.add_argument("--variants", nargs="+", default=["sdpa", "flashinfer+graphs"], help="attention[+graphs] ...")
     ap.add_argument("--json", default="")
-    ap.add_argument("--md", default="", help="append a row (date, GPU, command, figures) to this BENCHMARKS.md")
+    ap.add_argument("--md", default="", help="append a row (date, GPU, command, figures) to this file")
     args = ap.parse_args()
     params = {"height": args.height, "width": args.width, "num_frames": args.frames, "steps": args.steps,
               "guidance_scale": args.guidance, "shift": 5.0, "seed": 0}  # fmt: skip

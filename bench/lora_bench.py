@@ -1,7 +1,7 @@
 """Served LoRA cost (BENCHMARKS.md's LoRA rows): one server with adapters, then diffusers with the same adapter.
 
   python -m bench.lora_bench --config configs/bench_edge.yaml [--rank 32] [--c1 2] [--c4 1] [--diffusers 1]
-      [--json out.json] [--md BENCHMARKS.md]
+      [--json out.json] [--md out/bench_rows.md]
   python -m bench.lora_bench --config configs/tiny.yaml --rank 4 --params '{"num_frames": 5, "steps": 2}'  # CPU
 
 Writes six random adapters (tools/make_lora: rank `--rank` on the attention and MLP linears of both towers, fp32
@@ -160,7 +160,7 @@ def main() -> int:
     ap.add_argument("--params", default="{}", help="JSON request parameters (default: the config's defaults)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=YAML", help="override a top-level config key")
     ap.add_argument("--json", default="")
-    ap.add_argument("--md", default="", help="append a row (date, GPU, command, figures) to this BENCHMARKS.md")
+    ap.add_argument("--md", default="", help="append a row (date, GPU, command, figures) to this file")
     args = ap.parse_args()
     t_start = time.perf_counter()
     overrides = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.set)}

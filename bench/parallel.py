@@ -2,7 +2,7 @@
 (`Generator`: prefill → engine → decode) with each split of `parallel`, against one GPU.
 
   python -m bench.parallel --config configs/bench_edge.yaml --splits none cfg2 ulysses2 vae2 cfg2+vae2 \
-      --repeat 3 --json out/bench_parallel_edge.json --md BENCHMARKS.md
+      --repeat 3 --json out/bench_parallel_edge.json --md out/bench_rows.md
   python -m bench.parallel --config configs/bench_nano_t2v.yaml --splits none cfg2 ulysses2 cfg2+vae2 --repeat 2
 
 A split is `none` or `+`-joined `cfg2`, `ulysses2|4|8`, `vae2..8` (the deployment's `parallel` for that run; rank r
@@ -80,7 +80,7 @@ def main() -> None:
     ap.add_argument("--params", default="{}", help="request parameters (JSON) over the config's defaults")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", default="")
-    ap.add_argument("--md", default="", help="append a row (date, GPU, command, figures) to this BENCHMARKS.md")
+    ap.add_argument("--md", default="", help="append a row (date, GPU, command, figures) to this file")
     args = ap.parse_args()
     params = json.loads(args.params)
     splits = {name: parse_split(name) for name in args.splits}

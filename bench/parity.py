@@ -1,7 +1,7 @@
 """Real-shape numerics, kept as a harness: our served path and diffusers' pipeline in low precision, each against
 diffusers in fp32 on the same weights. Rerun after every numeric change.
 
-  python -m bench.parity --preset edge|nano [--cases GLOB ...] [--compile] [--json F] [--md BENCHMARKS.md]
+  python -m bench.parity --preset edge|nano [--cases GLOB ...] [--compile] [--json F] [--md out/parity.md]
   python -m bench.parity --preset tiny                # the whole harness on CPU (fp32 against fp32)
   python -m bench.parity --preset nano --cases '*+sound-9f-4s-flow' 'v2v-*-9f-4s-flow'   # sound and v2v
   python -m bench.parity --preset nano --cases 'policy-480-*' 'fd-480-*' 'id-256-*'      # robot actions
@@ -11,7 +11,7 @@ diffusers in fp32 on the same weights. Rerun after every numeric change.
                                                       # ours and diffusers' own FP8 on the same FP8 checkpoint
   python -m bench.parity --preset edge --cases 't2v-*' --cache '{"policy": "sea"}'   # SeaCache on both sides
   python -m bench.parity --preset nano --cases 'policy-480-*' 'id-256-*' --seeds 4     # actions over 4 noise seeds
-  python -m bench.parity --report F.json --md BENCHMARKS.md   # render a saved run
+  python -m bench.parity --report F.json --md out/parity.md   # render a saved run
 
 The checkpoint is a real diffusers one with LLM-like random weights at the preset's shapes
 (`random_checkpoint.write_skeleton(..., weights=True)`, stored in bf16, so every run holds the same weights). A
@@ -862,7 +862,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--seeds", type=int, default=1, help="noise seeds per case: seed, seed + 1, ...")
     ap.add_argument("--bar", type=float, default=BAR)
     ap.add_argument("--json", default="")
-    ap.add_argument("--md", default="", help="add the table to this BENCHMARKS.md")
+    ap.add_argument("--md", default="", help="add the table to this markdown file")
     ap.add_argument("--report", default="", help="render a saved --json run instead of running")
     args = ap.parse_args(argv)
     result = json.loads(Path(args.report).read_text()) if args.report else run(args)

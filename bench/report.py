@@ -9,7 +9,7 @@ import shlex
 import sys
 from pathlib import Path
 
-SECTION = "## Runs appended by the benchmarks (`--md BENCHMARKS.md`)"
+SECTION = "## Runs appended by the benchmarks (`--md FILE`)"
 HEADER = "| date | GPU | command | figures |\n|---|---|---|---|"
 
 

@@ -427,7 +427,7 @@ def main() -> int:
         help="override a top-level config key (e.g. precision=fp8, pool_pages=8192, warmup_requests='[{...}]')",
     )  # fmt: skip
     ap.add_argument("--json", default="")
-    ap.add_argument("--md", default="", help="append a row (date, GPU, command, figures) to this BENCHMARKS.md")
+    ap.add_argument("--md", default="", help="append a row (date, GPU, command, figures) to this file")
     args = ap.parse_args()
     if args.diffusers_variants and not set(args.diffusers_variants) <= set(args.variants or ()):
         ap.error("--diffusers-variants must be among --variants")
