@@ -218,7 +218,7 @@ def _serve(args, repo: Path, deployment: Deployment, pool: int, ports: list[int]
         healed.clear()  # parts healed in this tritonserver's life
         reason = supervise(proc, stopping, heal_parts, state)
         if reason is None:  # asked to stop (readiness said so at once): drain, then stop the server
-            drain(state, deployment.drain_timeout_s)
+            drain(state, deployment.drain_timeout_s + 10)  # the engine's drain timeout, then its stragglers' errors
             if not healed & {"denoise", "vae_decode"}:
                 return stop_server(proc)
             # tritonserver still holds the requests of a dead decoupled instance (nothing can end them: see
@@ -254,7 +254,7 @@ def drain(state: ServerState, timeout_s: float) -> None:
     timeout; a request whose pieces still decode is held until its last frames are out). Then tritonserver can stop
     with nothing in flight."""
     state.drain()
-    deadline = time.monotonic() + timeout_s + 10
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and not state.idle():
         time.sleep(0.2)
     time.sleep(0.2)  # each held request's last step (vae_decode's answer to its `end`)
