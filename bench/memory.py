@@ -220,6 +220,12 @@ def main(argv: list[str] | None = None) -> None:
             codec.encode_first_frame(np.zeros((h, w, 3), np.uint8), h, w)
             peak = torch.cuda.max_memory_allocated() - before
             row(rows, "prefill", f"encode a {w}x{h} frame", peak, int(memory.ENCODE_BYTES_PER_PIXEL * h * w))
+            before = fresh()
+            clip = torch.zeros(1, 3, 9, h, w, dtype=dtype, device="cuda")  # the first frame, then chunks of 4
+            vae.encode(clip)
+            peak = torch.cuda.max_memory_allocated() - before
+            row(rows, "prefill", f"encode a {w}x{h} clip (4 frames a chunk)", peak,
+                int(memory.ENCODE_BYTES_PER_PIXEL * memory.ENCODE_CLIP_FACTOR * h * w))  # fmt: skip
         del vae, codec
         fresh()
 

@@ -35,16 +35,25 @@ PARTS = ("prefill", "denoise", "vae_decode", "server")
 CONTEXT_BYTES = 600 * MIB
 SERVER_BYTES = 1100 * MIB  # tritonserver's own process (its context, the Python backend's shm bookkeeping)
 # the denoise step's live activations per packed row, in units of hidden × dtype bytes, with the MLP run in row chunks
-# (towers.gen_forward: the residual stream, its normed copy, q/k/v, the attention output, the gathered own K/V)
-STEP_HIDDEN_COPIES = 6.0
-MLP_INTERMEDIATE_COPIES = 3.0  # gate, up and their product, live at once within a chunk
-STEP_FIXED_BYTES = 512 * MIB  # FlashInfer's workspace, cuBLAS's, the step's small buffers
+# (towers.gen_forward: the residual stream, its normed copy, q/k/v, the attention output, the gathered own K/V).
+# Fitted on an H100 (bench.memory, Nano, compiled kernels): 2.02 / 3.52 / 5.01 GiB at 24,180 / 57,040 / 88,320 rows
+STEP_HIDDEN_COPIES = 6.3
+MLP_INTERMEDIATE_COPIES = 1.0  # what a chunk's [rows, intermediate] tensors add (the compiled kernels fuse the rest)
+STEP_FIXED_BYTES = 400 * MIB  # FlashInfer's workspace, cuBLAS's, the step's small buffers
+GRAPH_POOL_SHARE = 0.3  # the CUDA graphs' pool beside the eager step, a share of its step (H100: 2.02 → 2.33 GiB)
 # the VAE decoder's workspace per call: bytes per output pixel of one latent frame (4 video frames), and the share
 # each further latent frame in the same call adds (a call's activations grow less than linearly with its frames)
-DECODE_BYTES_PER_PIXEL = 7200
-DECODE_EXTRA_FRAME = 0.42
+# (H100, compiled kernels: 2.78 / 6.39 / 11.35 GiB at 832x480 / 1280x720 / 1280x1280, 2.56x that with 4 frames)
+DECODE_BYTES_PER_PIXEL = 7500
+DECODE_EXTRA_FRAME = 0.52
 MAX_DECODE_FRAMES_PER_CALL = 4
-ENCODE_BYTES_PER_PIXEL = 6000  # the VAE encoder's workspace per input pixel of one call (a frame, or 4 of a clip)
+# frames larger than this decode in row bands (model/wan_decoder.py BandedStream), each a call of at most this size
+BAND_ABOVE_PIXELS = 1280 * 720
+BAND_HALO_ROWS = 4  # = BandedStream.HALO_ROWS
+# the VAE encoder's workspace per input pixel of one frame (H100: 2.01 GiB at 1280x1280); a clip's chunk of 4 frames
+ENCODE_BYTES_PER_PIXEL = 1400
+ENCODE_CLIP_FACTOR = 2.6
+UND_PASS_BYTES = 320 * MIB  # the UND tower over max_prompt_tokens, both branches (H100: 0.30 GiB at 1024 tokens)
 # NVIDIA's guardrail (safety.py, cosmos_guardrail 0.3.2): Qwen3Guard-0.6B in prefill; RetinaFace and the video
 # content filter in decode (3.9 GiB for both, measured on the H200)
 GUARDRAIL_BYTES = {"prefill": 1600 * MIB, "vae_decode": 2300 * MIB}
@@ -92,7 +101,8 @@ class MemoryPlan:
     pool_pages: int
     max_step_rows: int
     largest: Largest
-    decode_budget: int  # the decoder's workspace bound: frames per call are chosen under it
+    decode_budget: int  # the decoder's workspace bound: frames per call and bands are chosen under it
+    spatial: int  # output pixels per latent pixel, per axis (the VAE's spatial factor)
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     def part_bytes(self, part: str) -> int:
@@ -110,8 +120,18 @@ class MemoryPlan:
     def fits(self) -> bool:
         return not self.card_bytes or self.total <= self.budget
 
-    def decode_frames_per_call(self, height: int, width: int) -> int:
-        return decode_frames_per_call(height * width, self.decode_budget)
+    def decode_frames_per_call(self, h: int, w: int) -> int:
+        """Latent frames per decoder call for a latent grid (h, w) (a band's rows, halo included)."""
+        return decode_frames_per_call(h * w * self.spatial**2, self.decode_budget)
+
+    def decode_band_rows(self, h: int, w: int) -> int:
+        """Latent rows per band of a frame of latent grid (h, w): h when the whole frame's call fits the budget,
+        else the most whose band (with its halo, `BandedStream.HALO_ROWS` each side) does."""
+        row = w * self.spatial**2
+        if decode_workspace(h * row, 1) <= self.decode_budget:
+            return h
+        rows = self.decode_budget // decode_workspace(row, 1) - 2 * BAND_HALO_ROWS
+        return max(1, min(h, rows))
 
     def table(self) -> str:
         lines = [f"{'part':<11} {'kind':<10} {'GiB':>7}  what"]
@@ -166,12 +186,10 @@ def decode_workspace(pixels: int, frames: int) -> int:
 
 
 def decode_frames_per_call(pixels: int, budget: int) -> int:
-    """The most latent frames (≤ 4) a decoder call may take at `pixels` output pixels a frame within `budget`
-    (at least 1). Larger calls keep every kernel busy; 1 is diffusers' own pattern, bit-identical."""
-    for frames in range(MAX_DECODE_FRAMES_PER_CALL, 1, -1):
-        if decode_workspace(pixels, frames) <= budget:
-            return frames
-    return 1
+    """Latent frames a decoder call takes at `pixels` output pixels a frame: 4 (every kernel busy) when that fits
+    `budget`, else 1, diffusers' own pattern and bit-identical (H100, 1280x720: 1 a call is also the faster,
+    0.075 s a latent frame against 0.089 s)."""
+    return MAX_DECODE_FRAMES_PER_CALL if decode_workspace(pixels, MAX_DECODE_FRAMES_PER_CALL) <= budget else 1
 
 
 def largest_request(cfg: ModelConfig, limits) -> Largest:  # limits: requests.Limits
@@ -271,8 +289,8 @@ def plan(d, ckpt_root: str | Path, cfg: ModelConfig, card: int) -> MemoryPlan:  
     # prefill: the UND tower, the VAE's encoder, the text guardrail; activations: its largest conditioning encode
     add("prefill", "weights", tower_bytes(cfg, UND, dtype, fp8) + encoder, f"UND tower ({label}) + VAE encoder", n_pre)
     enc_pixels = min(d.limits.max_height * d.limits.max_width, d.limits.max_image_pixels)
-    add("prefill", "workspace", ENCODE_BYTES_PER_PIXEL * enc_pixels + 256 * MIB,
-        f"VAE encode of a {d.limits.max_height}x{d.limits.max_width} frame, the UND pass", n_pre)  # fmt: skip
+    add("prefill", "workspace", max(ENCODE_BYTES_PER_PIXEL * ENCODE_CLIP_FACTOR * enc_pixels, UND_PASS_BYTES),
+        f"VAE encode of a {d.limits.max_height}x{d.limits.max_width} clip's 4 frames", n_pre)  # fmt: skip
     if guard:
         add("prefill", "guardrail", GUARDRAIL_BYTES["prefill"], "text guardrail (Qwen3Guard)", n_pre)
     add("prefill", "context", CONTEXT_BYTES, "CUDA context", n_pre)
@@ -288,14 +306,18 @@ def plan(d, ckpt_root: str | Path, cfg: ModelConfig, card: int) -> MemoryPlan:  
     graphs = d.torch_device.startswith("cuda") and d.cuda_graphs and d.max_captures
     captured = min(rows, d.max_capture_rows or rows) if graphs else 0
     if captured:  # the graphs' shared pool holds the largest captured layout's activations beside the eager ones
-        add("denoise", "graphs", step_bytes(cfg, captured, dtype), f"CUDA graph pool (layouts ≤ {captured} rows)", n_den)
+        add("denoise", "graphs", GRAPH_POOL_SHARE * step_bytes(cfg, captured, dtype),
+            f"CUDA graph pool (layouts ≤ {captured} rows)", n_den)  # fmt: skip
     add("denoise", "context", CONTEXT_BYTES, "CUDA context", n_den)
 
-    # decode: the decoder, its workspace at the largest frame (1 latent frame per call there), the video guardrail
-    budget = decode_workspace(largest.decode_pixels, 1)
+    # decode: the decoder, its workspace at the largest call (a frame up to 1280x720, one latent frame a call;
+    # larger frames in row bands of that size), the video guardrail
+    call_pixels = min(largest.decode_pixels, BAND_ABOVE_PIXELS)
+    budget = decode_workspace(call_pixels, 1)
+    banded = " in row bands" if largest.decode_pixels > BAND_ABOVE_PIXELS else ""
     add("vae_decode", "weights", decoder, f"VAE decoder ({str(dtype).removeprefix('torch.')})")
-    add("vae_decode", "workspace", budget,
-        f"decoder call at {largest.decode_pixels / 1e6:.2f} MP a frame, latent frames per call ≤ budget")  # fmt: skip
+    add("vae_decode", "workspace", budget, f"decoder call of {call_pixels / 1e6:.2f} MP (largest frame "
+        f"{largest.decode_width}x{largest.decode_height}{banded})")  # fmt: skip
     if guard:
         add("vae_decode", "guardrail", GUARDRAIL_BYTES["vae_decode"], "video guardrail (RetinaFace, content filter)")
     add("vae_decode", "context", CONTEXT_BYTES, "CUDA context")
@@ -317,7 +339,8 @@ def plan(d, ckpt_root: str | Path, cfg: ModelConfig, card: int) -> MemoryPlan:  
         [i for i, e in enumerate(entries) if e.part == "denoise"][-1],
         Entry("denoise", "kv_pool", page * pages * n_den, f"{pages} pages of {d.page_size} tokens ({how})"),
     )
-    return MemoryPlan(tuple(entries), card, d.gpu_memory_utilization, pages, rows, largest, budget, tuple(notes))
+    return MemoryPlan(tuple(entries), card, d.gpu_memory_utilization, pages, rows, largest, budget,
+                      cfg.vae_scale_spatial, tuple(notes))  # fmt: skip
 
 
 def max_prompt_pages(cfg: ModelConfig, d) -> int:

@@ -18,6 +18,7 @@ import torch
 from . import faults
 from .deployment import Deployment
 from .lora_store import LoraSettings, adapter_dir, open_store, weights_file
+from .memory import MemoryPlan
 from .model.action import condition_actions, encode_action_condition
 from .model.checkpoint import Checkpoint
 from .model.conditioning import HostFrames, StreamDecoder, VaeCodec
@@ -75,10 +76,16 @@ class PrefillStage:
     def from_deployment(cls, ckpt: Checkpoint, d: Deployment, device: str) -> PrefillStage:
         """With the deployment's text guardrail (`safety.Unavailable` when it cannot be built here). Refuses a
         deployment whose memory plan does not fit its card (`memory.PlanError`)."""
-        d.planned(ckpt)
+        _, plan = d.planned(ckpt)
         safety = Guardrail.load(d.safety_checker, device, TEXT)
-        return cls(ckpt, device, d.torch_dtype, d.defaults, d.limits, d.lora, safety=safety,
-                   safety_optional=d.safety_checker_optional)  # fmt: skip
+        stage = cls(ckpt, device, d.torch_dtype, d.defaults, d.limits, d.lora, safety=safety,
+                    safety_optional=d.safety_checker_optional)  # fmt: skip
+        if str(device).startswith("cuda"):  # the encoder's peak at load: a clip's first call at the largest frame
+            big = plan.largest
+            with torch.inference_mode():
+                clip = torch.zeros(1, 3, 5, big.decode_height, big.decode_width, dtype=stage.codec.dtype, device=device)
+                stage.codec.vae.encode(clip)
+        return stage
 
     def validate(
         self,
@@ -212,12 +219,13 @@ class DecodeStage:
         compile: bool = False,
         group: Group | None = None,
         safety: Guardrail | None = None,
-        frames_per_call: Callable[[int, int], int] | None = None,
+        plan: MemoryPlan | None = None,
     ):
         """`group`: decode each chunk split by rows over its decode ranks (parallel/vae.py). `startup`: seconds
         per part of this load (the server logs them). `safety`: the video guardrail every piece of frames passes
-        before it is returned (None: no checks). `frames_per_call`: the decoder's latent frames per call by latent
-        grid (h, w), the memory plan's (None: the decoder's default)."""
+        before it is returned (None: no checks). `plan`: the deployment's memory plan (on CUDA): the decoder's
+        latent frames per call and its row bands by frame size, and a warmup decode of the largest admitted frame,
+        so its memory is claimed at load (None: the decoder's defaults)."""
         self.safety = safety
         # stream id → (why the guardrail blocked one of its pieces, when): its later pieces are refused too, never
         # sent. Kept past `drop` (pieces launched before the request's end may still be finishing), until idle
@@ -238,7 +246,8 @@ class DecodeStage:
         cuda = str(device).startswith("cuda")
         compile = compile and cuda  # the fused kernels save memory traffic on the GPU; on CPU, only compile time
         wrap = None if group is None else (lambda decoder: PatchDecoder(decoder, group))
-        self.codec = VaeCodec(ckpt.load_vae(device, dtype, ("decoder",)), compile, wrap, frames_per_call)
+        calls = (plan.decode_frames_per_call, plan.decode_band_rows) if plan is not None else (None, None)
+        self.codec = VaeCodec(ckpt.load_vae(device, dtype, ("decoder",)), compile, wrap, *calls)
         lap("vae")
         try:  # the sound tokenizer in the deployment's dtype, as the pipeline loads its components
             self.sound_tokenizer = load_sound_tokenizer(ckpt.root, device, dtype)
@@ -254,6 +263,11 @@ class DecodeStage:
         if compile:
             warm_decoder(self.codec, ckpt.config.latent_channel)
             lap("compile warmup")
+        if plan is not None:  # the largest frame: 1 + 4 latent frames (its first call and a full one)
+            s, big = ckpt.config.vae_scale_spatial, plan.largest
+            self.codec.decode(torch.zeros(1, ckpt.config.latent_channel, 5, big.decode_height // s,
+                                          big.decode_width // s, device=device))  # fmt: skip
+            lap("memory warmup")
 
     @classmethod
     def from_deployment(cls, ckpt: Checkpoint, d: Deployment, device: str, group: Group | None = None) -> DecodeStage:
@@ -263,9 +277,9 @@ class DecodeStage:
         safety = Guardrail.load(d.safety_checker, device, VIDEO)  # first: a missing guardrail fails before the VAE
         if group is None and d.parallel.vae > 1:
             group = Group(d.worker_spec(ckpt.root, ("decode",)))
-        s = ckpt.config.vae_scale_spatial
-        frames = (lambda h, w: plan.decode_frames_per_call(h * s, w * s)) if str(device).startswith("cuda") else None
-        return cls(ckpt, device, d.torch_dtype, d.compile, group if d.parallel.vae > 1 else None, safety, frames)
+        cuda = str(device).startswith("cuda")
+        return cls(ckpt, device, d.torch_dtype, d.compile, group if d.parallel.vae > 1 else None, safety,
+                   plan if cuda else None)  # fmt: skip
 
     def run(self, latents: torch.Tensor, safety_check: bool = True) -> np.ndarray:
         """normalised latents [1, C, T, h, w] → uint8 [T', H, W, 3], through the video guardrail unless the

@@ -51,12 +51,13 @@ class VaeCodec:
         compile: bool = False,
         wrap: Callable[[WanDecoder], object] | None = None,
         frames_per_call: Callable[[int, int], int] | None = None,
+        band_rows: Callable[[int, int], int] | None = None,
     ):
-        """`frames_per_call`: the decoder's latent frames per call by latent grid (h, w), from the memory plan
-        (None: WanDecoder's default)."""
+        """`frames_per_call`, `band_rows`: the decoder's latent frames per call and latent rows per band by latent
+        grid (h, w), from the memory plan (None: `WanDecoder`'s defaults, whole frames)."""
         self.vae = vae
         self.compile = compile
-        self.frames_per_call = frames_per_call
+        self.frames_per_call, self.band_rows = frames_per_call, band_rows
         self.wrap = wrap
         self._decoder: WanDecoder | DiffusersDecoder | None = None
         self.dtype = vae.dtype
@@ -70,7 +71,7 @@ class VaeCodec:
         if self._decoder is None:
             if (reason := unsupported(self.vae)) is None:
                 kernels = DecoderKernels.compiled() if self.compile else EAGER
-                self._decoder = WanDecoder(self.vae, kernels, self.frames_per_call)
+                self._decoder = WanDecoder(self.vae, kernels, self.frames_per_call, self.band_rows)
                 if self.wrap is not None:
                     self._decoder = self.wrap(self._decoder)
             else:  # a checkpoint diffusers runs is served, only slower

@@ -217,16 +217,22 @@ class WanDecoder:
     starts a video."""
 
     def __init__(
-        self, vae, kernels: DecoderKernels = EAGER, frames_per_call: int | Callable[[int, int], int] | None = None
+        self,
+        vae,
+        kernels: DecoderKernels = EAGER,
+        frames_per_call: int | Callable[[int, int], int] | None = None,
+        band_rows: Callable[[int, int], int] | None = None,
     ):
         """`frames_per_call`: latent frames per call after a stream's first, a count or a function of the latent
-        grid (h, w); None: 4 on CUDA (16 output frames a call), 1 on CPU."""
+        grid (h, w); None: 4 on CUDA (16 output frames a call), 1 on CPU. `band_rows`: latent rows per band of a
+        frame of latent grid (h, w) (`BandedStream`; ≥ h: the whole frame); None: whole frames."""
         if (reason := unsupported(vae)) is not None:
             raise ValueError(reason)
         self.vae, self.kernels = vae, kernels
         cuda = next(p for p in vae.decoder.parameters()).is_cuda
         frames = frames_per_call or (4 if cuda else 1)
         self.frames_per_call: Callable[[int, int], int] = frames if callable(frames) else (lambda h, w: frames)
+        self.band_rows = band_rows
         self.phases: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(upsample Conv2d) → phase_weights
         self.norm_weights: dict[int, torch.Tensor] = {}  # id(WanRMS_norm) → sqrt(C)·gamma [C]
         with torch.no_grad():
@@ -239,8 +245,41 @@ class WanDecoder:
                     conv = m.resample[1]
                     self.phases[id(conv)] = phase_weights(conv.weight, conv.bias)
 
-    def stream(self) -> DecoderStream:
-        return DecoderStream(self)
+    def stream(self) -> DecoderStream | BandedStream:
+        return DecoderStream(self) if self.band_rows is None else BandedStream(self)
+
+
+class BandedStream:
+    """A stream whose frames decode in horizontal bands of latent rows, each through its own `DecoderStream` (its
+    own causal state) over its rows and `HALO_ROWS` more on either side, cropped back to its rows: a call holds one
+    band's activations, not the frame's. The halo stands in for the rows beyond it (zeros at the band's edge where
+    the whole frame has values, and the mid block's attention sees the band's pixels only), so a band's rows differ
+    from the whole frame's by less than diffusers' own tiled decode (tiles of 16 latent rows, 4 blended):
+    `tests/test_decoder.py` holds it to that. The bands are fixed by the stream's first chunk."""
+
+    HALO_ROWS = 4
+
+    def __init__(self, decoder: WanDecoder):
+        self.d = decoder
+        self.bands: list[tuple[int, int, DecoderStream]] = []
+
+    def __call__(self, z: torch.Tensor) -> torch.Tensor:
+        """un-normalised latents [1, C, T, h, w] → uint8 frames [T', 16h, 16w, 3]."""
+        h = z.shape[3]
+        if not self.bands:
+            rows = max(1, self.d.band_rows(h, z.shape[4]))  # type: ignore[misc]
+            n = -(-h // rows)
+            edges = [h * i // n for i in range(n + 1)]
+            self.bands = [(a, b, DecoderStream(self.d)) for a, b in zip(edges, edges[1:])]
+        if len(self.bands) == 1:
+            return self.bands[0][2](z)
+        pieces = []
+        for a, b, stream in self.bands:
+            lo, hi = max(0, a - self.HALO_ROWS), min(h, b + self.HALO_ROWS)
+            frames = stream(z[:, :, :, lo:hi])  # [T', (hi - lo)·s, W, 3]
+            s = frames.shape[1] // (hi - lo)
+            pieces.append(frames[:, (a - lo) * s : (b - lo) * s])
+        return torch.cat(pieces, dim=1)
 
 
 class DecoderStream:
