@@ -12,7 +12,7 @@ ADDRESS ?= 127.0.0.1
 PROMPT ?= A robot arm stacks red and blue cubes on a wooden table, soft daylight.
 OUT ?= out/demo.mp4
 
-.PHONY: setup serve demo stop test lint bench soak fuzz conformance parity warm warm-kernels device-wheels docker clean \
+.PHONY: setup serve demo stop test lint bench soak fuzz conformance parity plan warm warm-kernels device-wheels docker clean \
 	guardrail-served
 
 setup: $(VENV)/.installed
@@ -69,6 +69,12 @@ bench: setup
 	$(PY) -m bench.served --config $(or $(BENCH_CONFIG),configs/bench_edge.yaml) --json out/bench_served.json --md out/bench_rows.md
 	$(PY) -m bench.served --config configs/bench_nano_ar.yaml --c1 0 --c4 0 --ar 1 --json out/bench_nano_ar.json --md out/bench_rows.md
 	$(PY) -m bench.inprocess --preset edge --compile --variants sdpa flashinfer+graphs --json out/bench_inprocess.json --md out/bench_rows.md
+
+# the deployment's GPU memory plan, per part, without a GPU; exits non-zero when it does not fit GPU_MEMORY GiB (default:
+# this machine's GPU; with none, it only sizes). SET='precision=fp8 pool_pages=2048' overrides config keys
+plan: setup
+	$(PY) -m cosmos3_core.tools.plan --config $(CONFIG) $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT)) \
+		$(if $(GPU_MEMORY),--gpu-memory $(GPU_MEMORY)) $(foreach kv,$(SET),--set $(kv))
 
 # build the deployment's kernels (FlashInfer's modules, torch.compile's graphs) into $$COSMOS3_CACHE/kernels before
 # serving, on the GPU it will serve on. warm-kernels: FlashInfer's modules only, no GPU needed (nvcc, flashinfer

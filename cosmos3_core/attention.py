@@ -303,7 +303,7 @@ class FlashInferAttention:
 
         err, rounding = fp8_kernel_check(fa3_fp8, self.heads, self.kv_heads, self.head_dim, self.workspace.device)
         if not err <= FP8_CHECK_RATIO * rounding:  # (NaN refuses too)
-            known = " (0.6.1's is wrong on short sequences, 100-600 keys: BENCHMARKS.md, 10th-12th sessions)"
+            known = " (0.6.1's is wrong on short sequences, 100-600 keys: BENCHMARKS.md, levers that did not pay)"
             raise Fp8KernelDefect(
                 f"fp8_attention: FlashInfer {flashinfer.__version__}'s FA3 FP8 kernel fails its load check here: "
                 f"rel-L2 {err:.3f} to exact attention on {len(FP8_CHECK_LENGTHS)} sequences of random q/k/v, against "

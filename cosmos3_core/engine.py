@@ -109,7 +109,7 @@ class DenoiseEngine:
         kernels = GenKernels.compiled() if compile else EAGER
         if self.fp8_policy is not None and not compile and str(device).startswith("cuda"):
             print("cosmos3: warning: FP8 linears with compile: false quantize activations and dequantize W8A16 weights "
-                  "in unfused kernels: slower than the 16-bit model on the H200 (BENCHMARKS.md, 14th session); set "
+                  "in unfused kernels: slower than the 16-bit model on the H200 (BENCHMARKS.md); set "
                   "compile: true", file=sys.stderr)  # fmt: skip
         if parallel is None:
             self.pool = KVPool(

@@ -242,7 +242,7 @@ class DecodeStage:
             t = now
 
         # cuDNN's heuristics, not its benchmark: on the H200 the Edge video decodes as fast either way (1.34 s), and
-        # the benchmark made a server's first video 6.9 s instead of 1.5 s (BENCHMARKS.md, bench.decode_startup)
+        # the benchmark made a server's first video 6.9 s instead of 1.5 s (H200, measured 2026-11)
         cuda = str(device).startswith("cuda")
         compile = compile and cuda  # the fused kernels save memory traffic on the GPU; on CPU, only compile time
         wrap = None if group is None else (lambda decoder: PatchDecoder(decoder, group))
