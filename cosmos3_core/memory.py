@@ -15,6 +15,7 @@ Sizes are bytes; the table prints GiB.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,7 +50,7 @@ DECODE_EXTRA_FRAME = 0.52
 MAX_DECODE_FRAMES_PER_CALL = 4
 # frames larger than this decode in row bands (model/wan_decoder.py BandedStream), each a call of at most this size
 BAND_ABOVE_PIXELS = 1280 * 720
-BAND_HALO_ROWS = 4  # = BandedStream.HALO_ROWS
+BAND_HALO_ROWS = 8  # = BandedStream.HALO_ROWS
 # the VAE encoder's workspace per input pixel of one frame (H100: 2.01 GiB at 1280x1280); a clip's chunk of 4 frames
 ENCODE_BYTES_PER_PIXEL = 1400
 ENCODE_CLIP_FACTOR = 2.6
@@ -240,15 +241,21 @@ def tower_bytes(cfg: ModelConfig, tower: str, dtype: torch.dtype, fp8: bool) -> 
 def vae_bytes(vae_config: dict, dtype: torch.dtype) -> tuple[int, int]:
     """(encoder, decoder) parameter bytes of the checkpoint's AutoencoderKLWan (quant_conv with the encoder,
     post_quant_conv with the decoder)."""
+    encoder, decoder = _vae_params(json.dumps(vae_config, sort_keys=True))
+    return encoder * dtype.itemsize, decoder * dtype.itemsize
+
+
+@functools.lru_cache(maxsize=8)
+def _vae_params(vae_config: str) -> tuple[int, int]:
     from diffusers import AutoencoderKLWan
 
-    with torch.device("meta"):
-        vae = AutoencoderKLWan.from_config(vae_config)
+    with torch.device("meta"):  # seconds for Wan2.2's: once per config
+        vae = AutoencoderKLWan.from_config(json.loads(vae_config))
 
-    def size(*modules: torch.nn.Module) -> int:
-        return sum(p.numel() for m in modules for p in m.parameters()) * dtype.itemsize
+    def count(*modules: torch.nn.Module) -> int:
+        return sum(p.numel() for m in modules for p in m.parameters())
 
-    return size(vae.encoder, vae.quant_conv), size(vae.decoder, vae.post_quant_conv)
+    return count(vae.encoder, vae.quant_conv), count(vae.decoder, vae.post_quant_conv)
 
 
 def page_bytes(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:

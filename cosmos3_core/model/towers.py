@@ -164,7 +164,7 @@ def chunked_residual(
     attn: torch.Tensor,
     a16_rows: int,
     lora: AdapterRows | None,
-    chunk: int = MLP_CHUNK_ROWS,
+    chunk: int,
 ) -> torch.Tensor:
     """`kernels.residual` over rows [a, a + chunk) at a time, into one output [N, hidden] (W8A16 rows keep their
     place: each chunk gets its share of `a16_rows`). With adapters (their per-row groups) it runs whole."""
@@ -179,14 +179,14 @@ def chunked_residual(
 
 
 def gen_forward(
-    model: Cosmos3Transformer, packed, attend: Attend, kernels: GenKernels = EAGER, chunk: int = MLP_CHUNK_ROWS
+    model: Cosmos3Transformer, packed, attend: Attend, kernels: GenKernels = EAGER
 ) -> GenOutput:  # packed: graphs.PackedStep
     """One GEN pass over a packed step → predictions [rows, patch_latent_dim] (every row, clean ones too), the
     sound rows' predictions [R, sound_dim] (None without sound), the action rows' [A, action_dim] (None without
     actions; clean ones too), with `packed.residual` the block stack's residual [rows, hidden] (its output after
     `norm_moe_gen` minus its input after the embedding; else None) and, for each segment that asks (`collect_kv`),
     its tokens' K/V [layers, tokens, kv_heads, d]. `attend` is the step's attention plan (already updated for these
-    segments). The residual half of each layer runs `chunk` rows at a time (`chunked_residual`). No host
+    segments). The residual half of each layer runs MLP_CHUNK_ROWS rows at a time (`chunked_residual`). No host
     synchronisation: capturable."""
     collect = [i for i, seg in enumerate(packed.segments) if seg.collect_kv]
     ks: dict[int, list[torch.Tensor]] = {i: [] for i in collect}
@@ -211,7 +211,7 @@ def gen_forward(
             vs[j].append(v[rows])
         attn = attend(q, k, v, i)
         del q, k, v  # their memory serves the residual's
-        x = chunked_residual(kernels, layer, x, attn, packed.a16_rows, packed.lora, chunk)
+        x = chunked_residual(kernels, layer, x, attn, packed.a16_rows, packed.lora, MLP_CHUNK_ROWS)
         del attn
     h = model.norm_moe_gen(x)
     sound_out = model.audio_proj_out(h[sound_rows]) if sound_rows.numel() else None

@@ -257,7 +257,7 @@ class BandedStream:
     from the whole frame's by less than diffusers' own tiled decode (tiles of 16 latent rows, 4 blended):
     `tests/test_decoder.py` holds it to that. The bands are fixed by the stream's first chunk."""
 
-    HALO_ROWS = 4
+    HALO_ROWS = 8
 
     def __init__(self, decoder: WanDecoder):
         self.d = decoder

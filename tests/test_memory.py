@@ -1,0 +1,173 @@
+"""The GPU memory plan (cosmos3_core/memory.py) on the CPU: the tool on every shipped config, the plan's exact
+entries against what the real loaders and engine hold, a deployment that cannot fit refused at load naming what
+to change, the step's row bound, the decoder's row bands against diffusers' own tiled decode, and the GEN
+residual in row chunks against the whole. The activation coefficients are checked on the GPU (`bench.memory`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from cosmos3_core import memory
+from cosmos3_core.deployment import Deployment
+from cosmos3_core.engine import DenoiseEngine
+from cosmos3_core.model import towers
+from cosmos3_core.model.checkpoint import Checkpoint
+from cosmos3_core.model.layers import UND
+from cosmos3_core.model.wan_decoder import WanDecoder
+from cosmos3_core.requests import RequestError
+from cosmos3_core.stages import PrefillStage
+from cosmos3_core.tools import plan as plan_tool
+from tests.test_engine import Recorder, prefilled
+
+SHIPPED = ["configs/edge.yaml", "configs/nano.yaml", "configs/nano_ar.yaml"]
+
+
+@pytest.mark.parametrize("config", SHIPPED)
+@pytest.mark.parametrize("precision", ["checkpoint", "fp8"])
+def test_every_shipped_config_fits_an_80_gb_card(config, precision, capsys):
+    assert plan_tool.main(["--config", config, "--set", f"precision={precision}", "--gpu-memory", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "fits" in out and "denoise     weights" in out and "vae_decode  workspace" in out
+
+
+def test_a_plan_over_the_card_exits_1_saying_what_to_change(capsys):
+    assert plan_tool.main(["--config", "configs/nano.yaml", "--gpu-memory", "40"]) == 1
+    out = capsys.readouterr().out
+    assert "does not fit" in out and "precision: fp8 saves" in out and "pool_pages:" in out
+    assert "max_step_rows" in out
+
+
+def _tiny(nano_ckpt, **kw) -> Deployment:
+    return Deployment(checkpoint=str(nano_ckpt), device="cpu", dtype="float32", **{"pool_pages": 64, **kw})
+
+
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if not t.is_meta)
+
+
+@pytest.mark.parametrize("precision", ["checkpoint", "fp8"])
+def test_the_plan_counts_what_the_loaders_and_engine_hold(nano_ckpt, precision):
+    d = _tiny(nano_ckpt, precision=precision)
+    ckpt = d.open_checkpoint()
+    p = memory.plan(d, ckpt.root, ckpt.config, 0)
+    entry = {(e.part, e.kind): e.bytes for e in p.entries}
+    engine = DenoiseEngine.from_deployment(ckpt, d)
+    held = _bytes([*engine.model.parameters(), *engine.model.buffers()])
+    assert entry["denoise", "weights"] == held
+    assert entry["denoise", "kv_pool"] == engine.pool.k_pages.nbytes + engine.pool.v_pages.nbytes
+    und = ckpt.load_transformer({UND}, "cpu", torch.float32)
+    encoder = ckpt.load_vae("cpu", torch.float32, ("encoder",))
+    assert entry["prefill", "weights"] == _bytes([*und.parameters(), *und.buffers()]) + _bytes(encoder.parameters())
+    decoder = ckpt.load_vae("cpu", torch.float32, ("decoder",))
+    assert entry["vae_decode", "weights"] == _bytes(decoder.parameters())
+    assert _bytes(encoder.decoder.parameters()) == 0 and _bytes(decoder.encoder.parameters()) == 0  # halves
+
+
+def test_a_deployment_that_cannot_fit_is_refused_at_load_naming_the_keys(nano_ckpt, monkeypatch):
+    monkeypatch.setattr(memory, "card_bytes", lambda device="cuda": 2 * memory.GIB)
+    d = _tiny(nano_ckpt)
+    ckpt = d.open_checkpoint()
+    with pytest.raises(memory.PlanError, match="does not fit") as denoise:
+        DenoiseEngine.from_deployment(ckpt, d)
+    assert "pool_pages" in str(denoise.value) and "precision: fp8" in str(denoise.value)
+    with pytest.raises(memory.PlanError, match="gpu_memory_utilization"):
+        PrefillStage.from_deployment(ckpt, d, "cpu")
+    monkeypatch.setattr(memory, "card_bytes", lambda device="cuda": 80 * memory.GIB)
+    assert DenoiseEngine.from_deployment(ckpt, d).pool.num_pages == 64  # fits: served as configured
+
+
+def test_auto_pool_takes_what_the_card_leaves_up_to_its_cap(nano_ckpt):
+    d = _tiny(nano_ckpt, pool_pages="auto")
+    ckpt = d.open_checkpoint()
+    roomy = memory.plan(d, ckpt.root, ckpt.config, 80 * memory.GIB)
+    assert roomy.pool_pages == memory.max_pool_pages(ckpt.config, d)
+    page = memory.page_bytes(ckpt.config, d.page_size, torch.float32)
+    others = roomy.total - roomy.pool_pages * page
+    tight = memory.plan(d, ckpt.root, ckpt.config, int((others + 200 * page) / d.gpu_memory_utilization) + 1)
+    assert 199 <= tight.pool_pages <= 200 and tight.fits
+
+
+def test_a_step_holds_at_most_max_step_rows(nano_ckpt):
+    ckpt = Checkpoint.open(nano_ckpt)
+    from cosmos3_core.requests import Defaults, Limits
+
+    prefill = PrefillStage(ckpt, "cpu", torch.float32, Defaults(height=32, width=32, num_frames=5), Limits())
+    one = prefilled(prefill, 0, steps=2)
+    probe = DenoiseEngine(ckpt, "cpu", torch.float32, pool_pages=64, page_size=16, max_queue=4)
+    rows = probe.scheduler.rows(one.params, probe.scheduler.plan(one.params))
+    engine = DenoiseEngine(ckpt, "cpu", torch.float32, pool_pages=64, page_size=16, max_queue=4, max_step_rows=rows)
+    sinks = [Recorder(), Recorder()]
+    for s in sinks:
+        engine.submit(prefilled(prefill, 1, steps=2), s)
+    engine.tick()
+    assert engine.num_live == 1 and engine.num_waiting == 1  # the second waits for room in the step
+    engine.run_until_idle()
+    assert all(s.latents is not None and not s.errors for s in sinks)
+    small = DenoiseEngine(ckpt, "cpu", torch.float32, pool_pages=64, page_size=16, max_queue=4, max_step_rows=rows - 1)
+    with pytest.raises(RequestError, match="max_step_rows"):
+        small.submit(prefilled(prefill, 2, steps=2), Recorder())
+
+
+def test_the_gen_residual_in_row_chunks_equals_it_whole(nano_ckpt, monkeypatch):
+    """The real step, every layer's residual run 16 rows at a time (W8A16 rows keep their place) against once."""
+    ckpt = Checkpoint.open(nano_ckpt)
+    from cosmos3_core.requests import Defaults, Limits
+
+    prefill = PrefillStage(ckpt, "cpu", torch.float32, Defaults(height=32, width=32, num_frames=5), Limits())
+
+    def run() -> torch.Tensor:
+        engine = DenoiseEngine(ckpt, "cpu", torch.float32, pool_pages=64, page_size=16, max_queue=4)
+        sinks = [Recorder(), Recorder()]
+        for seed, s in enumerate(sinks):  # two requests packed: chunks cross their boundary
+            engine.submit(prefilled(prefill, seed, steps=2), s)
+        engine.run_until_idle()
+        return torch.stack([s.latents for s in sinks])
+
+    whole = run()
+    monkeypatch.setattr(towers, "MLP_CHUNK_ROWS", 16)
+    chunked = run()
+    torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def vae(nano_ckpt):
+    return Checkpoint.open(nano_ckpt).load_vae("cpu", torch.float32)
+
+
+def test_banded_decode_is_nearer_the_whole_frame_than_diffusers_tiled_decode(vae):
+    """24 latent rows in bands of 8 (+8 rows of halo each side), streamed in two chunks, against one whole-frame
+    decode; diffusers' own tiled decode (tiles of 16 latent rows, 12 apart: its defaults' ratio) against its untiled
+    one. Ours must be at least as near."""
+    s = 16  # Wan2.2: 8x spatial × patch 2
+    g = torch.Generator().manual_seed(3)
+    latents = torch.randn(1, vae.config.z_dim, 3, 24, 8, generator=g)
+    whole = WanDecoder(vae).stream()(latents)
+    banded_stream = WanDecoder(vae, band_rows=lambda h, w: 8).stream()
+    banded = torch.cat([banded_stream(latents[:, :, :1]), banded_stream(latents[:, :, 1:])])
+    assert banded.shape == whole.shape
+    ours = (banded.float() - whole.float()).abs().mean().item()
+
+    def diffusers_frames(tiled: bool) -> torch.Tensor:
+        if tiled:
+            vae.enable_tiling(tile_sample_min_height=16 * s, tile_sample_min_width=16 * s,
+                              tile_sample_stride_height=12 * s, tile_sample_stride_width=12 * s)  # fmt: skip
+        else:
+            vae.disable_tiling()
+        with torch.no_grad():
+            video = vae.decode(latents).sample.clamp(-1, 1)
+        vae.disable_tiling()
+        return ((video[0].permute(1, 2, 3, 0) * 0.5 + 0.5) * 255).round()
+
+    theirs = (diffusers_frames(True) - diffusers_frames(False)).abs().mean().item()
+    assert ours <= theirs, (ours, theirs)
+    assert np.isfinite(ours)
+
+
+def test_one_latent_frame_a_call_decodes_bit_identical_to_four(vae):
+    g = torch.Generator().manual_seed(5)
+    latents = torch.randn(1, vae.config.z_dim, 9, 4, 6, generator=g)
+    one = WanDecoder(vae, frames_per_call=1).stream()(latents)
+    four = WanDecoder(vae, frames_per_call=4).stream()(latents)
+    assert torch.equal(one, four)
