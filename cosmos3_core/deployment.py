@@ -160,9 +160,9 @@ class Deployment:
         card = memory.card_bytes(self.torch_device) if card is None else card
         p = memory.plan(self, ckpt.root, ckpt.config, card)
         memory.check(p)
-        warmup = self.warmup_requests
-        if self.torch_device.startswith("cuda"):
-            warmup = [*warmup, p.largest.warmup_request()]
+        warmup, largest = self.warmup_requests, p.largest.warmup_request()
+        if self.torch_device.startswith("cuda") and largest not in warmup:  # planned() twice: added once
+            warmup = [*warmup, largest]
         return replace(self, pool_pages=p.pool_pages, max_step_rows=p.max_step_rows, warmup_requests=warmup), p
 
     def open_checkpoint(self) -> Checkpoint:

@@ -63,8 +63,9 @@ class Generator:
     """Prefill → engine → decode in one process; what the CLI, tests and the in-process benchmark run."""
 
     def __init__(self, deployment: Deployment, checkpoint: Checkpoint | None = None):
-        self.deployment = d = deployment
-        self.ckpt = checkpoint or d.open_checkpoint()
+        self.ckpt = checkpoint or deployment.open_checkpoint()
+        # the memory plan's pool and step bound, and on CUDA the largest admitted request in the warmup
+        self.deployment = d = deployment.planned(self.ckpt)[0]
         device = d.torch_device
         self.prefill = PrefillStage.from_deployment(self.ckpt, d, device)  # the deployment's guardrail, as served
         # one group for the denoise and the decode ranks (parallel/group.py), when the deployment splits either

@@ -59,6 +59,7 @@ class PrefillStage:
         self.cfg = ckpt.config
         self.device, self.dtype = device, dtype
         self.defaults, self.limits = defaults, limits
+        self.plan: MemoryPlan | None = None  # the deployment's memory plan (from_deployment)
         self.shift = checkpoint_shift(ckpt.scheduler_config)
         self.model = ckpt.load_transformer({UND}, device, dtype)
         self.loras = open_store(lora, ckpt, self.model)
@@ -80,6 +81,7 @@ class PrefillStage:
         safety = Guardrail.load(d.safety_checker, device, TEXT)
         stage = cls(ckpt, device, d.torch_dtype, d.defaults, d.limits, d.lora, safety=safety,
                     safety_optional=d.safety_checker_optional)  # fmt: skip
+        stage.plan = plan
         if str(device).startswith("cuda"):  # the encoder's peak at load: a clip's first call at the largest frame
             big = plan.largest
             with torch.inference_mode():
@@ -227,6 +229,7 @@ class DecodeStage:
         latent frames per call and its row bands by frame size, and a warmup decode of the largest admitted frame,
         so its memory is claimed at load (None: the decoder's defaults)."""
         self.safety = safety
+        self.plan = plan
         # stream id → (why the guardrail blocked one of its pieces, when): its later pieces are refused too, never
         # sent. Kept past `drop` (pieces launched before the request's end may still be finishing), until idle
         self.blocked: dict[str, tuple[str, float]] = {}
@@ -278,8 +281,10 @@ class DecodeStage:
         if group is None and d.parallel.vae > 1:
             group = Group(d.worker_spec(ckpt.root, ("decode",)))
         cuda = str(device).startswith("cuda")
-        return cls(ckpt, device, d.torch_dtype, d.compile, group if d.parallel.vae > 1 else None, safety,
-                   plan if cuda else None)  # fmt: skip
+        stage = cls(ckpt, device, d.torch_dtype, d.compile, group if d.parallel.vae > 1 else None, safety,
+                    plan if cuda else None)  # fmt: skip
+        stage.plan = plan
+        return stage
 
     def run(self, latents: torch.Tensor, safety_check: bool = True) -> np.ndarray:
         """normalised latents [1, C, T, h, w] → uint8 [T', H, W, 3], through the video guardrail unless the

@@ -23,6 +23,7 @@ from ..requests import RequestError
 from ..stages import DecodeStage
 from ..wire import ChunkEvent, decode_event
 from . import lifecycle
+from .gpu_memory import GpuMemoryMetric
 from .io import (
     EMPTY_VIDEO,
     FINAL,
@@ -206,6 +207,8 @@ class DecodeModel:
         d, device = deployment_from_args(args)
         stage = DecodeStage.from_deployment(Checkpoint.open(d.checkpoint), d, device)  # parallel.vae: over a group
         metrics = DecodeMetrics({"model": args["model_name"], "instance": args["model_instance_name"]})
+        labels = {"model": args["model_name"], "instance": args["model_instance_name"]}
+        self.gpu_memory = GpuMemoryMetric(stage.plan, ("vae_decode",), labels)
         self.loop = DecodeLoop(stage, ServerState(d.state_dir), metrics, device)
         parts = ", ".join(f"{k} {v:.1f}s" for k, v in stage.startup.items())
         pb_utils.Logger.log_info(f"cosmos3_vae_decode: ready in {time.perf_counter() - t0:.1f}s ({parts})")
@@ -213,6 +216,7 @@ class DecodeModel:
     def execute(self, requests):
         for request in requests:
             self.loop.put(request)
+        self.gpu_memory.publish()
         return None
 
     def finalize(self):

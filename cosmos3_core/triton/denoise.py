@@ -26,6 +26,7 @@ from ..requests import RequestError, validate, warmup_inputs
 from ..sampling import checkpoint_shift
 from ..wire import AcceptedEvent, ChunkInfo, ErrorEvent, PrefillResult, RequestMeta
 from . import lifecycle
+from .gpu_memory import GpuMemoryMetric
 from .io import (
     EMPTY_ACTIONS,
     EMPTY_LATENTS,
@@ -340,6 +341,8 @@ class DenoiseModel:
         t0 = time.perf_counter()
         d, device = deployment_from_args(args)
         ckpt = d.open_checkpoint()
+        d, plan = d.planned(ckpt)  # refused here when it does not fit the card; the largest request joins warmup
+        pb_utils.Logger.log_info(f"cosmos3: GPU memory plan\n{plan.table()}\n{plan.verdict()}")
         self.engine = DenoiseEngine.from_deployment(ckpt, d, device)
         pb_utils.Logger.log_info(f"cosmos3_denoise: engine built in {time.perf_counter() - t0:.1f}s")  # startup's parts
         cfg, shift = ckpt.config, checkpoint_shift(ckpt.scheduler_config)
@@ -354,6 +357,8 @@ class DenoiseModel:
         self.metrics = EngineMetrics(
             self.engine, {"model": args["model_name"], "instance": args["model_instance_name"]}
         )
+        labels = {"model": args["model_name"], "instance": args["model_instance_name"]}
+        self.gpu_memory = GpuMemoryMetric(plan, ("denoise", "server"), labels)
         self.state = ServerState(d.state_dir)
         self.state.clear_tickets("engine")  # a previous incarnation's waiting requests are never answered
         self.state.set_busy(args["model_instance_name"], False)  # nor its held ones
@@ -392,6 +397,7 @@ class DenoiseModel:
                 )
                 sink.accepted()  # before the engine may send: vae_decode holds a step of it from now on
                 self.engine.submit(result, sink)
+                self.gpu_memory.publish()
             except QueueFull as e:
                 self._reject(request, sink, str(e), "rejected")
             except RequestError as e:  # what only the engine checks (e.g. the pool's size)

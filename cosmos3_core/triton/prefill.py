@@ -19,6 +19,7 @@ from ..safety import Refused
 from ..stages import PrefillStage
 from ..wire import RequestMeta
 from .admission import Ticket
+from .gpu_memory import GpuMemoryMetric
 from .io import deployment_from_args, error_response, input_array, log_exception, output, text_output
 from .outcomes import AT_PREFILL, Outcomes
 from .state import ServerState
@@ -46,13 +47,17 @@ class PrefillModel:
         d, device = deployment_from_args(args)
         self.stage = PrefillStage.from_deployment(d.open_checkpoint(), d, device)  # with its text guardrail
         self.refusals = RefusalMetric({"model": args["model_name"], "instance": args["model_instance_name"]})
+        labels = {"model": args["model_name"], "instance": args["model_instance_name"]}
+        self.gpu_memory = GpuMemoryMetric(self.stage.plan, ("prefill",), labels)
         self.state = ServerState(d.state_dir)
         # how requests ended here: one count each, the only one (outcomes.py)
         self.outcomes = Outcomes({"model": args["model_name"], "instance": args["model_instance_name"]}, AT_PREFILL)
         pb_utils.Logger.log_info(f"cosmos3_prefill: ready in {time.perf_counter() - t0:.1f}s")  # startup's parts
 
     def execute(self, requests):
-        return [self._one(r) for r in requests]
+        responses = [self._one(r) for r in requests]
+        self.gpu_memory.publish()
+        return responses
 
     def _one(self, request):
         raw = input_array(request, "ticket")  # the door's; absent when prefill is called on its own
