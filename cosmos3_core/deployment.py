@@ -70,6 +70,14 @@ def _check_memory_keys(raw: dict[str, Any], where: str) -> None:
             raise ValueError(f"{where}: {key}: an integer ≥ {least}, or auto; got {value!r}")
 
 
+def _check_session_keys(raw: dict[str, Any], where: str) -> None:
+    ttl, most = raw.get("session_ttl_s", 120.0), raw.get("max_sessions", 16)
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl <= 86400:
+        raise ValueError(f"{where}: session_ttl_s: seconds in (0, 86400]; got {ttl!r}")
+    if isinstance(most, bool) or not isinstance(most, int) or most < 0:
+        raise ValueError(f"{where}: max_sessions: a count ≥ 0; got {most!r}")
+
+
 @dataclass(frozen=True)
 class Deployment:
     checkpoint: str = ""  # empty: the tiny checkpoint (model/provision.py); rendered deployments hold the path
@@ -140,6 +148,10 @@ class Deployment:
     # module:callable (a factory returning a checker). Not given: none; the configs of real checkpoints say cosmos
     safety_checker: str = "none"
     safety_checker_optional: bool = False  # a request may send parameters.enable_safety_check false
+    # AR sessions (`parameters.session`, docs/requests.md#sessions): an idle kept session ends this long after it was
+    # kept; at most max_sessions live at once (the least recently kept idle one is evicted first; 0: none kept)
+    session_ttl_s: float = 120.0
+    max_sessions: int = 16
 
     @property
     def torch_device(self) -> str:
@@ -196,6 +208,7 @@ class Deployment:
         if not isinstance(raw.get("max_captures", 0), int) or raw.get("max_captures", 0) < 0:
             raise ValueError(f"{path}: max_captures: a count ≥ 0; got {raw['max_captures']}")
         _check_memory_keys(raw, str(path))
+        _check_session_keys(raw, str(path))
         raw["safety_checker"] = check_spec(raw.get("safety_checker", NONE), str(path))
         if not isinstance(raw.get("safety_checker_optional", False), bool):
             raise ValueError(f"{path}: safety_checker_optional: true or false; got {raw['safety_checker_optional']!r}")

@@ -30,6 +30,7 @@ from .parallel.group import Group
 from .requests import GenerationParams
 from .rows import Row, RowOutput, denoise_step_row
 from .scheduler import EngineStats, Job, QueueFull, Scheduler, Sink
+from .sessions import SessionTable
 from .step import DenoiseStep, bucket_padding, derive_buckets
 from .wire import PrefillResult
 
@@ -160,6 +161,7 @@ class DenoiseEngine:
             max_capture_rows=d.max_capture_rows,
         )
         engine.plan = plan
+        engine.scheduler.sessions = SessionTable(d.session_ttl_s, d.max_sessions)  # kept AR sessions (sessions.py)
         return engine
 
     def tick(self) -> int:

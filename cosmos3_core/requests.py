@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field, fields
+import re
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
@@ -209,6 +210,13 @@ class GenerationParams:
     # the deployment's guardrail on this request's prompt and frames (safety.py); false only where the deployment
     # has safety_checker_optional (checked by `PrefillStage.validate`), as the pipeline's `enable_safety_check`
     enable_safety_check: bool = True
+    # AR sessions (`parameters.session`, sessions.py): keep the stream's state after its last window; continue the
+    # session of that id (num_frames then counts the new frames: a multiple of the VAE's temporal factor)
+    session_keep: bool = False
+    session_continue: str = ""
+    # prefill's digest of the request's text tokens (every CFG branch): a continuation whose digest is its session's
+    # reuses the session's text K/V
+    text_digest: str = ""
 
     def __post_init__(self) -> None:  # JSON gives a list and a mapping back: keep the field types
         object.__setattr__(self, "condition_frame_indexes", tuple(self.condition_frame_indexes))
@@ -263,7 +271,13 @@ class GenerationParams:
         # a window field the mode does not read is refused when sent (`_validate_windows`): not echoed either
         hidden |= {"none": {"window_frames", "overlap_frames", "context_frames"}, "chained": {"context_frames"},
                    "kv": {"overlap_frames"}}[self.window_mode]  # fmt: skip
+        hidden |= {"session_keep", "session_continue", "text_digest"}
         out = {k: v for k, v in asdict(self).items() if k not in hidden}
+        if self.session_keep or self.session_continue:
+            out["session"] = {
+                "keep": self.session_keep,
+                **({"continue": self.session_continue} if self.session_continue else {}),
+            }
         if self.action_mode:
             out["action"] = dict(zip(ACTION_KEYS, (getattr(self, f) for f in ACTION_FIELDS), strict=True))
         return out
@@ -280,14 +294,14 @@ PARAMETER_KEYS = (
     "negative_prompt", "height", "width", "num_frames", "fps", "steps", "guidance_scale", "shift", "seed",
     "use_system_prompt", "add_templates", "window_mode", "window_frames", "overlap_frames", "context_frames",
     "max_windows", "condition_frame_indexes", "condition_video_keep", "enable_sound", "action", "cache", "lora",
-    "enable_safety_check",
+    "enable_safety_check", "session",
 )  # fmt: skip
 ACTION_KEYS = ("mode", "chunk_size", "domain", "resolution_tier", "view_point")  # parameters.action
 ACTION_FIELDS = ("action_mode", "chunk_size", "domain", "resolution_tier", "view_point")  # as GenerationParams has them
 # parameters an action request may not set: the chunk size sets the frames, the tier the size, the pipeline the prompt
 NOT_WITH_ACTION = (
     "num_frames", "height", "width", "add_templates", "window_mode", "window_frames", "overlap_frames",
-    "context_frames", "max_windows", "condition_frame_indexes", "condition_video_keep",
+    "context_frames", "max_windows", "condition_frame_indexes", "condition_video_keep", "session",
 )  # fmt: skip
 WINDOW_MODES = ("none", "chained", "kv")
 MIN_CHAINED_OVERLAP_LATENT = 2
@@ -383,11 +397,14 @@ def validate(
     checkpoint_shift: float,
     video: np.ndarray | None = None,
     raw_actions: np.ndarray | None = None,
+    kept: GenerationParams | None = None,
 ) -> GenerationParams:
     """Check a request against the limits; fill defaults. `alignment`: H, W multiple; frames ≡ 1 mod temporal;
     `checkpoint_shift`: the scheduler config's flow_shift, the shift when neither request nor deployment sets one.
     An action request (`parameters.action`) takes its conditioning from `image` or `video` and, for forward
-    dynamics, `raw_actions` FP32 [T, D]; what the checkpoint must hold for it is checked by `PrefillStage.validate`."""
+    dynamics, `raw_actions` FP32 [T, D]; what the checkpoint must hold for it is checked by `PrefillStage.validate`.
+    A continuation (`parameters.session.continue`) takes its session's sizes and windows from `kept`, the kept
+    request's parameters (None: the session is not there, an error naming `session`)."""
     unknown = sorted(set(params) - set(PARAMETER_KEYS))
     if unknown:
         key = unknown[0]  # a key that is no name ("", "a: b") could not lead the error text: name `parameters`
@@ -395,6 +412,14 @@ def validate(
             (key, "unknown parameter") if key.isidentifier() else ("parameters", f"unknown key {key[:64]!r}")
         )
         raise RequestError(field_name, f"{what}; known: {', '.join(PARAMETER_KEYS)}")
+    keep_session, ident = parse_session(params.get("session"))
+    if ident:
+        params, new_frames = _continuation(params, ident, kept, limits, temporal_factor)
+        p = validate(prompt, params, image, defaults, limits, alignment, temporal_factor, checkpoint_shift, video,
+                     raw_actions)  # fmt: skip
+        return replace(p, num_frames=new_frames, session_keep=keep_session, session_continue=ident)
+    if keep_session and params.get("window_mode", "none") not in ("chained", "kv"):
+        raise RequestError("session", "keep: a session is an AR stream's; needs window_mode chained or kv")
     text = decode_text(prompt, "prompt", limits)
     if not text.strip():
         raise RequestError("prompt", "must not be empty")
@@ -455,7 +480,91 @@ def validate(
         lora=parse_lora(params.get("lora")),
         **_action_fields(action, alignment),
         enable_safety_check=bool(_bool(params, "enable_safety_check", True)),
+        session_keep=keep_session,
     )
+
+
+# what a continuation takes from its session: a request may repeat them, not change them
+SESSION_FIXED = ("height", "width", "fps", "seed", "shift", "window_mode", "window_frames", "overlap_frames",
+                 "context_frames")  # fmt: skip
+
+
+def parse_session(value: Any) -> tuple[bool, str]:
+    """`parameters.session` → (keep, the id to continue or ""). Errors name `session`."""
+    if value is None:
+        return False, ""
+    if not isinstance(value, dict):
+        raise RequestError("session", f'must be a JSON object such as {{"keep": true}} or {{"continue": "<id>"}}, got '
+                           f"{value!r:.64}")  # fmt: skip
+    unknown = sorted(set(value) - {"keep", "continue"}, key=str)
+    if unknown:
+        raise RequestError("session", f"unknown field {str(unknown[0])[:64]!r}; known: keep, continue")
+    keep, ident = value.get("keep", False), value.get("continue", "")
+    if not isinstance(keep, bool):
+        raise RequestError("session", f"keep: must be true or false, got {keep!r:.64}")
+    if not isinstance(ident, str) or (ident and not re.fullmatch(r"[0-9a-f]{32}", ident)):
+        raise RequestError("session", f"continue: a session id (32 hex digits, a done event's session_id), got "
+                           f"{ident!r:.64}")  # fmt: skip
+    return keep, ident
+
+
+def continued_session(params: dict[str, Any]) -> str:
+    """The id of the session a request's parameters continue ("" for none, or a malformed `session` that `validate`
+    then names): callers look the session up before validating."""
+    try:
+        return parse_session(params.get("session"))[1]
+    except RequestError:
+        return ""
+
+
+def _continuation(
+    params: dict[str, Any], ident: str, kept: GenerationParams | None, limits: Limits, temporal: int
+) -> tuple[dict[str, Any], int]:
+    """A continuation's parameters as `validate` checks them (its session's sizes and windows filled in; num_frames
+    as a stream of its new latent frames plus one would have) → (those, the new pixel frames)."""
+    if kept is None:
+        raise RequestError("session", f"{ident} is unknown, has expired or was evicted")
+    for key in SESSION_FIXED:
+        if key in params and params[key] != getattr(kept, key):
+            raise RequestError(key, f"a continuation keeps its session's {key} ({getattr(kept, key)!r}); got "
+                               f"{params[key]!r:.64}")  # fmt: skip
+    for key in ("enable_sound", "action", "condition_frame_indexes", "condition_video_keep"):
+        if key in params:
+            raise RequestError(key, "does not apply to a session's continuation (an AR stream)")
+    window_lat = latent_frames(kept.window_frames, temporal)
+    step = window_lat - kept.overlap_frames // temporal if kept.window_mode == "chained" else window_lat
+    frames = params.get("num_frames", temporal * step)  # default: one window's new frames
+    if isinstance(frames, bool) or not isinstance(frames, int) or not temporal <= frames < limits.max_frames:
+        raise RequestError("num_frames", f"a continuation's new frames: an integer in [{temporal}, "
+                           f"{limits.max_frames - 1}], got {frames!r:.64}")  # fmt: skip
+    if frames % temporal:
+        raise RequestError("num_frames", f"a continuation's new frames: a multiple of {temporal} (whole latent "
+                           f"frames), got {frames}")  # fmt: skip
+    merged = {k: v for k, v in params.items() if k != "session"}
+    merged.update({k: getattr(kept, k) for k in ("height", "width", "fps", "seed", "shift", "window_mode",
+                                                 "window_frames")})  # fmt: skip
+    if kept.window_mode == "chained":
+        merged["overlap_frames"] = kept.overlap_frames
+    else:
+        merged["context_frames"] = kept.context_frames
+    # what may change and is not sent stays the session's
+    for key in (
+        "negative_prompt",
+        "steps",
+        "guidance_scale",
+        "use_system_prompt",
+        "add_templates",
+        "enable_safety_check",
+    ):
+        merged.setdefault(key, getattr(kept, key))
+    for key in ("cache", "lora"):
+        merged.setdefault(key, None if getattr(kept, key) is None else asdict(getattr(kept, key)))
+    merged["num_frames"] = frames + 1
+    return merged, frames
+
+
+def latent_frames(pixel_frames: int, temporal: int) -> int:
+    return 1 + (pixel_frames - 1) // temporal
 
 
 def _validate_size(

@@ -23,6 +23,13 @@ Events go to the request's `Sink`: `progress` after each step, `chunk` per finis
 then exactly one of `done` (the last frames; with them the sound latents and the generated actions, when the request
 has them) or `error`.
 
+Sessions (sessions.py, docs/requests.md#sessions): a request that keeps its session ends by moving its pages (text,
+kv context) and a chained stream's tail into an idle `Session` instead of freeing them (a kv stream commits its last
+window first, then sends `done`); a continuation claims the session at `submit` (an error naming `session` when it
+cannot) and at admission takes its pages (and, with the same prompt, its text K/V: no new pages) and runs the plan's
+next windows. Idle sessions expire after `ttl_s`, are evicted least recently kept first when the queue's head needs
+their pages or `max_sessions` is reached, and end when the server drains.
+
 LoRA (lora_store.py, docs/lora.md): `submit` checks a request's adapter (an error names `lora` / `lora.name`);
 admission pins it in a slot of the engine's adapter pool, loading it first if needed, and `_finish` unpins it. When
 every slot is pinned by other adapters the head waits (FIFO), so no adapter is evicted under a live request.
@@ -37,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -57,7 +65,8 @@ from .model.sound import SoundSpec, sound_position_ids
 from .requests import GenerationParams, RequestError
 from .rows import ActionBand, Branch, RowOutput
 from .sampling import guided_velocity, initial_noise_bands, make_scheduler
-from .windows import WindowPlan, latent_frames, plan_windows
+from .sessions import Session, SessionTable
+from .windows import WindowPlan, continue_windows, latent_frames, plan_windows
 from .wire import ChunkInfo, PrefillResult
 
 
@@ -109,6 +118,12 @@ class Job:
     step: int = 0
     t_admit: float = 0.0
     t_last_chunk: float = 0.0
+    session_id: str = ""  # the session it keeps or continues ("": none)
+    session: Session | None = None  # a continuation's claimed session, until admission takes its pages
+    claimed: bool = False  # it continues a session (claimed at submit): the session ends with it unless kept
+    kept: bool = False  # it ended keeping its session (done carries session_id)
+    vision_base: tuple[int, ...] = ()  # per branch: the text length its vision positions count from
+    final: torch.Tensor | None = None  # a kept kv stream's last window's new latents, sent once it is committed
 
     @property
     def params(self) -> GenerationParams:
@@ -146,9 +161,11 @@ class Scheduler:
         sound: SoundSpec | None = None,
         loras: LoraStore | None = None,
         max_step_rows: int = 0,
+        sessions: SessionTable | None = None,
     ):
         """`max_step_rows`: packed rows a step may hold (the memory plan's, memory.py): a request waits (FIFO) until
-        the live ones leave it room, and one larger than that alone is refused; 0: no bound."""
+        the live ones leave it room, and one larger than that alone is refused; 0: no bound. `sessions`: the table of
+        kept AR sessions (its TTL and bound; default: 120 s, 16)."""
         self.cfg, self.pool = cfg, pool
         self.max_step_rows = max_step_rows
         self.device, self.dtype = pool.k_pages.device, pool.k_pages.dtype
@@ -166,6 +183,7 @@ class Scheduler:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._next_id = 0
+        self.sessions = sessions if sessions is not None else SessionTable()
 
     # ---- sizes ----
     def plan(self, p: GenerationParams) -> WindowPlan:
@@ -178,13 +196,15 @@ class Scheduler:
             latent_frames(p.context_frames, t) if p.context_frames else 0,
         )
 
-    def _context_reserve(self, p: GenerationParams, plan: WindowPlan, branches: int) -> int:
+    def _context_reserve(self, p: GenerationParams, plan: WindowPlan, branches: int, held: int = 0) -> int:
+        """Pages a kv stream's commits will add to the `held` frames of context it starts with (a continuation's),
+        its last window's too when it keeps its session."""
         if not plan.commits:
             return 0
-        committed = plan.total_latent - plan.windows[-1].length
-        frames = min(plan.context, committed) if plan.context else committed
+        committed = sum(w.length for w in plan.windows) - (0 if p.session_keep else plan.windows[-1].length)
+        frames = min(plan.context, held + committed) if plan.context else held + committed
         h, w = self.cfg.token_grid(*p.frame_size)
-        return branches * frames * self.pool.pages_for(h * w)
+        return branches * max(0, frames - held) * self.pool.pages_for(h * w)
 
     def rows(self, p: GenerationParams, plan: WindowPlan) -> int:
         """The most packed rows a request's step takes (its largest window, every CFG branch, sound and actions)."""
@@ -208,8 +228,29 @@ class Scheduler:
         if p.action_mode and not self.cfg.action_gen:
             raise RequestError("action", "this checkpoint has no action weights (action_gen)")
         lora = self._check_lora(p)
-        plan = self.plan(p)
-        reserve = self._context_reserve(p, plan, len(prefill.text_k))
+        if p.session_keep and not self.sessions.max_sessions:
+            raise RequestError("session", "keep: this deployment keeps no sessions (its max_sessions is 0)")
+        session = None
+        if p.session_continue:
+            with self._lock:
+                session = self.sessions.claim(p.session_continue)
+        try:
+            return self._enqueue(prefill, sink, lora, session)
+        except Exception:
+            if session is not None:  # refused: the session stays as it was
+                with self._lock:
+                    self.sessions.restore(session)
+            raise
+
+    def _enqueue(self, prefill: PrefillResult, sink: Sink, lora: LoraRef | None, session: Session | None) -> int:
+        p = prefill.params
+        if session is None:
+            plan, held = self.plan(p), 0
+        else:
+            self._check_continuation(prefill, session)
+            plan, held = self.continuation_plan(p, session), len(session.context[0]) if session.context else 0
+        branches = len(prefill.text_k) or len(session.text_pages)  # type: ignore[union-attr]
+        reserve = self._context_reserve(p, plan, branches, held)
         need = self._pages_needed(prefill, reserve)
         if need > self.pool.num_pages:
             raise RequestError(
@@ -223,9 +264,42 @@ class Scheduler:
             if len(self.waiting) >= self.max_queue:
                 raise QueueFull(f"queue full ({self.max_queue} waiting); retry later")
             self._next_id += 1
-            self.waiting.append(Job(self._next_id, prefill, sink, plan, reserve, time.perf_counter(), lora_ref=lora))
+            job = Job(self._next_id, prefill, sink, plan, reserve, time.perf_counter(), lora_ref=lora)
+            if session is not None:
+                job.session, job.claimed, job.session_id = session, True, session.id
+            elif p.session_keep:
+                job.session_id = uuid.uuid4().hex
+            self.waiting.append(job)
             self._wake.notify()
             return self._next_id
+
+    def continuation_plan(self, p: GenerationParams, session: Session) -> WindowPlan:
+        """The session's next windows for the continuation's `num_frames` new pixel frames."""
+        t = self.cfg.vae_scale_temporal
+        return continue_windows(
+            p.window_mode,
+            session.next_latent,
+            session.next_window,
+            p.num_frames // t,
+            latent_frames(p.window_frames, t),
+            p.overlap_frames // t,
+            latent_frames(p.context_frames, t) if p.context_frames else 0,
+        )
+
+    def _check_continuation(self, prefill: PrefillResult, session: Session) -> None:
+        """What prefill checked against the session's record, checked again against the session itself (it may have
+        changed since: another continuation kept it with a new prompt). Errors name the field."""
+        p, kept = prefill.params, session.params
+        for key in ("window_mode", "height", "width", "fps", "seed", "window_frames", "overlap_frames",
+                    "context_frames"):  # fmt: skip
+            if getattr(p, key) != getattr(kept, key):
+                raise RequestError(key, f"a continuation keeps its session's {key} ({getattr(kept, key)!r}); got "
+                                   f"{getattr(p, key)!r}")  # fmt: skip
+        if not prefill.text_k and p.text_digest != kept.text_digest:
+            raise RequestError("session", f"{session.id} changed since this request's prefill; send it again")
+        if p.window_mode == "kv" and p.cfg_branches != len(session.text_pages):
+            raise RequestError("guidance_scale", "a kv session keeps its CFG branches' context: guidance_scale 1 "
+                               "(one branch) cannot change to or from another value")  # fmt: skip
 
     def _check_lora(self, p: GenerationParams) -> LoraRef | None:
         """The request's adapter, checked (RequestError naming `lora` / `lora.name`); None when the GEN tower runs
@@ -252,6 +326,7 @@ class Scheduler:
     # ---- engine thread ----
     def schedule(self) -> list[Job]:
         """Admit what fits, end what was cancelled → the jobs of this tick's forward (every live one)."""
+        self._end_idle_sessions()
         self._admit()
         for job in [j for j in self.live if j.sink.cancelled()]:
             self.live.remove(job)
@@ -272,9 +347,12 @@ class Scheduler:
             try:
                 if job.committing:
                     self._commit(job, out.kv)
-                    job.window += 1
-                    self._start_window(job, previous=None)
-                    ended = False
+                    ended = job.final is not None  # a kept kv stream's last window, now committed: it ends
+                    if ended:
+                        self._finish(job, last=job.final)
+                    else:
+                        job.window += 1
+                        self._start_window(job, previous=None)
                 else:
                     if job.cache is not None:
                         job.cache.record(job.step, out.residual)
@@ -292,8 +370,9 @@ class Scheduler:
                 if not self.waiting:
                     return
                 job = self.waiting[0]
-                if self._pages_needed(job, job.reserve) > self.pool.pages_free - self.reserved:
-                    return  # FIFO: the head waits for pages; nobody overtakes it
+                while self._pages_needed(job, job.reserve) > self.pool.pages_free - self.reserved:
+                    if not self._evict_one(locked=True):
+                        return  # FIFO: the head waits for pages; nobody overtakes it
                 if (
                     self.live
                     and self.max_step_rows
@@ -335,15 +414,26 @@ class Scheduler:
         job.t_admit = job.t_last_chunk = time.perf_counter()
         self.stats.queue_times.append(job.t_admit - job.t_submit)
         self.reserved += job.reserve
-        for k, v in zip(job.prefill.text_k, job.prefill.text_v):
-            pages = self.pool.alloc(k.shape[1])
-            job.text_pages.append(pages)
-            job.context.append([])
-            k, v = k.to(self.device, self.dtype), v.to(self.device, self.dtype)
-            if faults.CHECK_FINITE:  # the K/V as admission writes them to the pool
-                faults.report_nonfinite("admission", f"seed {job.params.seed}", text_k=k, text_v=v)
-            self.pool.write(pages, k, v)
-        self._start_window(job, previous=None)
+        session, job.session = job.session, None
+        if session is not None and not job.prefill.text_k:  # the same prompt: the session's text K/V
+            job.text_pages = session.text_pages
+        else:
+            if session is not None:  # a re-prompt: the new prompt's text K/V replaces the session's
+                for pages in session.text_pages:
+                    self.pool.free(pages)
+            for k, v in zip(job.prefill.text_k, job.prefill.text_v):
+                pages = self.pool.alloc(k.shape[1])
+                job.text_pages.append(pages)
+                k, v = k.to(self.device, self.dtype), v.to(self.device, self.dtype)
+                if faults.CHECK_FINITE:  # the K/V as admission writes them to the pool
+                    faults.report_nonfinite("admission", f"seed {job.params.seed}", text_k=k, text_v=v)
+                self.pool.write(pages, k, v)
+        kv = job.plan.commits
+        job.context = session.context if session is not None and kv else [[] for _ in job.text_pages]
+        # kv: the positions of committed frames never move, so they count from the session's first text lengths
+        own = tuple(t.num_tokens for t in job.text_pages)
+        job.vision_base = session.vision_base if session is not None and kv else own
+        self._start_window(job, previous=None if session is None else session.tail)
 
     def _start_window(self, job: Job, previous: torch.Tensor | None) -> None:
         p, win, cfg = job.params, job.plan.windows[job.window], self.cfg
@@ -373,10 +463,8 @@ class Scheduler:
         job.noisy_frames = torch.tensor(noisy, dtype=torch.long).to(self.device)
         bands_len = (0 if job.sound is None else job.sound.shape[1], p.chunk_size)
         job.branches = tuple(
-            Branch(
-                (text, *ctx), *self._rotary(text.num_tokens, (win.length, h, w), p.fps, win.rotary_offset, bands_len)
-            )
-            for text, ctx in zip(job.text_pages, job.context)
+            Branch((text, *ctx), *self._rotary(base, (win.length, h, w), p.fps, win.rotary_offset, bands_len))
+            for text, ctx, base in zip(job.text_pages, job.context, job.vision_base)
         )
 
         def twin() -> Any:  # the pipeline's deepcopy of the vision scheduler: its own multistep history
@@ -422,9 +510,12 @@ class Scheduler:
         )
 
     def _release(self, job: Job) -> None:
+        if job.session is not None:  # a continuation that ended before admission took its session's pages
+            job.text_pages, job.context, job.session = job.session.text_pages, job.session.context, None
         for pages in job.text_pages + [f for br in job.context for f in br]:
             self.pool.free(pages)
-        self.reserved -= job.reserve
+        if job.t_admit:  # admitted: its reservation was counted (`_start`)
+            self.reserved -= job.reserve
         job.reserve = 0
         job.text_pages, job.context = [], []
         if job.lora_slot is not None:
@@ -434,7 +525,13 @@ class Scheduler:
     def _finish(
         self, job: Job, error: str | None = None, cancelled: bool = False, last: torch.Tensor | None = None
     ) -> None:
+        if error is None and not cancelled and job.session_id:
+            self._keep(job)
         self._release(job)
+        if job.claimed and not job.kept:
+            with self._lock:
+                self.sessions.release(job.session_id, "its continuation was cancelled" if cancelled else
+                                      "its continuation failed" if error is not None else "not kept again")  # fmt: skip
         if cancelled:
             self.stats.cancelled += 1
             job.sink.error("cancelled")
@@ -467,7 +564,7 @@ class Scheduler:
         now = time.perf_counter()
         info: ChunkInfo = {
             "window": win.index,
-            "windows": len(job.plan.windows),
+            "windows": job.plan.windows[-1].index + 1,  # a continuation's windows count on from its session's
             "latent_offset": win.latent_start + offset,
             "latent_frames": frames,
             "timings": {"queue_s": job.t_admit - job.t_submit, "window_s": now - job.t_last_chunk},
@@ -477,6 +574,8 @@ class Scheduler:
             if job.params.cache is not None:  # without windows its one trajectory's; with windows one per window
                 skipped = job.cache_skipped
                 info["cache_skipped"] = skipped[0] if job.plan.mode == "none" else skipped
+            if job.kept:
+                info["session_id"] = job.session_id
         job.t_last_chunk = now
         return info
 
@@ -522,14 +621,17 @@ class Scheduler:
             a[:, p.raw_action_dim :] = 0
             job.action = dataclasses.replace(job.action, latents=a)  # type: ignore[arg-type]
         job.step += 1
-        job.sink.progress(job.step, p.steps, job.window, len(job.plan.windows))
+        win = job.plan.windows[job.window]
+        job.sink.progress(job.step, p.steps, win.index, job.plan.windows[-1].index + 1)
         if job.step < p.steps:
             return False
         if job.cache is not None:  # the window's decisions end with it (`_start_window` starts the next one's)
             job.cache_skipped.append(job.cache.skipped)
-        win = job.plan.windows[job.window]
         new = job.latents[:, :, win.pinned :]
         if job.window == len(job.plan.windows) - 1:
+            if job.session_id and job.plan.commits and self._may_keep(job):
+                job.final, job.committing = new, True  # next tick commits it for the continuation, then done
+                return False
             self._finish(job, last=new)
             return True
         self._emit(job, new, final=False)
@@ -561,5 +663,73 @@ class Scheduler:
             waiting, self.waiting = list(self.waiting), deque()
         for job in waiting:
             self.stats.failed += 1
+            self._finish_waiting(job)
             job.sink.error(message)
         self.fail_live(message)
+
+    # ---- sessions (engine thread) ----
+    def _may_keep(self, job: Job) -> bool:
+        """Whether a stream that asked to keep its session may (not while the server drains)."""
+        return bool(job.session_id) and job.params.session_keep and not self.draining
+
+    def _keep(self, job: Job) -> None:
+        """A stream ends keeping its session: its pages and a chained stream's tail move into it (not freed). When
+        `max_sessions` are live the least recently kept idle one is evicted; with none idle it is not kept."""
+        if not self._may_keep(job):
+            return
+        with self._lock:
+            others = len(self.sessions.busy - {job.session_id})
+            while len(self.sessions.idle) + others + 1 > self.sessions.max_sessions and self.sessions.idle:
+                self._evict_one(locked=True)
+            if len(self.sessions.idle) + others + 1 > self.sessions.max_sessions:
+                return
+            p, win = job.params, job.plan.windows[job.window]
+            t = self.cfg.vae_scale_temporal
+            tail = job.latents[:, :, -(p.overlap_frames // t) :].clone() if p.window_mode == "chained" else None
+            session = Session(job.session_id, p, win.index + 1, win.latent_start + win.new_frames, job.text_pages,
+                              job.context if job.plan.commits else [], job.vision_base, tail)  # fmt: skip
+            job.text_pages, job.context = [], []
+            job.kept = True
+            self.sessions.keep(session)
+
+    def _end_idle_sessions(self) -> None:
+        """Expired sessions end; while the server drains, every idle one does."""
+        if not self.sessions.idle:
+            return
+        with self._lock:
+            ending = [
+                (i, f"expired: idle for session_ttl_s ({self.sessions.ttl_s:g} s)") for i in self.sessions.expired()
+            ]
+            if self.draining:
+                ending = [(i, "ended: the server is draining") for i in self.sessions.idle]
+            for ident, why in ending:
+                self._free_session(self.sessions.end(ident, why))
+
+    def _evict_one(self, locked: bool = False) -> bool:
+        """End the least recently kept idle session (its pages back to the pool) → False when none is idle."""
+        if not locked:
+            with self._lock:
+                return self._evict_one(locked=True)
+        ident = self.sessions.oldest()
+        if ident is None:
+            return False
+        self._free_session(self.sessions.end(ident, "evicted: its pages were needed (least recently kept)"))
+        return True
+
+    def _free_session(self, session: Session) -> None:
+        for pages in session.pages():
+            self.pool.free(pages)
+
+    def _finish_waiting(self, job: Job) -> None:
+        """A job ended before admission: a continuation gives its claimed session's pages back, and the session
+        ends."""
+        if job.session is not None:
+            self._free_session(job.session)
+            job.session = None
+        if job.claimed:
+            with self._lock:
+                self.sessions.release(job.session_id, "its continuation failed")
+
+    @property
+    def num_sessions(self) -> int:
+        return self.sessions.live

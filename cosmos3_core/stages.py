@@ -9,8 +9,11 @@ then wait for its frames), each stream keeping its decoder cache. The offline CL
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -37,6 +40,12 @@ from .safety import TEXT, VIDEO, Guardrail, Refused
 from .sampling import checkpoint_shift
 from .windows import pixel_frames_of_chunk
 from .wire import ChunkEvent, PrefillResult
+
+
+def text_digest(branches: list[list[int]], lora: object) -> str:
+    """What a request's text K/V depends on besides the weights: each CFG branch's token ids and the adapter."""
+    ids = [[int(i) for i in b] for b in branches]
+    return hashlib.sha256(json.dumps([ids, repr(lora)]).encode()).hexdigest()[:32]
 
 
 class PrefillStage:
@@ -96,10 +105,12 @@ class PrefillStage:
         image: np.ndarray | None,
         video: np.ndarray | None = None,
         raw_actions: np.ndarray | None = None,
+        kept: GenerationParams | None = None,
     ) -> GenerationParams:
+        """`kept`: the parameters of the session a continuation names (sessions.py), None when it has none."""
         p = validate(
             prompt, params, image, self.defaults, self.limits, self.cfg.pixel_alignment, self.cfg.vae_scale_temporal,
-            self.shift, video, raw_actions,
+            self.shift, video, raw_actions, kept,
         )  # fmt: skip
         if not p.enable_safety_check and self.safety is not None and not self.safety_optional:
             raise RequestError("enable_safety_check", f"this deployment always runs the {self.safety.name} "
@@ -137,9 +148,10 @@ class PrefillStage:
         image: np.ndarray | None,
         video: np.ndarray | None = None,
         raw_actions: np.ndarray | None = None,
+        reuse: str = "",
     ) -> PrefillResult:
-        if self.safety is not None and p.enable_safety_check:  # the prompt as given, before any work (the pipeline's)
-            self.safety.check_prompt(p.prompt)
+        """`reuse`: a continuation's session's `text_digest`: when the request's text tokens are the session's, the
+        result holds no text K/V (the engine reuses the session's) and the prompt, already checked, is not again."""
         # an AR window is generated as a clip of window_frames: its templates describe that clip
         frames = p.num_frames if p.window_mode == "none" else p.window_frames
         if p.action_mode:  # the canvas's size and chunk + 1 frames, in the JSON caption
@@ -154,6 +166,11 @@ class PrefillStage:
         for name, ids in zip(("prompt", "negative_prompt"), branches):
             if len(ids) > self.limits.max_prompt_tokens:
                 raise RequestError(name, f"is {len(ids)} tokens with templates, limit {self.limits.max_prompt_tokens}")
+        p = replace(p, text_digest=text_digest(branches, p.lora))
+        if reuse and p.session_continue and reuse == p.text_digest:
+            return PrefillResult(p, [], [], None)
+        if self.safety is not None and p.enable_safety_check:  # the prompt as given, before the tower (the pipeline's)
+            self.safety.check_prompt(p.prompt)
         text_k, text_v = [], []
         slot = self._hold_lora(p)
         try:

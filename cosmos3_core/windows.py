@@ -7,6 +7,10 @@
 - `kv`: windows do not overlap; window k covers latent frames [k·W, k·W + W) at absolute temporal positions
   and attends to text + the committed K/V of at most `context` earlier latent frames (0: all of them).
 
+A session's continuation (sessions.py) goes on with `continue_windows`: the next windows of the same plan, their
+indexes, latent starts and (kv) rotary offsets counting on from where the kept stream ended; a chained one's first
+window pins the kept tail.
+
 Pixel ↔ latent frames: n pixel frames ↔ 1 + (n-1)/4 latent frames; a chunk of latent frames decodes to
 1 + 4(n-1) pixel frames if it starts the video, else 4n.
 """
@@ -71,3 +75,24 @@ def plan_windows(mode: str, total_latent: int, window: int, overlap: int, contex
     else:
         raise ValueError(f"unknown window mode {mode!r}")
     return WindowPlan(mode, tuple(windows), context, total_latent)
+
+
+def continue_windows(
+    mode: str, start: int, index: int, new_latent: int, window: int, overlap: int, context: int
+) -> WindowPlan:
+    """The windows that generate `new_latent` more latent frames of a stream whose windows so far ended before latent
+    frame `start`, the next one being window `index`: what `plan_windows` gives a stream of `start + new_latent`
+    latent frames from that window on, when the earlier ones were whole windows."""
+    windows: list[Window] = []
+    end = start + new_latent
+    if mode == "chained":  # every window pins the previous one's tail (the first: the kept stream's)
+        while start < end:
+            length = min(window, overlap + end - start)
+            windows.append(Window(index + len(windows), start, length, overlap, 0))
+            start += length - overlap
+    elif mode == "kv":
+        for k, s in enumerate(range(start, end, window)):
+            windows.append(Window(index + k, s, min(window, end - s), 0, s))
+    else:
+        raise ValueError(f"window mode {mode!r} has no continuation")
+    return WindowPlan(mode, tuple(windows), context, end)

@@ -4,7 +4,8 @@
   [2, layers, sum(branch tokens), kv_heads, head_dim] (model dtype), text_lens INT64 [branches], cond_latent FP32
   [1, C, 1, h, w] (i2v), [1, C, T_lat, h, w] (v2v and action: `params.clean_frames` encoded, the rest zero) or
   [0,0,0,0,0]; cond_actions FP32 [chunk, action_dim] (forward dynamics: the given actions, padded) or [0, 0]; with it
-  `RequestMeta` as JSON (BYTES [1] `request`).
+  `RequestMeta` as JSON (BYTES [1] `request`). A session's continuation with its session's prompt sends no text K/V
+  (text_kv [2, 0, 0, 0, 0], text_lens [0]): the engine reuses the session's.
 - Events, JSON (BYTES [1] `event`), denoise → decode → client: `ProgressEvent` after each step; `ChunkEvent`
   (type "chunk") per streamed piece of latents; the last piece's type is "done" and carries the resolved
   parameters. The engine fills a chunk's place in the video and its timings; decode adds `frames`,
@@ -40,6 +41,7 @@ class _CacheReport(TypedDict, total=False):
     # done only, with a cache policy: per branch (cond, uncond) the 0-based steps that reused a residual; with AR
     # windows (`window_mode` not none) a list of those, one per window in order, steps counted within the window
     cache_skipped: dict[str, list[int]] | list[dict[str, list[int]]]
+    session_id: str  # done only, of a stream that kept its session (sessions.py): the id a continuation names
 
 
 class ChunkInfo(_CacheReport):
@@ -64,6 +66,7 @@ class ChunkEvent(ChunkInfo, total=False):
     seed: int  # done only
     params: dict[str, Any]  # done only: GenerationParams.resolved()
     unchecked: bool  # server-internal, true only: the request opted out of the video guardrail (decode drops it)
+    continues: str  # a session's continuation: the session whose decoder state its first piece goes on from
 
 
 class ErrorEvent(TypedDict):
@@ -83,6 +86,7 @@ class AcceptedEvent(TypedDict):
 
     type: Literal["accepted"]
     id: str
+    t0: float  # the request's arrival (epoch s): a denoise death after it was this stream's denoise's (lifecycle.gone)
 
 
 class StreamEvent(TypedDict):
@@ -132,6 +136,8 @@ class RequestMeta:
         event["fps"] = self.params.fps
         if not self.params.enable_safety_check:
             event["unchecked"] = True
+        if self.params.session_continue:
+            event["continues"] = self.params.session_continue
         if final:
             event["timings"] = {"prefill_s": self.prefill_s, **info["timings"]}
             event["params"] = self.params.resolved()
@@ -155,7 +161,10 @@ class PrefillResult:
     def to_wire(self) -> dict[str, torch.Tensor | np.ndarray]:
         import torch
 
-        kv = torch.stack([torch.cat(self.text_k, dim=1), torch.cat(self.text_v, dim=1)])
+        if self.text_k:
+            kv = torch.stack([torch.cat(self.text_k, dim=1), torch.cat(self.text_v, dim=1)])
+        else:  # a continuation that reuses its session's text K/V
+            kv = torch.zeros(2, 0, 0, 0, 0)
         lens = np.array([k.shape[1] for k in self.text_k], dtype=np.int64)
         cond = self.cond_latent if self.cond_latent is not None else torch.zeros(0, 0, 0, 0, 0)
         actions = self.cond_actions if self.cond_actions is not None else torch.zeros(0, 0)
@@ -173,8 +182,8 @@ class PrefillResult:
         splits = [int(n) for n in text_lens]
         return cls(
             params=params,
-            text_k=list(text_kv[0].split(splits, dim=1)),
-            text_v=list(text_kv[1].split(splits, dim=1)),
+            text_k=list(text_kv[0].split(splits, dim=1)) if splits else [],
+            text_v=list(text_kv[1].split(splits, dim=1)) if splits else [],
             cond_latent=cond_latent if cond_latent.numel() else None,
             cond_actions=cond_actions if cond_actions.numel() else None,
         )
