@@ -23,7 +23,7 @@
 #                 image fills the 480x832 canvas: 1950 vision + 16 action tokens per branch), chunk 16, droid_lerobot,
 #                 c=1 ($C1, default 3, after a 2-step one) and c=8 ($C8, default 16 requests, after an untimed burst of
 #                 8 2-step ones; actions/s = 16 x requests / wall), forward dynamics c=1 ($C1), then diffusers policy
-#                 ($DIFFUSERS, default 2, after a 2-step one); each kind's H200 floor (~2.65 s) printed beside.
+#                 ($DIFFUSERS, default 2, after a 2-step one); each kind's floor on the card it ran on printed beside.
 #                 Budget (a 121-frame t2v step is ~0.70 s served at 24,180 rows; a policy step packs 3,932, ~0.1 s):
 #                 startup ~70 s (+~90 s if fa3 is not JIT-cached yet), policy c=1 ~5 s each (~20 s with the 2-step),
 #                 c=8 ~0.75 s per packed step x 35 x 2 waves ~60 s (+ burst ~10 s), fd ~20 s, diffusers ~10 s load +

@@ -21,7 +21,19 @@ if TYPE_CHECKING:
     from cosmos3_core.model.checkpoint import Checkpoint
     from cosmos3_core.requests import GenerationParams
 
-H200_BF16_FLOPS = 790e12  # dense bf16 on random data, measured by the field (performance.md)
+# dense bf16 on random data: the H200's measured by the field (performance.md); the H100 SXM has the same tensor cores
+# and clocks (the same peak, 989 TF/s on paper); the B200's is its paper peak (2.25 PF/s) at the H200's 80 %
+CARD_BF16_FLOPS = {"H100": 790e12, "H200": 790e12, "B200": 1800e12}
+
+
+def card_flops(name: str | None = None) -> tuple[str, float]:
+    """(card, its dense bf16 FLOP/s) for the GPU named `name` (default: this machine's first; none: the H200's)."""
+    if name is None:
+        import torch
+
+        name = torch.cuda.get_device_name() if torch.cuda.is_available() else "H200"
+    card = next((c for c in CARD_BF16_FLOPS if c in name.upper()), "H200")
+    return card, CARD_BF16_FLOPS[card]
 
 
 def gen_params_per_token(cfg: ModelConfig) -> int:
@@ -68,9 +80,11 @@ def text_lengths(ckpt: Checkpoint, p: GenerationParams) -> list[int]:
     return [len(i) for i in ids][: p.cfg_branches]
 
 
-def request_floor(cfg: ModelConfig, p: GenerationParams, text: list[int], flops_per_s: float = H200_BF16_FLOPS) -> dict:
-    """The denoise floor of one request: vision + action tokens, each branch (its own text), all steps."""
+def request_floor(cfg: ModelConfig, p: GenerationParams, text: list[int], card: str | None = None) -> dict:
+    """The denoise floor of one request on `card` (default: this machine's GPU): vision + action tokens, each branch
+    (its own text), all steps."""
     vision, action = request_tokens(cfg, p)
     flops = sum(denoise_flops(cfg, vision + action, t, p.steps, 1) for t in text)
+    card, flops_per_s = card_flops(card)
     return {"vision_tokens": vision, "action_tokens": action, "text_tokens": list(text), "branches": len(text),
-            "steps": p.steps, "flops": flops, "floor_s": flops / flops_per_s}  # fmt: skip
+            "steps": p.steps, "flops": flops, "floor_s": flops / flops_per_s, "card": card}  # fmt: skip

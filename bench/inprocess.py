@@ -22,7 +22,7 @@ from cosmos3_core.deployment import Deployment
 from cosmos3_core.generate import Generator
 from cosmos3_core.step import DenoiseStep
 
-from .floor import H200_BF16_FLOPS, denoise_flops, tokens_for
+from .floor import card_flops, denoise_flops, tokens_for
 from .report import skipped_fraction
 
 
@@ -186,11 +186,12 @@ def main() -> None:
     tokens = tokens_for(cfg, args.height, args.width, args.frames)
     first = result["ours"][args.variants[0]]
     flops = denoise_flops(cfg, tokens, first["text_tokens"], args.steps, 2 if args.guidance != 1 else 1)
-    result["floor_s"] = flops / H200_BF16_FLOPS
+    result["floor_card"], flops_per_s = card_flops()
+    result["floor_s"] = flops / flops_per_s
     result["tokens_per_branch"] = tokens
     diff = statistics.median(result["diffusers"]["e2e"]) if "diffusers" in result else float("nan")
     print(f"{args.preset} {args.width}x{args.height}x{args.frames} steps {args.steps} guidance {args.guidance} "
-          f"tokens/branch {tokens} compile {args.compile} precision {args.precision} fp8_attention {args.fp8_attention} on {result['gpu']}; compute floor {result['floor_s']:.2f} s, "
+          f"tokens/branch {tokens} compile {args.compile} precision {args.precision} fp8_attention {args.fp8_attention} on {result['gpu']}; {result['floor_card']} compute floor {result['floor_s']:.2f} s, "
           f"diffusers e2e {diff:.2f} s, peak mem ours {result['ours_peak_mem_gb']:.1f} GB / diffusers "
           f"{result['diffusers_peak_mem_gb']:.1f} GB")  # fmt: skip
     print(

@@ -37,7 +37,7 @@ actions [chunk, the domain's width]); a policy or inverse-dynamics response must
 `--c8 N` then runs N requests at concurrency 8 of each `--c8-variants` kind, after one untimed burst of 8 2-step
 ones; its throughput is reported in actions/s = chunk × requests / wall (and videos/min). Diffusers runs them as
 `pipe(action=CosmosActionCondition(...))`. Every kind's compute floor (`bench/floor.py`: vision + action tokens,
-each CFG branch with its own text, all steps, at the H200's 790 TF/s) is printed beside its figures: c=1 e2e and
+each CFG branch with its own text, all steps, at the dense bf16 rate of the card it runs on: `floor.card_flops`) is printed beside its figures: c=1 e2e and
 server denoise over it, and at c=8 the floor-bound actions/s (one request's chunk per floor, serial).
 """
 
@@ -321,7 +321,8 @@ def sound_cost(result: dict) -> str:
 
 
 def floors(deployment: Deployment, requests: dict[str, tuple]) -> dict[str, dict]:
-    """Each request kind's compute floor on the H200 (`floor.request_floor`), its text as our prefill tokenizes it.
+    """Each request kind's compute floor on this machine's card (`floor.request_floor`), its text as our prefill
+    tokenizes it.
     `deployment`: the resolved one (its checkpoint a path)."""
     from cosmos3_core.model.checkpoint import Checkpoint
     from cosmos3_core.requests import validate
@@ -341,7 +342,7 @@ def floor_line(key: str, r: dict, floor: dict) -> str:
     """The floor beside a run's figures: c=1 e2e and server denoise over it; at c>1 the floor-bound throughput
     (one request per floor, serial) and the achieved share of it."""
     f = floor["floor_s"]
-    what = (f"H200 floor {f:.3g}s ({floor['vision_tokens']} vision + {floor['action_tokens']} action tokens × "
+    what = (f"{floor.get('card', 'H200')} floor {f:.3g}s ({floor['vision_tokens']} vision + {floor['action_tokens']} action tokens × "
             f"{floor['branches']} branches (text {'/'.join(map(str, floor['text_tokens']))}) × {floor['steps']} steps)")  # fmt: skip
     if r["concurrency"] == 1:
         denoise = r["server_p50"].get("denoise_s")
@@ -581,7 +582,8 @@ def main() -> int:
                 figures[f"{key} server denoise p50 s"] = r["server_p50"]["denoise_s"]
                 figures[f"{key} skipped"] = r["skipped_fraction"]
                 if ":" in key and key.split(":", 1)[1] in result["floors"]:
-                    figures[f"{key} H200 floor s"] = result["floors"][key.split(":", 1)[1]]["floor_s"]
+                    floor = result["floors"][key.split(":", 1)[1]]
+                    figures[f"{key} {floor['card']} floor s"] = floor["floor_s"]
         figures["startup s"] = result["startup_s"]
         print(append_row(args.md, None, figures))
     return 0

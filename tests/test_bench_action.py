@@ -116,6 +116,9 @@ def test_nano_action_skeleton_and_floor(tmp_path):
     assert len(text) == 2 and text[0] > text[1]  # the JSON caption, the empty negative prompt's template
     assert floor["flops"] == sum(denoise_flops(cfg, 1966, t, 35, 1) for t in text)
     assert 2.0 < floor["floor_s"] < 3.5  # ≈ 2.1e15 FLOP at 790 TF/s
+    b200 = request_floor(cfg, p, text, card="NVIDIA B200")  # each card's own floor, named
+    assert b200["card"] == "B200" and b200["floor_s"] < floor["floor_s"] / 2
+    assert request_floor(cfg, p, text, card="NVIDIA H100 80GB HBM3")["card"] == "H100"
     fd = validate(parity.PROMPT, {**params, "action": {**params["action"], "mode": "forward_dynamics"},
                                   "guidance_scale": 1.0}, image, Defaults(), Limits(), 16, 4, 10.0,
                   raw_actions=np.zeros((16, 10), np.float32))  # fmt: skip
