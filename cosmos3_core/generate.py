@@ -6,7 +6,14 @@
        [--view-point V] [--raw-actions A.npy] [--actions-out A.npy|.pt]  (with --image or --video)]
       [--height H --width W --num-frames F --fps R --steps S --guidance G --shift X --seed K]
       [--no-system-prompt] [--no-templates] [--cache '{"policy": "sea", ...}'] [--lora DIR --lora-scale S]
+      [--window-mode chained|kv [--window-frames N --overlap-frames N --context-frames N --max-windows N]
+       [--then PROMPT ... --then-frames N]]
       --out FILE(.mp4|.png|.npy|.pt)
+
+AR windows run offline too. `--then PROMPT` (repeatable; "" for the same prompt) is the session loop in one process:
+the stream keeps its session (docs/requests.md#sessions) and each `--then` continues it with `--then-frames` more
+frames (default: one window's), re-prompted where its prompt differs, as `python -m client stream --continue` does
+against a server; the output is the whole video.
 
 `.pt` holds the final latents [1, C, T, h, w] fp32 (the reference pipeline's `output_type="latent"`);
 `.npy` the uint8 frames [T, H, W, 3]. `--actions-out` (policy, inverse dynamics) writes the actions float32
@@ -94,6 +101,20 @@ class Generator:
         p = self.prefill.validate(prompt, params, image, video, raw_actions)
         return self.run(self.prefill.run(p, image, video, raw_actions), progress)
 
+    def session(self, prompt: str, params: dict, then: list[tuple[str, dict]], progress: bool = False) -> Generated:
+        """An AR stream that keeps its session, then each of `then`'s (prompt, parameters) continuing it (the last one
+        not keeping it) → the whole video's latents, and the last request's info. A continuation's prompt "" is the
+        stream's own."""
+        p = self.prefill.validate(prompt, {**params, "session": {"keep": bool(then)}}, None)
+        out = [self.run(self.prefill.run(p, None), progress)]
+        for i, (text, more) in enumerate(then):
+            ident = out[-1].info["session_id"]
+            kept = self.engine.scheduler.session_info(ident)
+            q = self.prefill.validate(text or prompt, {**more, "session": {"continue": ident, "keep": i < len(then) - 1}},
+                                      None, kept=None if kept is None else kept.params)  # fmt: skip
+            out.append(self.run(self.prefill.run(q, None, reuse=kept.params.text_digest), progress))  # type: ignore[union-attr]
+        return Generated(torch.cat([g.latents for g in out], dim=2), None, None, out[-1].info)
+
     def latents(self, prompt: str, params: dict, image: np.ndarray | None = None, **kw: Any) -> torch.Tensor:
         """`generate`'s vision latents (same arguments)."""
         return self.generate(prompt, params, image, **kw).latents
@@ -145,9 +166,9 @@ class _CollectSink:
             self.bar = tqdm(desc="denoise", unit="step", file=sys.stderr)
 
     def progress(self, step: int, steps: int, window: int, windows: int) -> None:
-        if self.bar is not None:
+        if self.bar is not None:  # a continuation's windows count on from its session's
             self.bar.total = steps * windows
-            self.bar.update(1)
+            self.bar.update(window * steps + step - self.bar.n)
 
     def chunk(self, latents: torch.Tensor, info: dict) -> None:
         self.chunks.append(latents)
@@ -174,7 +195,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--config", default=str(DEFAULT_CONFIG), help="deployment YAML (defaults, limits, device, dtype); default: "
         "the server's default, configs/tiny.yaml"
     )  # fmt: skip
-    add_request_arguments(ap)
+    add_request_arguments(ap, windows=True)
+    ap.add_argument("--then", action="append", default=[], metavar="PROMPT",
+                    help='continue the AR stream\'s session with this prompt ("": the same); repeatable')  # fmt: skip
+    ap.add_argument("--then-frames", type=int, help="new frames per --then (a multiple of 4; default: one window's)")
     ap.add_argument("--device")
     ap.add_argument("--dtype")
     ap.add_argument("--out", required=True, help="output file: " + ", ".join(OUT_SUFFIXES))
@@ -208,7 +232,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.actions_out and not p.returns_actions:
             raise RequestError("actions_out", "only policy and inverse_dynamics return actions")
         print(f"parameters {json.dumps(p.resolved())}", file=sys.stderr)
-        result = gen.generate(args.prompt, params, image, progress=True, video=video, raw_actions=raw_actions)
+        if args.then:
+            if p.window_mode == "none":
+                raise RequestError("then", "continues an AR stream's session: needs --window-mode chained or kv")
+            more = {} if args.then_frames is None else {"num_frames": args.then_frames}
+            result = gen.session(args.prompt, params, [(t, more) for t in args.then], progress=True)
+        else:
+            result = gen.generate(args.prompt, params, image, progress=True, video=video, raw_actions=raw_actions)
     except (RequestError, CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -860,7 +860,8 @@ def add_request_arguments(ap, windows: bool = False) -> None:
     ap.add_argument("--actions-out", help="policy / inverse_dynamics: the actions float32 [chunk, D], .npy (CLI: or "
                     ".pt, the pipeline's out.action[0]; client: or .json)")  # fmt: skip
     if windows:
-        ap.add_argument("--window-mode", dest="window_mode", choices=("chained", "kv"), default="chained")
+        ap.add_argument("--window-mode", dest="window_mode", choices=("chained", "kv"),
+                        help="AR windows (the client's stream: chained unless given)")  # fmt: skip
         for name, typ in CLI_WINDOW_PARAMS.items():
             ap.add_argument("--" + name.replace("_", "-"), dest=name, type=typ)
 

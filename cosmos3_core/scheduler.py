@@ -65,7 +65,7 @@ from .model.sound import SoundSpec, sound_position_ids
 from .requests import GenerationParams, RequestError
 from .rows import ActionBand, Branch, RowOutput
 from .sampling import guided_velocity, initial_noise_bands, make_scheduler
-from .sessions import Session, SessionTable
+from .sessions import Session, SessionInfo, SessionTable
 from .windows import WindowPlan, continue_windows, latent_frames, plan_windows
 from .wire import ChunkInfo, PrefillResult
 
@@ -729,6 +729,12 @@ class Scheduler:
         if job.claimed:
             with self._lock:
                 self.sessions.release(job.session_id, "its continuation failed")
+
+    def session_info(self, ident: str) -> SessionInfo | None:
+        """An idle session's record (any thread), or None."""
+        with self._lock:
+            session = self.sessions.idle.get(ident)
+            return None if session is None else session.info
 
     @property
     def num_sessions(self) -> int:

@@ -278,6 +278,8 @@ class DecodeStage:
         # stream id → (its decoder, last chunk's time); decoder None: a chunk of it failed, and its later chunks
         # fail too rather than decode as a new stream's start
         self.streams: dict[str, tuple[StreamDecoder | None, float]] = {}
+        # session id → the decoder its kept stream ended with, and when: its continuation's first piece goes on from it
+        self.sessions: dict[str, tuple[StreamDecoder, float]] = {}
         _ = self.codec.decoder  # prepared and checked at load, not on the first request
         lap("decoder")
         if compile:
@@ -327,13 +329,21 @@ class DecodeStage:
                 self.blocked[stream_id] = (str(e).removeprefix("video: "), now)
             raise
 
-    def start_chunk(self, stream_id: str, latents: torch.Tensor, last: bool) -> HostFrames:
+    def start_chunk(
+        self, stream_id: str, latents: torch.Tensor, last: bool, resume: str = "", keep: str = ""
+    ) -> HostFrames:
         """Launch one chunk of a stream; the result waits for its frames on the host. Chunks of one stream must
-        be started in order, from one thread."""
+        be started in order, from one thread. `resume`: the session the stream continues (its first chunk goes on
+        from the session's decoder); `keep`: on the last chunk, the session to keep the decoder for."""
         now = time.monotonic()
         for sid in [s for s, (_, t) in self.streams.items() if now - t > self.STREAM_IDLE_S]:
             del self.streams[sid]
-        if stream_id not in self.streams:
+        if stream_id not in self.streams and resume:
+            kept = self.sessions.pop(resume, None)
+            if kept is None:
+                raise RuntimeError(f"session {resume}: its decoder state is gone (a restart of vae_decode)")
+            decoder = kept[0]
+        elif stream_id not in self.streams:
             decoder = StreamDecoder(self.codec)
         elif (decoder := self.streams.pop(stream_id)[0]) is None:
             if not last:
@@ -347,7 +357,14 @@ class DecodeStage:
             raise
         if not last:
             self.streams[stream_id] = (decoder, now)
+        elif keep:
+            self.sessions[keep] = (decoder, now)
         return pending
+
+    def drop_sessions(self, live: Callable[[str], bool]) -> None:
+        """Let go of the decoders of sessions that ended (`live(id)` False)."""
+        for ident in [i for i in self.sessions if not live(i)]:
+            del self.sessions[ident]
 
     def audio(self, sound: torch.Tensor | None) -> np.ndarray:
         """Sound latents [sound_dim, T_s] → waveform float32 [channels, T_s·hop] in [-1, 1]; [0, 0] without."""
@@ -365,7 +382,7 @@ class DecodeStage:
         and the waveform of `sound` (the done event's sound latents; [0, 0] without)."""
         t = time.time()
         last = event["type"] == "done"
-        frames = self.start_chunk(event["id"], latents, last)
+        frames = self.start_chunk(event["id"], latents, last, event.get("continues", ""), event.get("session_id", ""))
 
         def finish() -> tuple[np.ndarray, ChunkEvent, np.ndarray]:
             audio = self.audio(sound)

@@ -298,3 +298,23 @@ def test_a_failed_continuation_ends_its_session_and_frees_its_pages():
     assert sink.errors == ["stopping"] and s.num_sessions == 0 and s.pool.pages_used == 0
     with pytest.raises(RequestError, match="failed"):
         cont(s, ident)
+
+
+def test_a_continuations_pieces_decode_on_from_the_kept_streams_decoder(setup):
+    """vae_decode keeps a kept stream's decoder for its session: the continuation's frames join the kept stream's as
+    one stream's would, exactly."""
+    from cosmos3_core.stages import DecodeStage
+
+    ckpt, _ = setup
+    decode = DecodeStage(ckpt, "cpu", torch.float32)
+    latents = torch.randn(
+        1, ckpt.config.latent_channel, 6, H // 16, W // 16, generator=torch.Generator().manual_seed(0)
+    )
+    one = [decode.start_chunk("a", latents[:, :, x:y], last=y == 6)().numpy() for x, y in ((0, 2), (2, 4), (4, 6))]
+    kept = [decode.start_chunk("b", latents[:, :, :2], last=False)(), decode.start_chunk("b", latents[:, :, 2:4],
+            last=True, keep="s" * 32)()]  # fmt: skip
+    then = decode.start_chunk("c", latents[:, :, 4:], last=True, resume="s" * 32)()
+    assert all((x == y.numpy()).all() for x, y in zip(one, [*kept, then]))
+    assert not decode.sessions and not decode.streams
+    with pytest.raises(RuntimeError, match="decoder state is gone"):
+        decode.start_chunk("d", latents[:, :, 4:], last=True, resume="s" * 32)
