@@ -1,9 +1,12 @@
 """python -m client generate --prompt P [same options as the offline CLI] [--url 127.0.0.1:8001] --out FILE
+python -m client stream --prompt P [--window-mode chained|kv ...] [--keep-session | --continue ID] --out FILE
+python -m client world --prompt P [--window-mode chained|kv ...] [--then-frames N] --out FILE
 
 Streams the request over gRPC, shows a progress bar from the server's first progress event on, writes
 .mp4/.png/.npy (and, for an action request, --actions-out .npy/.json) and prints time to first chunk (TTFC), where
 the time went (report.py) and, with a cache policy, the steps it skipped. Ctrl-C cancels the request on the server
-and exits at once (status 130).
+and exits at once (status 130). `stream --keep-session` prints the session's id on stdout (alone: `ID=$(...)`);
+`stream --continue ID` goes on from it (num_frames: the new frames); `world` is that loop interactively (world.py).
 """
 
 from __future__ import annotations
@@ -82,7 +85,19 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument(
         "--out", required=True, help="the joined video (.mp4/.npy); chunks go next to it as <stem>.chunkNNN.mp4"
     )
+    s.add_argument("--keep-session", action="store_true", help="keep the stream's session; its id goes to stdout")
+    s.add_argument("--continue", dest="continue_id", metavar="ID",
+                   help="continue that session: --num-frames more frames (a multiple of 4), re-prompted by --prompt")  # fmt: skip
+    w = sub.add_parser("world", help="an interactive session: each window plays as it arrives; a new prompt (or "
+                       "Enter: go on, q: stop) between requests; the whole video at the end")  # fmt: skip
+    add_request_args(w, windows=True)
+    w.add_argument("--then-frames", type=int, help="new frames per continuation (a multiple of 4; default: a window's)")
+    w.add_argument("--out", required=True, help="the whole video (.mp4/.npy); chunks go next to it")
     args = ap.parse_args(argv)
+    if args.command == "world":
+        from .world import world
+
+        return world(args)
 
     if not args.out.endswith(FRAME_SUFFIXES):
         print(f"error: out: suffix must be one of {', '.join(FRAME_SUFFIXES)}", file=sys.stderr)
@@ -95,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     image = video = raw_actions = None
     try:
         params = params_from_arguments(args)  # --cache's JSON is parsed here; the server checks the rest
+        if args.command == "stream":
+            params.update(session_parameters(params, args.keep_session, args.continue_id))
         if args.image or args.video or args.raw_actions:
             from cosmos3_core.inputs import load_image, load_raw_actions, load_video
 
@@ -167,7 +184,25 @@ def main(argv: list[str] | None = None) -> int:
         print("chunk gaps " + " ".join(f"{g:.2f}s" for g in gaps), file=sys.stderr)
     for line in timing_lines(done["timings"], result.e2e_s) + cache_lines(done.get("cache_skipped")):
         print(line, file=sys.stderr)
+    if args.command == "stream" and args.keep_session:
+        if "session_id" not in done:
+            print("error: the server kept no session (draining, or max_sessions reached)", file=sys.stderr)
+            return 1
+        print(done["session_id"])  # stdout: the id alone
     return 0
+
+
+def session_parameters(params: dict, keep: bool, continue_id: str | None) -> dict:
+    """A stream's `session` and window parameters: a continuation takes its windows from its session (and sends
+    none but what the user gave); a new stream is chained unless told otherwise."""
+    out: dict = {}
+    if continue_id:
+        out["session"] = {"continue": continue_id, "keep": keep}
+    else:
+        out["window_mode"] = params.get("window_mode") or "chained"
+        if keep:
+            out["session"] = {"keep": True}
+    return out
 
 
 if __name__ == "__main__":

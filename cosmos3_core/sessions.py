@@ -17,8 +17,11 @@ claims it; the claiming job then owns its pages, and the session is live again o
 when its TTL passes (`session_ttl_s` since it was kept), when a request needs its pages or `max_sessions` is reached
 (least recently kept first: an eviction), when the server drains, or when its continuation fails or is cancelled.
 
-`SessionInfo` is what other processes learn of an idle session (triton/state.py holds it as JSON): prefill checks a
-continuation against its parameters and skips the text prefill when the prompt's tokens are the session's.
+`SessionInfo` is what other processes learn of an idle session: the table tells `on_record(id, record)` each change
+of a session's record — idle (its `SessionInfo`), busy, ended (why), or None (forgotten) — and the server keeps it
+(triton/state.py); prefill reads it (`kept_params`) to check a continuation against its session's parameters, to
+refuse one whose session is busy or ended by name, and to skip the text prefill when the prompt's tokens are the
+session's.
 """
 
 from __future__ import annotations
@@ -80,14 +83,13 @@ class Session:
 
 @dataclass
 class SessionTable:
-    """The idle sessions, least recently kept first, and why ended ones ended. `on_kept(info)` / `on_ended(id)`: told
-    when a session becomes idle and when it leaves the table (the server records it for prefill: triton/state.py)."""
+    """The idle sessions, least recently kept first, and why ended ones ended. `on_record(id, record)`: told each
+    change of a session's record (`record`), None once it is forgotten."""
 
     ttl_s: float = 120.0
     max_sessions: int = 16
     clock: Callable[[], float] = time.monotonic
-    on_kept: Callable[[SessionInfo], None] | None = None
-    on_ended: Callable[[str], None] | None = None
+    on_record: Callable[[str, str | None], None] | None = None
     idle: OrderedDict[str, Session] = field(default_factory=OrderedDict)
     busy: set[str] = field(default_factory=set)  # claimed by a continuation not yet ended
     ended: OrderedDict[str, str] = field(default_factory=OrderedDict)  # id → why
@@ -110,8 +112,7 @@ class SessionTable:
             why = self.ended.get(ident)
             raise RequestError("session", f"{ident} " + (f"has ended ({why})" if why else "is unknown"))
         self.busy.add(ident)
-        if self.on_ended is not None:  # no longer idle: prefill of another continuation refuses it at once
-            self.on_ended(ident)
+        self._tell(ident, record(busy=True))  # prefill of another continuation refuses it at once
         return session
 
     def keep(self, session: Session) -> None:
@@ -120,16 +121,14 @@ class SessionTable:
         session.kept_at = self.clock()
         self.idle[session.id] = session
         self.ended.pop(session.id, None)
-        if self.on_kept is not None:
-            self.on_kept(session.info)
+        self._tell(session.id, record(info=session.info))
 
     def restore(self, session: Session) -> None:
         """A claim given back (the continuation was refused before it queued): idle again, as it was."""
         self.busy.discard(session.id)
         self.idle[session.id] = session
         self.idle = OrderedDict(sorted(self.idle.items(), key=lambda kv: kv[1].kept_at))
-        if self.on_kept is not None:
-            self.on_kept(session.info)
+        self._tell(session.id, record(info=session.info))
 
     def release(self, ident: str, why: str) -> None:
         """A claimed session ends with its continuation (failed, cancelled, or it did not keep)."""
@@ -142,8 +141,6 @@ class SessionTable:
         if why.startswith("evicted"):
             self.evictions += 1
         self._remember(ident, why)
-        if self.on_ended is not None:
-            self.on_ended(ident)
         return session
 
     def expired(self) -> list[str]:
@@ -156,5 +153,30 @@ class SessionTable:
     def _remember(self, ident: str, why: str) -> None:
         self.ended[ident] = why
         self.ended.move_to_end(ident)
+        self._tell(ident, record(ended=why))
         while len(self.ended) > ENDED_MEMORY:
-            self.ended.popitem(last=False)
+            self._tell(self.ended.popitem(last=False)[0], None)
+
+    def _tell(self, ident: str, text: str | None) -> None:
+        if self.on_record is not None:
+            self.on_record(ident, text)
+
+
+def record(info: SessionInfo | None = None, busy: bool = False, ended: str = "") -> str:
+    """A session's record as other processes read it (`kept_params`)."""
+    if info is not None:
+        return json.dumps({"state": "idle", "info": info.encode()})
+    return json.dumps({"state": "busy"} if busy else {"state": "ended", "why": ended})
+
+
+def kept_params(ident: str, text: str | None) -> SessionInfo:
+    """The idle session a continuation names, from its record (None: none) → its info; a RequestError naming
+    `session` when it is not idle (what the engine would answer, said before any work)."""
+    if text is None:
+        raise RequestError("session", f"{ident} is unknown")
+    raw = json.loads(text)
+    if raw["state"] == "busy":
+        raise RequestError("session", f"{ident} is already being continued by another request")
+    if raw["state"] == "ended":
+        raise RequestError("session", f"{ident} has ended ({raw['why']})")
+    return SessionInfo.decode(raw["info"])

@@ -1,6 +1,7 @@
 """`cosmos3_prefill`, its stub process: validate the request, tokenize, run the understanding tower once, VAE-encode an
 i2v image, the v2v clip's conditioning frames or an action request's anchor frame (inverse dynamics: its clip); over
-`stages.PrefillStage`. What it sends on is typed in wire.py. `RefusalMetric` counts the text guardrail's refusals.
+`stages.PrefillStage`. A session's continuation is checked against its session's record (state.py, sessions.py) and,
+with its session's prompt, sends no text K/V. What it sends on is typed in wire.py. `RefusalMetric` counts the text guardrail's refusals.
 
 Only imported inside a Triton Python stub.
 """
@@ -14,8 +15,9 @@ import triton_python_backend_utils as pb_utils
 
 from .. import faults
 from ..errors import part_restarting
-from ..requests import RequestError, parse_parameters_json
+from ..requests import RequestError, continued_session, parse_parameters_json
 from ..safety import Refused
+from ..sessions import kept_params
 from ..stages import PrefillStage
 from ..wire import RequestMeta
 from .admission import Ticket
@@ -86,8 +88,12 @@ class PrefillModel:
             params = parse_parameters_json(None if raw_params is None else raw_params.reshape(-1)[0])
             image, video = input_array(request, "image"), input_array(request, "condition_video")
             raw_actions = input_array(request, "raw_actions")
-            p = self.stage.validate(prompt.reshape(-1)[0], params, image, video, raw_actions)
-            wire = self.stage.run(p, image, video, raw_actions).to_wire()
+            ident = continued_session(params)
+            kept = kept_params(ident, self.state.session(ident)) if ident else None
+            p = self.stage.validate(prompt.reshape(-1)[0], params, image, video, raw_actions,
+                                    None if kept is None else kept.params)  # fmt: skip
+            result = self.stage.run(p, image, video, raw_actions, "" if kept is None else kept.params.text_digest)
+            p, wire = result.params, result.to_wire()
             if faults.CHECK_FINITE:
                 faults.report_nonfinite("prefill output", f"{ticket.id} seed {p.seed}", text_kv=wire["text_kv"],
                                         cond_latent=wire["cond_latent"])  # fmt: skip
