@@ -169,6 +169,11 @@ def record(info: SessionInfo | None = None, busy: bool = False, ended: str = "")
     return json.dumps({"state": "busy"} if busy else {"state": "ended", "why": ended})
 
 
+def record_live(text: str | None) -> bool:
+    """A record's session is live (idle, or being continued)."""
+    return text is not None and json.loads(text)["state"] != "ended"
+
+
 def kept_params(ident: str, text: str | None) -> SessionInfo:
     """The idle session a continuation names, from its record (None: none) → its info; a RequestError naming
     `session` when it is not idle (what the engine would answer, said before any work)."""

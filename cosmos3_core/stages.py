@@ -280,6 +280,8 @@ class DecodeStage:
         self.streams: dict[str, tuple[StreamDecoder | None, float]] = {}
         # session id → the decoder its kept stream ended with, and when: its continuation's first piece goes on from it
         self.sessions: dict[str, tuple[StreamDecoder, float]] = {}
+        # whether a session is still live (the server's record of it); those that are not are let go at each keep
+        self.session_live: Callable[[str], bool] = lambda ident: True
         _ = self.codec.decoder  # prepared and checked at load, not on the first request
         lap("decoder")
         if compile:
@@ -358,13 +360,11 @@ class DecodeStage:
         if not last:
             self.streams[stream_id] = (decoder, now)
         elif keep:
+            for ident in [i for i, (_, t) in self.sessions.items() if not self.session_live(i) or
+                          now - t > self.STREAM_IDLE_S]:  # fmt: skip
+                del self.sessions[ident]
             self.sessions[keep] = (decoder, now)
         return pending
-
-    def drop_sessions(self, live: Callable[[str], bool]) -> None:
-        """Let go of the decoders of sessions that ended (`live(id)` False)."""
-        for ident in [i for i in self.sessions if not live(i)]:
-            del self.sessions[ident]
 
     def audio(self, sound: torch.Tensor | None) -> np.ndarray:
         """Sound latents [sound_dim, T_s] → waveform float32 [channels, T_s·hop] in [-1, 1]; [0, 0] without."""

@@ -20,6 +20,7 @@ import triton_python_backend_utils as pb_utils
 from .. import faults
 from ..model.checkpoint import Checkpoint
 from ..requests import RequestError
+from ..sessions import record_live
 from ..stages import DecodeStage
 from ..wire import ChunkEvent, decode_event
 from . import lifecycle
@@ -206,6 +207,8 @@ class DecodeModel:
         t0 = time.perf_counter()
         d, device = deployment_from_args(args)
         stage = DecodeStage.from_deployment(Checkpoint.open(d.checkpoint), d, device)  # parallel.vae: over a group
+        state = ServerState(d.state_dir)
+        stage.session_live = lambda ident: record_live(state.session(ident))  # an ended session's decoder goes
         metrics = DecodeMetrics({"model": args["model_name"], "instance": args["model_instance_name"]})
         labels = {"model": args["model_name"], "instance": args["model_instance_name"]}
         self.gpu_memory = GpuMemoryMetric(stage.plan, ("vae_decode",), labels)

@@ -218,6 +218,10 @@ class EngineMetrics:
             "tick_failures": family("cosmos3_tick_failures_total", "Packed forwards that raised (requests ended)", C),
         }
         self.queue_time = family("cosmos3_queue_seconds", "Submit to admission", H, buckets=self.QUEUE_BUCKETS)
+        # AR sessions (sessions.py): kept and not ended (idle, or being continued); idle ones evicted for their pages
+        self.sessions = family("cosmos3_sessions", "AR sessions live (kept, idle or being continued)", G)
+        self.evictions = family("cosmos3_session_evictions_total", "Idle AR sessions evicted", C)
+        self._evicted = 0
         # how requests ended in the engine (its sinks count them; completed is decode's: outcomes.py)
         self.outcomes = Outcomes(labels, AT_DENOISE)
         self._last = dict.fromkeys(self.counters, 0)
@@ -251,6 +255,11 @@ class EngineMetrics:
             while stats.queue_times:
                 self.queue_time.observe(stats.queue_times.popleft())
         self.outcomes.publish()
+        table = e.scheduler.sessions
+        self.sessions.set(table.live)
+        if table.evictions != self._evicted:
+            self.evictions.increment(table.evictions - self._evicted)
+            self._evicted = table.evictions
 
     def close(self) -> None:
         self._stop.set()
@@ -360,6 +369,8 @@ class DenoiseModel:
         labels = {"model": args["model_name"], "instance": args["model_instance_name"]}
         self.gpu_memory = GpuMemoryMetric(plan, ("denoise", "server"), labels)
         self.state = ServerState(d.state_dir)
+        self.state.clear_sessions()  # a previous incarnation's sessions went with its pages
+        self.engine.scheduler.sessions.on_record = self.state.set_session  # prefill and vae_decode read them
         self.state.clear_tickets("engine")  # a previous incarnation's waiting requests are never answered
         self.state.set_busy(args["model_instance_name"], False)  # nor its held ones
         self.responder = Responder(device)

@@ -12,6 +12,7 @@ under `<workdir>/state` (per server: `serve.render` gives each its own and wipes
 | the server drains: `drain` / `undrain` | `DRAINING` | the supervisor (SIGINT / SIGTERM) | the door and the engine (admit nothing new) |
 | an engine is busy: `set_busy(instance, busy)` | `busy/<instance>` | each denoise instance, on change | the supervisor's drain (`idle`) |
 | admission tickets: `take`, `claim`, `release`, `held` | `tickets/<id>.door`, `.engine` | the door (take), prefill (release on its error), denoise (claim, release at the first event) | the door (`held`): admission.py |
+| an AR session's record: `set_session(id, record)` (idle with its parameters, busy, ended and why; None: forgotten) | `sessions/<id>` (sessions.record) | the denoise engine's session table, on each change | prefill (checks a continuation: sessions.kept_params), vae_decode (lets go of an ended session's decoder) |
 
 A stream's facts are dropped by whoever ends it (`forget`): vae_decode at its last step, denoise when vae_decode died.
 Stream ids and part names are alphanumeric (`_` allowed in part and instance names).
@@ -163,3 +164,25 @@ class ServerState:
         for entry in os.scandir(self.dir / "tickets"):
             if entry.name.endswith(f".{where}"):
                 Path(entry.path).unlink(missing_ok=True)
+
+    # ---- AR sessions: the denoise engine → prefill and vae_decode ----
+    def set_session(self, ident: str, record: str | None) -> None:
+        folder = self.dir / "sessions"
+        folder.mkdir(exist_ok=True)
+        path = folder / _name(ident)
+        if record is None:
+            path.unlink(missing_ok=True)
+            return
+        tmp = folder / f".{ident}.{os.getpid()}"  # whole or not at all: a reader never sees half of it
+        tmp.write_text(record)
+        os.replace(tmp, path)
+
+    def session(self, ident: str) -> str | None:
+        try:
+            return (self.dir / "sessions" / _name(ident)).read_text()
+        except FileNotFoundError:
+            return None
+
+    def clear_sessions(self) -> None:
+        """A denoise instance is starting: a previous one's sessions are gone with its pages."""
+        shutil.rmtree(self.dir / "sessions", ignore_errors=True)
