@@ -24,8 +24,12 @@
 #       video check (ours against the package's, frame for frame) and the text check at 121 frames 480x832
 #   timeline [ARGS]    bench.timeline (default: --config configs/bench_edge.yaml): where the GPU sits idle
 #   inprocess [ARGS]   bench.inprocess (default: --preset edge --compile --variants sdpa flashinfer+graphs)
+#   memory [inprocess|served ...] [PRECISION]   (served: carry .whl/pytriton) each part's GPU memory against its plan
+#       (bench.memory): inprocess: Nano's parts loaded alone, the allocator's peaks at several sizes; served:
+#       configs/nano.yaml (random weights, no guardrail) sampled by nvidia-smi through its default 1280x720x189
+#       request (2 steps); PRECISION checkpoint (default) or fp8
 set -uo pipefail
-run=${1:?usage: bash bench/device_run.sh coldstart|lora|guardrail_served|guardrail|timeline|inprocess [ARGS...]}
+run=${1:?usage: bash bench/device_run.sh coldstart|lora|guardrail_served|guardrail|timeline|inprocess|memory [ARGS...]}
 shift
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -126,8 +130,24 @@ guardrail() {  # the image's python3 (torch, torchvision, transformers, opencv),
     | grep -v -e "Loading weights" -e "Writing model shards"
 }
 
+memory() {
+  local precision=checkpoint parts=()
+  for a in "$@"; do case $a in checkpoint|fp8) precision=$a ;; *) parts+=("$a") ;; esac; done
+  [ ${#parts[@]} -gt 0 ] || parts=(inprocess served)
+  for part in "${parts[@]}"; do
+    case $part in
+      inprocess) timeout 300 $PY -m bench.memory --preset nano --compile --precision $precision \
+                   --json "$OUT/memory_nano_$precision.json" 2>&1 | grep -e ratio -e Error | tail -30 ;;
+      served) need_pytriton
+              timeout 400 $PY -m bench.memory --served configs/nano.yaml --precision $precision \
+                --json "$OUT/memory_served_nano_$precision.json" 2>&1 | grep -v -e Warning -e float32 -e pow_by | tail -40 ;;
+      *) echo "unknown memory part $part (inprocess, served)"; exit 2 ;;
+    esac
+  done
+}
+
 case $run in
-  coldstart|lora|guardrail_served|guardrail) $run "$@" ;;
+  coldstart|lora|guardrail_served|guardrail|memory) $run "$@" ;;
   timeline) [ $# -gt 0 ] || set -- --config configs/bench_edge.yaml
             timeout 560 $PY -m bench.timeline "$@" 2>&1 | grep -v -e Warning -e float32 | tee "$OUT/timeline.txt" | tail -60 ;;
   inprocess) [ $# -gt 0 ] || set -- --preset edge --compile --variants sdpa flashinfer+graphs
