@@ -1,7 +1,7 @@
 """The README's commands stay true, and no docs command rots unseen.
 
 - Every line of the README's "Try every mode" block runs as written (the only change: `--url` of this test's server
-  appended to a client call), as soon as the lines whose outputs it reads have written them (independent lines at
+  appended to a client call), as soon as the lines whose outputs (a redirected stdout too) it reads have written them (independent lines at
   once, as several users would send them: cheaper on 2 cores), in a scratch directory whose `.venv` is this
   interpreter's, against one server rendered from `configs/tiny.yaml` with the default tiny checkpoint — what
   `make serve` starts. Each must exit 0 and write every file it names (`--out`, `--audio-out`, `--actions-out`).
@@ -38,10 +38,14 @@ MODES = {
     "SeaCache": "--cache",
     "chained AR": "--window-mode chained",
     "kv AR": "--window-mode kv",
+    "a kept session": "--keep-session",
+    "its continuation": "--continue",
 }
 COMMENT = re.compile(r"(?:^|\s)#\s")
-OUTPUTS = re.compile(r"--(?:out|audio-out|actions-out)\s+(\S+)")
-INPUTS = re.compile(r"--(?:image|video|raw-actions)\s+(\S+)")
+# what a line writes (a flag's file, or its stdout redirected: a kept session's id) and reads (an input flag's file,
+# or a file the shell reads for it: the id a continuation names)
+OUTPUTS = re.compile(r"(?:--(?:out|audio-out|actions-out)|>)\s+(\S+)")
+INPUTS = re.compile(r"(?:--(?:image|video|raw-actions)\s+|\$\(cat )([^\s)]+)")
 
 
 def fenced_blocks(path: Path) -> list[tuple[str, list[str]]]:
