@@ -1,0 +1,94 @@
+"""AR sessions served: a continuation's time to first chunk (TTFC) and window time against a fresh stream's.
+
+  python -m bench.sessions --config configs/bench_nano_ar.yaml --set precision=fp8 \
+      --params '{"window_mode": "chained", "num_frames": 29, "cache": {"policy": "sea"}}' --rounds 3
+
+Starts the real server on the deployment, runs one untimed stream (warm), then `--rounds` times: a fresh stream of
+`--params` that keeps its session (its TTFC is a fresh stream's: prefill, window 0, its decode), a continuation with
+the same prompt (no prefill at all: its TTFC should be one window's denoise and decode), and one re-prompted (the
+new prompt's text tower only), each `--new-frames` new frames (default: two windows' worth, so a window time shows
+as the chunk gap). Prints per kind the client's TTFC and chunk gap p50, and the server's prefill_s p50; `--json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from client.stream import generate
+from cosmos3_core.deployment import Deployment
+from cosmos3_core.triton.launcher import stop_server, wait_until_ready
+from cosmos3_core.triton.serve import start
+
+PROMPT = "A long drive along the coast at sunset, the camera following a red car"
+REPROMPT = "The road turns inland and climbs into snowy mountains"
+
+
+def one(url: str, prompt: str, params: dict) -> dict:
+    out = generate(url, prompt, params)
+    done = next(e for e in out.events if e["type"] == "done")
+    gaps = [b - a for a, b in zip(out.chunk_times, out.chunk_times[1:])]
+    return {"ttfc_s": out.ttfc_s, "gap_s": statistics.median(gaps) if gaps else None, "e2e_s": out.e2e_s,
+            "prefill_s": done["timings"].get("prefill_s", 0.0), "session_id": done.get("session_id")}  # fmt: skip
+
+
+def p50(rows: list[dict], key: str) -> float | None:
+    values = [r[key] for r in rows if r[key] is not None]
+    return statistics.median(values) if values else None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.sessions", description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default="configs/bench_nano_ar.yaml")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=YAML", help="override a deployment key")
+    ap.add_argument("--params", default='{"window_mode": "chained", "num_frames": 29}', help="the fresh stream's")
+    ap.add_argument("--new-frames", type=int, default=0, help="a continuation's new frames (default: two windows')")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    overrides = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.set)}
+    deployment = Deployment.load(args.config, **overrides)
+    params = json.loads(args.params)
+    proc, ports, _ = start(deployment, Path(tempfile.mkdtemp(prefix="bench_sessions_")))
+    rows: dict[str, list[dict]] = {"fresh": [], "continue": [], "reprompt": []}
+    try:
+        wait_until_ready(ports[1], proc=proc, timeout_s=1800)
+        url = f"127.0.0.1:{ports[0]}"
+        more = {"num_frames": args.new_frames} if args.new_frames else {}
+        warm = one(url, PROMPT, {**params, "session": {"keep": True}})  # untimed: first use of every layout
+        one(url, REPROMPT, {**more, "session": {"continue": warm["session_id"]}})
+        for _ in range(args.rounds):
+            for kind, prompt in (("continue", PROMPT), ("reprompt", REPROMPT)):
+                fresh = one(url, PROMPT, {**params, "session": {"keep": True}})
+                rows["fresh"].append(fresh)
+                if not more:  # two windows' new frames: chained (window - overlap), kv a window, in latent frames
+                    t = 4
+                    window = 1 + (params.get("window_frames", deployment.defaults.window_frames) - 1) // t
+                    overlap = params.get("overlap_frames", deployment.defaults.overlap_frames) // t
+                    step = window - overlap if params.get("window_mode") == "chained" else window
+                    more = {"num_frames": 2 * t * step}
+                rows[kind].append(one(url, prompt, {**more, "session": {"continue": fresh["session_id"]}}))
+                time.sleep(0.1)
+    finally:
+        stop_server(proc)
+    result = {kind: {k: p50(r, k) for k in ("ttfc_s", "gap_s", "e2e_s", "prefill_s")} for kind, r in rows.items()}
+    result["command"] = " ".join(sys.argv)
+    for kind in ("fresh", "continue", "reprompt"):
+        r = result[kind]
+        gap = "-" if r["gap_s"] is None else f"{r['gap_s']:.2f} s"
+        print(f"{kind:9s} TTFC p50 {r['ttfc_s']:.2f} s  window (chunk gap) p50 {gap}  prefill {r['prefill_s']:.3f} s")
+    print(f"continuation TTFC / fresh: {result['continue']['ttfc_s'] / result['fresh']['ttfc_s']:.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
