@@ -17,9 +17,10 @@ AR = ["accepted", "progress", "chunk", "progress", "chunk", "done"]
 
 
 class Walk:
-    """Denoise sends `events`; vae_decode answers each; after `done` the holder polls until vae_decode finished.
-    `cancel_at`: the client cancels once the stream reached that point (an event index, or "decoding": while the
-    last piece decodes); `kill`: (part, point) that part dies there."""
+    """Denoise sends `events`; vae_decode answers each; after `done` the holder polls until vae_decode finished, then
+    sends the `end` step, and its FINAL once vae_decode answered that (`ended`). `cancel_at`: the client cancels once
+    the stream reached that point (an event index, "decoding": while the last piece decodes, or "ending": the last
+    step on its way to vae_decode); `kill`: (part, point) that part dies there."""
 
     def __init__(self, events, cancel_at=None, kill=None, decode_fails=None):
         self.events, self.cancel_at, self.kill, self.decode_fails = events, cancel_at, kill, decode_fails
@@ -28,6 +29,7 @@ class Walk:
         self.open_steps: set[int] = set()  # vae_decode steps whose FINAL was not sent
         self.stop: str | None = None  # state.stop
         self.finished = False  # state.finish
+        self.ended: str | None = None  # state.end
         self.s: DecodeStream | None = None
         self.held: int | None = None
         self.cancelled = False
@@ -43,11 +45,18 @@ class Walk:
             self.s = DecodeStream()
         self.n += 1
         step = self.n
-        do = lifecycle.decode_step(self.s, kind, self.cancelled, message)
+        if self.dead == "denoise" and self.s is not None:  # a step of a dead denoise's stream (lifecycle.gone)
+            do = lifecycle.denoise_died(self.s)
+        else:
+            do = lifecycle.decode_step(self.s, kind, self.cancelled, message)
         if self.held is not None:
             self.open_steps.discard(self.held)
             self.held = None
         self.apply(do)
+        if do.ended is not None:
+            assert do.final and do.send == "nothing"  # a bare FINAL: denoise's FINAL is the stream's last
+            self.ended = do.ended
+            return
         if do.send == "frames" and kind == "done":
             self.decoding = 2  # the last piece decodes over two of the holder's ticks
         elif do.send == "frames":
@@ -91,21 +100,26 @@ class Walk:
                 if do.send == "error":
                     self.client.append(f"error {do.message}")
 
+    def denoise_sends(self, do: lifecycle.Do) -> None:
+        self.apply(do)
+        if do.send == "error":
+            self.client.append(f"error {do.message}")
+        if do.final:
+            self.denoise_final = True
+
     def run(self) -> None:
         for i, kind in enumerate(self.events):
             self.at(i)
             if self.dead == "denoise":
                 return
             if kind != "accepted" and (self.stop or self.dead == "vae_decode"):  # the engine ends it between ticks
-                stop = self.stop if self.stop else None
-                do = lifecycle.engine_error(stop, None, self.dead == "vae_decode", part_died("vae_decode")
-                                            if self.dead else "cancelled")  # fmt: skip
-                self.apply(do)
-                self.denoise_final = True
-                if do.send == "error":
-                    self.client.append(f"error {do.message}")
-                else:
-                    self.decode("error", do.message)
+                message = part_died("vae_decode") if self.dead else "cancelled"
+                do = lifecycle.engine_error(self.stop, None, self.dead == "vae_decode", message)
+                self.denoise_sends(do)
+                if do.send == "error_event":
+                    outcome = lifecycle.engine_outcome(self.stop, None)
+                    self.ending(HeldStream(last_poll=0.0, ending=True, error=message, outcome=outcome), "error",
+                                message)  # fmt: skip
                 return
             self.decode(kind)
         h, now = HeldStream(last_poll=0.0), 0.0
@@ -118,16 +132,26 @@ class Walk:
                 self.decoding -= 1
                 if not self.decoding:
                     self.piece_out("done")
-            do = lifecycle.held_tick(h, now, self.finished, self.dead == "vae_decode")
-            self.apply(do)
-            if do.send == "error":
-                self.client.append(f"error {do.message}")
-            elif do.send in ("poll", "end"):
-                self.decode(do.send)
+            do = lifecycle.held_tick(h, now, self.finished, None, self.dead == "vae_decode")
+            self.denoise_sends(do)
+            if do.send == "poll":
+                self.decode("poll")
+            elif do.send == "end":
+                return self.ending(h, "end")
             if do.final:
-                self.denoise_final = True
                 return
         raise AssertionError("the stream never ended")
+
+    def ending(self, h: HeldStream, kind: str, message: str = "") -> None:
+        """Denoise sent the stream's last step, its FINAL held; vae_decode answers that step, then denoise sends its
+        FINAL."""
+        self.at("ending")
+        self.decode(kind, message)
+        if self.dead == "denoise":
+            return
+        do = lifecycle.held_tick(h, 99.0, False, self.ended, self.dead == "vae_decode")
+        assert do.final, do
+        self.denoise_sends(do)
 
 
 @pytest.mark.parametrize("events", [SINGLE, AR], ids=["single", "ar"])
@@ -139,19 +163,19 @@ def test_a_stream_alone_completes_counted_once(events):
 
 
 @pytest.mark.parametrize("events", [SINGLE, AR], ids=["single", "ar"])
-@pytest.mark.parametrize("point", [1, 2, 3, "decoding"])
+@pytest.mark.parametrize("point", [1, 2, 3, "decoding", "ending"])
 def test_a_cancel_in_any_phase_is_counted_cancelled_once(events, point):
     w = Walk(events, cancel_at=point)
     w.run()
     assert w.counts == {"cancelled": 1}, (w.counts, w.client)
     assert w.denoise_final and not w.open_steps
     assert not any(c.startswith("error") for c in w.client)  # the client left: nothing more is said
-    assert "frames of done" not in w.client
+    assert ("frames of done" in w.client) == (point == "ending")  # by then the last frames were out
 
 
 @pytest.mark.parametrize("events", [SINGLE, AR], ids=["single", "ar"])
 @pytest.mark.parametrize("part", ["denoise", "vae_decode"])
-@pytest.mark.parametrize("point", [1, 2, 3, "decoding"])
+@pytest.mark.parametrize("point", [1, 2, 3, "decoding", "ending"])
 def test_a_part_dying_in_any_phase_ends_the_stream_with_its_error(events, part, point):
     w = Walk(events, kill=(part, point))
     w.run()
@@ -159,7 +183,7 @@ def test_a_part_dying_in_any_phase_ends_the_stream_with_its_error(events, part, 
     assert w.client[-1] == f"error {part_died(part)}", w.client
 
 
-@pytest.mark.parametrize("point", [1, "decoding"])
+@pytest.mark.parametrize("point", [1, "decoding", "ending"])
 @pytest.mark.parametrize("part", ["denoise", "vae_decode"])
 def test_a_cancelled_stream_whose_part_dies_is_counted_once(point, part):
     w = Walk(AR, cancel_at=point, kill=(part, point))
@@ -175,27 +199,71 @@ def test_a_piece_that_fails_ends_the_stream_with_its_text_counted_once(kind):
     assert w.client[-1] == "error the piece failed" and w.denoise_final and not w.open_steps
 
 
+@pytest.mark.parametrize("part", ["denoise", "vae_decode"])
+@pytest.mark.parametrize("stop", ["cancel", "piece fails"])
+def test_a_stream_the_engine_ends_early_whose_part_dies_before_its_last_answer_is_counted_once(part, stop):
+    """The engine's `error` event on its way to vae_decode (ending) when a part dies: denoise counts with its FINAL,
+    vae_decode (a dead denoise's) with its answer, never both."""
+    w = Walk(AR, cancel_at=2 if stop == "cancel" else None, decode_fails="chunk" if stop == "piece fails" else None,
+             kill=(part, "ending"))  # fmt: skip
+    w.run()
+    assert sum(w.counts.values()) == 1, (w.counts, w.client)
+
+
 def test_a_step_of_a_stream_decode_does_not_know_is_answered_at_once():
     assert lifecycle.decode_step(None, "chunk", False) == lifecycle.Do()
-    do = lifecycle.decode_step(None, "error", False, "over capacity")
-    assert do.send == "error" and do.message == "over capacity" and do.final
+    do = lifecycle.decode_step(None, "error", False, "over capacity")  # a last step: denoise waits for its answer
+    assert do.send == "nothing" and do.final and do.ended == "over capacity" and do.count is None
+    assert lifecycle.decode_step(None, "end", False).ended == ""
     with pytest.raises(ValueError):
         lifecycle.decode_step(DecodeStream(), "bogus", False)
 
 
-def test_the_holder_polls_every_poll_s_and_ends_once_finished():
+def test_a_part_is_gone_for_the_requests_that_arrived_before_its_death():
+    """An ensemble request keeps the model instances it started with: a death after its arrival was its part's."""
+    assert lifecycle.gone(10.0, 11.0) and not lifecycle.gone(12.0, 11.0) and not lifecycle.gone(10.0, None)
+
+
+def test_a_late_step_of_a_dead_denoise_stream_is_answered_with_its_error():
+    """vae_decode takes a step (its `accepted` was queued behind a piece) after the watcher answered the held ones:
+    the stream is answered on that step, counted once."""
+    s = DecodeStream(t0=10.0)
+    assert lifecycle.gone(s.t0, 11.0)
+    do = lifecycle.denoise_died(s)
+    assert do.send == "error" and do.message == part_died("denoise") and do.final and do.count == "failed"
+    s.stop = "cancelled"
+    assert lifecycle.denoise_died(s) == lifecycle.Do(count="cancelled", forget=True)
+
+
+def test_the_holder_polls_every_poll_s_ends_once_finished_and_sends_the_final_once_answered():
     h = HeldStream(last_poll=0.0)
-    assert lifecycle.held_tick(h, 0.1, False, False).send == "nothing"
-    assert lifecycle.held_tick(h, lifecycle.POLL_S, False, False).send == "poll"
-    assert lifecycle.held_tick(h, lifecycle.POLL_S + 0.1, False, False).send == "nothing"
-    end = lifecycle.held_tick(h, 1.0, True, True)  # finished wins: the frames are out, the end step goes to nobody
-    assert end.send == "end" and end.final and end.count is None
+    assert lifecycle.held_tick(h, 0.1, False, None, False).send == "nothing"
+    assert lifecycle.held_tick(h, lifecycle.POLL_S, False, None, False).send == "poll"
+    assert lifecycle.held_tick(h, lifecycle.POLL_S + 0.1, False, None, False).send == "nothing"
+    end = lifecycle.held_tick(h, 1.0, True, None, False)
+    assert end.send == "end" and not end.final and end.count is None and h.ending
+    assert not lifecycle.held_tick(h, 1.1, False, None, False).final  # waits for vae_decode's answer
+    last = lifecycle.held_tick(h, 1.2, False, "", False)
+    assert last.final and last.send == "nothing" and last.forget and last.count is None  # decode counted the end
+    failed = lifecycle.held_tick(HeldStream(0.0, ending=True), 1.2, False, "the piece failed", False)
+    assert failed.final and failed.send == "error" and failed.message == "the piece failed"
+
+
+def test_the_holder_answers_a_dead_vae_decode_in_every_phase():
+    for h in (HeldStream(0.0), HeldStream(0.0, ending=True)):
+        do = lifecycle.held_tick(h, 1.0, True, None, True)  # finished or not: nobody would answer the end step
+        assert do.final and do.send == "error" and do.message == part_died("vae_decode") and do.count == "failed"
+    h = HeldStream(0.0, ending=True, error="boom", outcome="failed")
+    assert lifecycle.held_tick(h, 1.0, False, None, True) == lifecycle.Do(send="error", message="boom",
+                                                                          count="failed", forget=True)  # fmt: skip
 
 
 def test_the_engine_counts_its_own_end_and_the_reason_it_was_given():
-    assert lifecycle.engine_error(None, None, False, "boom").count == "failed"
-    assert lifecycle.engine_error("cancelled", None, False, "cancelled").count == "cancelled"
-    assert lifecycle.engine_error("refused", None, False, "cancelled").count == "refused"
-    assert lifecycle.engine_error(None, "rejected", False, "queue full").count == "rejected"
+    assert lifecycle.engine_outcome(None, None) == "failed"
+    assert lifecycle.engine_outcome("cancelled", None) == "cancelled"
+    assert lifecycle.engine_outcome("refused", None) == "refused"
+    assert lifecycle.engine_outcome(None, "rejected") == "rejected"
+    event = lifecycle.engine_error(None, None, False, "boom")
+    assert event.send == "error_event" and not event.final and event.count is None  # counted with the FINAL
     down = lifecycle.engine_error(None, None, True, part_died("vae_decode"))
-    assert down.send == "error" and down.forget
+    assert down.send == "error" and down.forget and down.final and down.count == "failed"

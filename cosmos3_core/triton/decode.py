@@ -51,8 +51,9 @@ def to_decode_s(done: ChunkEvent) -> float:
 class DecodeLoop:
     """vae_decode's threads. `put` (Triton's execute thread) reads each step's event and sees a cancel at once, so
     that the piece decoding now is the stream's last; the loop thread answers the steps in order as
-    `lifecycle.decode_step` says, holding each stream's latest step; the watcher answers a dead denoise's streams on
-    those held steps within a fraction of a second, whatever piece the loop is decoding."""
+    `lifecycle.decode_step` says, holding each stream's latest step (a step of a dead denoise's stream that comes
+    late: `lifecycle.denoise_died`); the watcher answers a dead denoise's streams on those held steps within a
+    fraction of a second, whatever piece the loop is decoding."""
 
     WATCH_S = 0.1
 
@@ -86,18 +87,25 @@ class DecodeLoop:
     def _run(self) -> None:
         while (item := self.inbox.get()) is not None:
             request, event = item
-            ident, sender = event["id"], request.get_response_sender()
+            ident, kind, sender = event["id"], event["type"], request.get_response_sender()
+            died = self.state.died_at("denoise")
             with self.lock:
-                if event["type"] == "accepted":
-                    self.streams.setdefault(ident, lifecycle.DecodeStream())
+                if kind == "accepted":
+                    self.streams.setdefault(ident, lifecycle.DecodeStream(t0=event.get("t0", 0.0)))
                 s = self.streams.get(ident)
-                do = lifecycle.decode_step(s, event["type"], request.is_cancelled(), event.get("message", ""))
+                if s is not None and lifecycle.gone(s.t0, died):  # a step of a dead denoise's stream, come late
+                    do = lifecycle.denoise_died(s)
+                else:
+                    do = lifecycle.decode_step(s, kind, request.is_cancelled(), event.get("message", ""))
                 previous = self.held.pop(ident, None)
                 if not do.final:
                     self.held[ident] = sender
             if previous is not None:
                 self.responder.send(previous, lambda: None, final=True)  # its previous step is done now
             self._apply(ident, s, do)
+            if do.ended is not None:
+                self._last_step(sender, ident, s, do)
+                continue
             if do.send == "frames":
                 build = self._launch(request, event, s, do.finish)
             elif do.send == "error":
@@ -108,11 +116,32 @@ class DecodeLoop:
                     self.state.finish(ident)
             self.responder.send(sender, build, final=do.final)
 
+    def _last_step(self, sender: Any, ident: str, s: lifecycle.DecodeStream | None, do: lifecycle.Do) -> None:
+        """The stream's last step here: a bare FINAL, then denoise is told (`state.end`) and the outcome counted. A
+        denoise that died meanwhile never sends its FINAL: the step ends the stream with its error instead (decided
+        when the step's turn to be sent comes: it may wait behind other streams' pieces)."""
+        orphaned: list[lifecycle.Do] = []
+
+        def build() -> Any:
+            if s is not None and lifecycle.gone(s.t0, self.state.died_at("denoise")):
+                orphaned.append(lifecycle.denoise_died(s))
+                return error_response(orphaned[0].message) if orphaned[0].send == "error" else None
+            return None
+
+        def after() -> None:
+            if not orphaned:
+                self.state.end(ident, do.ended)
+            count = orphaned[0].count if orphaned else do.count
+            if count:
+                self.metrics.outcomes.count_now(count)
+
+        self.responder.send(sender, build, final=True, after=after)
+
     def _apply(self, ident: str, s: lifecycle.DecodeStream | None, do: lifecycle.Do) -> None:
-        """The facts and counts of a `Do` (its sends are the caller's)."""
+        """The facts and counts of a `Do` (its sends are the caller's; a last step's count is `_last_step`'s)."""
         if do.stop:
             self.state.stop(ident, do.stop)
-        if do.count:
+        if do.count and do.ended is None:
             self.metrics.outcomes.count_now(do.count)
         if do.forget:
             with self.lock:
@@ -122,25 +151,27 @@ class DecodeLoop:
             self.state.forget(ident)
 
     def _watch(self) -> None:
-        """A dead denoise: every stream held now was its instance's (vae_decode is never reloaded with them)."""
-        was_down = False
+        """A dead denoise: the streams held now that arrived before its death were its instance's (vae_decode is
+        never reloaded with them); those whose steps come later are answered by the loop as they come."""
         while not self._stop.wait(self.WATCH_S):
-            down = self.state.is_down("denoise")
-            if down and not was_down:
-                with self.lock:
-                    held, self.held = self.held, {}
-                    dos = {i: lifecycle.denoise_died(self.streams.get(i) or lifecycle.DecodeStream()) for i in held}
-                for ident, sender in held.items():
-                    do = dos[ident]
-                    try:  # directly: the responder may be waiting seconds for a piece's frames
-                        if do.send == "error":
-                            sender.send(error_response(do.message), flags=FINAL)
-                        else:
-                            sender.send(flags=FINAL)
-                    except Exception as e:  # noqa: BLE001 - the request is already gone
-                        log_exception("cosmos3_vae_decode", e)
-                    self._apply(ident, None, do)
-            was_down = down
+            died = self.state.died_at("denoise")
+            if died is None:
+                continue
+            with self.lock:
+                dead = [i for i in self.held if lifecycle.gone(getattr(self.streams.get(i), "t0", 0.0), died)]
+                held = {i: self.held.pop(i) for i in dead}
+                # dropped here, under the lock: a step of the stream that the loop takes next finds nothing to answer
+                dos = {i: lifecycle.denoise_died(self.streams.pop(i, None) or lifecycle.DecodeStream()) for i in held}
+            for ident, sender in held.items():
+                do = dos[ident]
+                try:  # directly: the responder may be waiting seconds for a piece's frames
+                    if do.send == "error":
+                        sender.send(error_response(do.message), flags=FINAL)
+                    else:
+                        sender.send(flags=FINAL)
+                except Exception as e:  # noqa: BLE001 - the request is already gone
+                    log_exception("cosmos3_vae_decode", e)
+                self._apply(ident, None, do)
 
     def _launch(
         self, request: Any, event: ChunkEvent, s: lifecycle.DecodeStream, finish_after: bool

@@ -31,6 +31,7 @@ from .io import (
     EMPTY_ACTIONS,
     EMPTY_LATENTS,
     EMPTY_SOUND,
+    FINAL,
     Responder,
     deployment_from_args,
     error_response,
@@ -67,6 +68,7 @@ class TritonSink:
         self.ticket = meta is not None  # held until the first event
         self.t_arrive = time.time()  # reached the denoise model (epoch s, as meta.t0)
         self.stop: str | None = None  # why the engine ends it early: the client cancelled, or vae_decode's reason
+        self.at_decode = False  # a step of it went to vae_decode (`accepted`): its last step must go there too
 
     @property
     def id(self) -> str:
@@ -78,11 +80,25 @@ class TritonSink:
             self.ticket = False
         self.responder.send(self.sender, build, final)
 
+    @property
+    def t0(self) -> float:
+        return self.meta.t0 if self.meta is not None else 0.0
+
+    def decode_gone(self) -> bool:
+        """vae_decode died after this request arrived: its steps there went to the dead instance."""
+        return lifecycle.gone(self.t0, self.state.died_at("vae_decode"))
+
     def accepted(self) -> None:
-        """Before the engine may send anything: vae_decode holds this step. Not the request's first word: it still
-        waits, its ticket is kept."""
-        event: AcceptedEvent = {"type": "accepted", "id": self.id}
-        self.responder.send(self.sender, lambda: latents_response(EMPTY_LATENTS, event), final=False)
+        """Before the engine may send anything, and before `execute` returns, sent from the calling thread: from the
+        moment Triton has it, vae_decode holds a step of the request (a stub that dies before its execute returned
+        has its requests answered by Triton itself). Not the request's first word: it still waits, its ticket is
+        kept."""
+        event: AcceptedEvent = {"type": "accepted", "id": self.id, "t0": self.t0}
+        self.at_decode = True
+        try:
+            self.sender.send(latents_response(EMPTY_LATENTS, event), flags=0)
+        except Exception as e:  # noqa: BLE001 - the client went away: the engine's events meet the same
+            log_exception("cosmos3_denoise accepted", e)
 
     def progress(self, step: int, steps: int, window: int, windows: int) -> None:
         event = self.meta.progress(step, steps, window, windows)
@@ -111,14 +127,15 @@ class TritonSink:
 
     def error(self, message: str, outcome: str | None = None) -> None:
         """The engine (or the model, `outcome`: its rejection) ends the request early."""
-        decode_down = self.state.is_down("vae_decode")
-        do = lifecycle.engine_error(self.stop, outcome, decode_down, message)
-        self.outcomes.count(do.count)
-        if do.send == "error":  # vae_decode is dead: the event's decode step would never be answered
+        gone = not self.at_decode or self.holder is None or self.holder.exiting or self.decode_gone()
+        do = lifecycle.engine_error(self.stop, outcome, gone, message)
+        if do.send == "error":  # no step of it can reach a live vae_decode: the Triton error goes from here
+            self.outcomes.count(do.count)
             self._send(lambda: error_response(message), final=True)
-        else:  # as data: vae_decode's step after it, the request's last, turns it into the Triton error
+        else:  # as data, the FINAL held until vae_decode answered it (the Holder counts it then)
             event: ErrorEvent = {"type": "error", "id": self.id, "message": message}
-            self._send(lambda: latents_response(EMPTY_LATENTS, event), final=True)
+            self._send(lambda: latents_response(EMPTY_LATENTS, event), final=False)
+            self.holder.hold(self, error=message, outcome=lifecycle.engine_outcome(self.stop, outcome))
         if do.forget and self.meta is not None:
             self.state.forget(self.id)
 
@@ -132,23 +149,28 @@ class TritonSink:
 
 
 class Holder:
-    """The requests whose engine part ended with `done`: each one's FINAL is held until vae_decode reports it done
-    with the frames (`state.finished`), then sent with an `end` step; meanwhile a `poll` step every POLL_S carries a
-    client's cancel to vae_decode; a dead vae_decode's are answered with its error (lifecycle.held_tick)."""
+    """The requests whose engine part is over: each one's FINAL is held until vae_decode reports it done with the
+    frames (`state.finished`), then an `end` step goes, and the FINAL once vae_decode answered that (`state.ended`),
+    as after the engine's `error` event; meanwhile a `poll` step every POLL_S carries a client's cancel to vae_decode;
+    the streams of a dead vae_decode are answered with its error (lifecycle.held_tick)."""
 
-    TICK_S = 0.01  # how soon a finished stream's FINAL follows its last frames
+    TICK_S = 0.01  # how soon a stream's FINAL follows vae_decode's answer to its last step
 
     def __init__(self, responder: Responder, state: ServerState, outcomes: Outcomes):
         self.responder, self.state, self.outcomes = responder, state, outcomes
         self.streams: dict[str, tuple[TritonSink, lifecycle.HeldStream]] = {}
+        self.exiting = False  # the process exits next (EngineBroken): the engine's errors go as Triton errors
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="cosmos3-hold", daemon=True)
         self.thread.start()
 
-    def hold(self, sink: TritonSink) -> None:
+    def hold(self, sink: TritonSink, error: str | None = None, outcome: str | None = None) -> None:
+        """After the engine's `done` (decoding), or its `error` event (`error`, `outcome`: ending)."""
+        h = lifecycle.HeldStream(last_poll=time.monotonic(), t0=sink.t0, ending=error is not None, error=error,
+                                 outcome=outcome)  # fmt: skip
         with self._lock:
-            self.streams[sink.id] = (sink, lifecycle.HeldStream(last_poll=time.monotonic()))
+            self.streams[sink.id] = (sink, h)
 
     def busy(self) -> bool:
         return bool(self.streams)
@@ -159,28 +181,40 @@ class Holder:
                 self.tick()
 
     def tick(self) -> None:
-        now, decode_down = time.monotonic(), self.state.is_down("vae_decode")
+        now, died = time.monotonic(), self.state.died_at("vae_decode")
         with self._lock:
             held = list(self.streams.items())
         for ident, (sink, h) in held:
-            do = lifecycle.held_tick(h, now, self.state.finished(ident), decode_down)
-            if do.send == "nothing":
-                continue
-            if do.count:
-                self.outcomes.count(do.count)
-            if do.send == "error":
-                self.responder.send(sink.sender, lambda m=do.message: error_response(m), final=True)
-            else:  # poll or end: an event vae_decode answers with nothing
-                event = {"type": do.send, "id": ident}
-                self.responder.send(sink.sender, lambda e=event: latents_response(EMPTY_LATENTS, e), do.final)
+            ended = self.state.ended(ident) if h.ending else None
+            finished = not h.ending and self.state.finished(ident)
+            do = lifecycle.held_tick(h, now, finished, ended, lifecycle.gone(h.t0, died))
             if do.final:
                 with self._lock:
                     self.streams.pop(ident, None)
+            if do.count:
+                self.outcomes.count(do.count)
+            if h.ending and do.final:  # every other step of it is answered: directly, the sooner the safer
+                try:
+                    if do.send == "error":
+                        sink.sender.send(error_response(do.message), flags=FINAL)
+                    else:
+                        sink.sender.send(flags=FINAL)
+                except Exception as e:  # noqa: BLE001 - the request is already gone
+                    log_exception("cosmos3_denoise", e)
+            elif do.send == "error":
+                self.responder.send(sink.sender, lambda m=do.message: error_response(m), final=True)
+            elif do.send in ("poll", "end"):  # an event vae_decode answers with nothing
+                event = {"type": do.send, "id": ident}
+                self.responder.send(sink.sender, lambda e=event: latents_response(EMPTY_LATENTS, e), do.final)
             if do.forget:
                 self.state.forget(ident)
 
     def close(self, timeout: float) -> None:
-        """The model is unloading: the streams still held end with that error."""
+        """The model is unloading: the streams whose last step vae_decode is answering get `timeout` seconds; those
+        still held then end with that error."""
+        deadline = time.monotonic() + timeout
+        while any(h.ending for _, h in list(self.streams.values())) and time.monotonic() < deadline:
+            time.sleep(self.TICK_S)
         self._stop.set()
         self.thread.join(timeout)
         for sink, _ in self.streams.values():
@@ -303,6 +337,7 @@ class EngineThread:
                 self.engine.tick()
             except EngineBroken as e:  # the device is gone: end everything and let Triton restart this model
                 message = log_exception("denoise engine", e)
+                self.holder.exiting = True  # nobody would send the FINALs held for vae_decode's answers
                 self.engine.abort_all(f"{message}; the denoise model restarts, retry")
                 if self.on_broken is not None:
                     self.on_broken()
@@ -373,6 +408,7 @@ class DenoiseModel:
         self.engine.scheduler.sessions.on_record = self.state.set_session  # prefill and vae_decode read them
         self.state.clear_tickets("engine")  # a previous incarnation's waiting requests are never answered
         self.state.set_busy(args["model_instance_name"], False)  # nor its held ones
+        self.state.clear_ended()  # nor vae_decode's answers to their last steps
         self.responder = Responder(device)
         self.holder = Holder(self.responder, self.state, self.metrics.outcomes)
         self.engine_thread = EngineThread(self.engine, self.state, args["model_instance_name"], self.holder,
@@ -380,42 +416,56 @@ class DenoiseModel:
         self.host_kv_warned = not str(device).startswith("cuda")  # said once: K/V that crossed through the host
 
     def execute(self, requests):
+        """Every request's `accepted` first (vae_decode holds a step of each before this returns), then each one's
+        inputs and its submission to the engine."""
+        died, sinks = self.state.died_at("vae_decode"), []
         for request in requests:
-            sink = None
             try:
                 meta = RequestMeta.decode(input_array(request, "request").reshape(-1)[0])
                 self.state.claim(meta.id)
-                sink = TritonSink(request, self.responder, meta, self.state, self.metrics.outcomes, self.holder)
-                text_kv, cond = input_torch(request, "text_kv"), input_torch(request, "cond_latent")
-                if not text_kv.is_cuda and not self.host_kv_warned:
-                    self.host_kv_warned = True
-                    pb_utils.Logger.log_warn(
-                        f"cosmos3_denoise: a {text_kv.nbytes >> 20} MiB text_kv crossed through host memory (Triton's "
-                        "CUDA pool was full or too small: slower; raise --cuda-memory-pool-byte-size, docs/gpu.md)"
-                    )
-                if faults.CHECK_FINITE:  # how the K/V crossed (on the device, or on the host: a pool too small)
-                    faults.say(
-                        "wire", f"text_kv {tuple(text_kv.shape)} reaches the denoise model on {text_kv.device}", 1
-                    )
-                    faults.report_nonfinite("denoise input", f"{meta.id} seed {meta.params.seed} ({text_kv.device})",
-                                            text_kv=text_kv, cond_latent=cond)  # fmt: skip
-                result = PrefillResult.from_wire(
-                    meta.params,
-                    text_kv,
-                    input_array(request, "text_lens").astype(np.int64),
-                    cond,
-                    input_torch(request, "cond_actions"),
-                )
-                sink.accepted()  # before the engine may send: vae_decode holds a step of it from now on
-                self.engine.submit(result, sink)
-                self.gpu_memory.publish()
-            except QueueFull as e:
-                self._reject(request, sink, str(e), "rejected")
-            except RequestError as e:  # what only the engine checks (e.g. the pool's size)
-                self._reject(request, sink, str(e), "bad_input")
             except Exception as e:  # noqa: BLE001
-                self._reject(request, sink, log_exception("cosmos3_denoise", e), "failed")
+                self._reject(request, None, log_exception("cosmos3_denoise", e), "failed")
+                continue
+            sink = TritonSink(request, self.responder, meta, self.state, self.metrics.outcomes, self.holder)
+            if lifecycle.gone(meta.t0, died):  # its vae_decode step would go to the dead instance
+                sink.error(part_died("vae_decode"))
+                continue
+            sink.accepted()
+            sinks.append(sink)
+        for sink in sinks:
+            try:
+                self._submit(sink)
+            except QueueFull as e:
+                sink.error(str(e), "rejected")
+            except RequestError as e:  # what only the engine checks (e.g. the pool's size)
+                sink.error(str(e), "bad_input")
+            except Exception as e:  # noqa: BLE001
+                sink.error(log_exception("cosmos3_denoise", e), "failed")
+        if sinks:
+            self.gpu_memory.publish()
         return None
+
+    def _submit(self, sink: TritonSink) -> None:
+        request, meta = sink.request, sink.meta
+        text_kv, cond = input_torch(request, "text_kv"), input_torch(request, "cond_latent")
+        if not text_kv.is_cuda and not self.host_kv_warned:
+            self.host_kv_warned = True
+            pb_utils.Logger.log_warn(
+                f"cosmos3_denoise: a {text_kv.nbytes >> 20} MiB text_kv crossed through host memory (Triton's "
+                "CUDA pool was full or too small: slower; raise --cuda-memory-pool-byte-size, docs/gpu.md)"
+            )
+        if faults.CHECK_FINITE:  # how the K/V crossed (on the device, or on the host: a pool too small)
+            faults.say("wire", f"text_kv {tuple(text_kv.shape)} reaches the denoise model on {text_kv.device}", 1)
+            faults.report_nonfinite("denoise input", f"{meta.id} seed {meta.params.seed} ({text_kv.device})",
+                                    text_kv=text_kv, cond_latent=cond)  # fmt: skip
+        result = PrefillResult.from_wire(
+            meta.params,
+            text_kv,
+            input_array(request, "text_lens").astype(np.int64),
+            cond,
+            input_torch(request, "cond_actions"),
+        )
+        self.engine.submit(result, sink)
 
     def _reject(self, request, sink, message, outcome):
         sink = sink or TritonSink(request, self.responder, None, self.state, self.metrics.outcomes)

@@ -116,31 +116,40 @@ class Responder:
         self.thread = threading.Thread(target=self._run, name="cosmos3-send", daemon=True)
         self.thread.start()
 
-    def send(self, sender: Any, build: Callable[[], Any], final: bool) -> None:
-        self.queue.put((sender, build, final))
+    def send(self, sender: Any, build: Callable[[], Any], final: bool, after: Callable[[], None] | None = None) -> None:
+        """`after`: called once the response is out (or could not be sent)."""
+        self.queue.put((sender, build, final, after))
 
     def _run(self) -> None:
         if self.device is not None:
             use_device(self.device)
         while (item := self.queue.get()) is not None:
-            sender, build, final = item
-            try:
-                response = build()
-            except Exception as e:  # noqa: BLE001 - one failed response never stops the others
-                response, final = error_response(log_exception("cosmos3 response", e)), True
-            try:
-                if response is None:  # nothing to say: only, if final, that this step is done with the request
-                    if final:
-                        sender.send(flags=FINAL)
-                else:
-                    sender.send(response, flags=FINAL if final else 0)
-            except Exception as e:  # noqa: BLE001 - a client that went away must not stop the others
-                message = log_exception("cosmos3 send", e)
+            sender, build, final, after = item
+            self._send(sender, build, final)
+            if after is not None:
+                try:
+                    after()
+                except Exception as e:  # noqa: BLE001 - one failed hook never stops the others
+                    log_exception("cosmos3 after send", e)
+
+    def _send(self, sender: Any, build: Callable[[], Any], final: bool) -> None:
+        try:
+            response = build()
+        except Exception as e:  # noqa: BLE001 - one failed response never stops the others
+            response, final = error_response(log_exception("cosmos3 response", e)), True
+        try:
+            if response is None:  # nothing to say: only, if final, that this step is done with the request
                 if final:
-                    try:
-                        sender.send(error_response(message), flags=FINAL)
-                    except Exception:  # noqa: BLE001, S110 - the request is already gone
-                        pass
+                    sender.send(flags=FINAL)
+            else:
+                sender.send(response, flags=FINAL if final else 0)
+        except Exception as e:  # noqa: BLE001 - a client that went away must not stop the others
+            message = log_exception("cosmos3 send", e)
+            if final:
+                try:
+                    sender.send(error_response(message), flags=FINAL)
+                except Exception:  # noqa: BLE001, S110 - the request is already gone
+                    pass
 
     def close(self, timeout: float) -> None:
         self.queue.put(None)

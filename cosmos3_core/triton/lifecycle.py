@@ -9,9 +9,15 @@ Why it is built so (Triton 2.51, gRPC streams, an ensemble with two decoupled st
   requests of a stub that died. So at every moment until a stream's last frame, each of the two processes holds a
   step of it whose FINAL it has not sent: whichever survives a death answers the stream with the dead part's error,
   and a fresh step keeps reaching vae_decode, where `is_cancelled()` shows the cancel.
+- An ensemble request keeps the model instances it started with: a request that arrived before a part died has its
+  steps of that part in the dead instance, reloaded or not (`gone`: the supervisor writes when a part died,
+  `ServerState.died_at`). So the survivor answers exactly those, whenever their steps reach it, not only those it
+  held at the moment of the death.
 - No step answers with a Triton error while another step of the same ensemble request may still be in flight
-  (Triton then stops counting its steps' FINALs and never releases the request): the engine ends a stream with an
-  `error` event as data, and vae_decode, whose step of it is the last, turns it into the Triton error.
+  (Triton then stops counting its steps' FINALs and never releases the request), and the stream's very last FINAL
+  is denoise's: vae_decode answers the stream's last step (`end`, or the engine's `error` event) with a bare FINAL
+  and reports the error the stream ends with (`ServerState.end`); denoise then sends its FINAL, or that error.
+  Whichever part dies before that, the other still holds a step and answers.
 
 Phases of a stream and who holds what:
 
@@ -19,11 +25,16 @@ Phases of a stream and who holds what:
 |---|---|---|
 | engine (queued, denoised) | its request | the latest step (`accepted`, then each progress / chunk) |
 | decoding (the engine sent `done`) | its request, FINAL held; a `poll` every POLL_S | the latest step (`done`, then each poll) |
-| ending | sent `end` with its FINAL once vae_decode reported `finished` | answers `end`: the stream's last step |
+| ending (denoise sent `end` or an `error` event) | its request, FINAL held until vae_decode `ended` it | the last step, until its FINAL is out |
 
-Who counts the outcome (`cosmos3_requests_total`), once: the engine when it ends a stream with an `error` event
-(cancelled, failed, rejected, or the reason vae_decode gave it to stop); vae_decode for a stream whose engine part
-ended with `done` (at `end`: completed, cancelled, failed, refused); the survivor when a part dies ("failed").
+What no process can answer: denoise dying in the few milliseconds between vae_decode's bare FINAL of the last step
+and denoise's own FINAL (its holder looks every 10 ms) — both steps a survivor could answer on are spent; and a
+request in the stub when it dies before its execute returns, which Triton itself answers with an error.
+
+Who counts the outcome (`cosmos3_requests_total`), once, as it sends the stream's last FINAL: denoise for a stream
+its engine ended early (cancelled, failed, rejected, or the reason vae_decode gave it to stop), with its own FINAL;
+vae_decode for a stream whose engine part ended with `done` (once its FINAL of `end` is out: completed, cancelled,
+failed, refused); the survivor when a part dies ("failed", or "cancelled" when the client had left).
 """
 
 from __future__ import annotations
@@ -47,6 +58,15 @@ class Do:
     stop: str | None = None  # tell the engine to stop the stream, and why (state.stop)
     finish: bool = False  # tell denoise that decode is done with the stream, after this step's frames (state.finish)
     forget: bool = False  # the stream has ended here: drop what this process keeps of it (state.forget)
+    # the stream's last step at vae_decode: once its FINAL is out, tell denoise the error the stream ends with ("":
+    # none; state.end), and count then (a count before it could be counted twice, by denoise too, were decode to die)
+    ended: str | None = None
+
+
+def gone(t0: float, died_at: float | None) -> bool:
+    """A part that died after the request arrived (`t0`, `died_at`: epoch s) was this request's: its steps of that
+    part went, or will go, to the dead instance."""
+    return died_at is not None and died_at > t0
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -56,6 +76,7 @@ class Do:
 class DecodeStream:
     """What vae_decode knows of one stream."""
 
+    t0: float = 0.0  # the request's arrival (the accepted event's): `gone(t0, denoise's death)`
     stop: str | None = None  # "cancelled", "failed", "refused": decode no more of it
     failure: str | None = None  # the text of the piece that did not decode
     engine_done: bool = False  # the engine's `done` arrived: the outcome is vae_decode's to count
@@ -64,23 +85,27 @@ class DecodeStream:
 STREAM_EVENTS = ("accepted", "progress", "chunk", "done", "poll", "end", "error")
 
 
+LAST_EVENTS = ("end", "error")  # a stream's last step at vae_decode
+
+
 def decode_step(s: DecodeStream | None, kind: str, cancelled: bool, message: str = "") -> Do:
     """One step of a stream reaching vae_decode (`s` None: a stream it does not know: a step of a dead instance's
     stream, or one it already ended). `cancelled`: the step's `is_cancelled()`; `message`: an error event's text.
-    Updates `s`. The executor first releases the stream's previously held step (its FINAL, nothing else)."""
+    Updates `s`. The executor first releases the stream's previously held step (its FINAL, nothing else), and
+    answers a stream whose denoise is `gone` with `denoise_died` instead."""
     if kind not in STREAM_EVENTS:
         raise ValueError(f"not a stream event: {kind!r}")
-    if s is None:  # nothing to hold for: answer the step and go (an error event: the engine's refusal of a request
-        return Do(send="error", message=message) if kind == "error" else Do()  # it could not even read)
+    if s is None:  # nothing to hold for: answer the step and go; denoise still waits for a last one's answer
+        return Do(ended=(message if kind == "error" else "")) if kind in LAST_EVENTS else Do()
     stop = decode_cancelled(s).stop if cancelled else None
     if kind == "error":  # the engine's last word: it counted; a piece's failure is the text the client gets
         if s.stop == "cancelled" and s.failure is None:
-            return Do(forget=True)  # the client left: nobody reads an error
-        return Do(send="error", message=s.failure or message, forget=True)
-    if kind == "end":  # denoise has sent its FINAL: this step is the stream's last
+            return Do(forget=True, ended="")  # the client left: nobody reads an error
+        return Do(forget=True, ended=s.failure or message)
+    if kind == "end":  # denoise waits for this step's answer to send its FINAL, the stream's last
         if s.failure is not None:
-            return Do(send="error", message=s.failure, count=s.stop or "failed", forget=True)
-        return Do(count=s.stop or "completed", forget=True)
+            return Do(count=s.stop or "failed", forget=True, ended=s.failure)
+        return Do(count=s.stop or "completed", forget=True, ended="")
     if kind == "done":
         s.engine_done = True
         # the engine ended without seeing a stop (or before it): vae_decode's to count; report it finished now, or
@@ -115,8 +140,9 @@ def decode_failed(s: DecodeStream, message: str, outcome: str = "failed") -> Do:
 
 
 def denoise_died(s: DecodeStream) -> Do:
-    """vae_decode holds a step of a stream whose denoise instance died: answer it now, on that held step. Nobody else
-    counts it: the engine (whose part of the stream was not over) is gone, and no `end` will come."""
+    """A step of a stream whose denoise instance died (`gone`): answer the stream now, on that step (the one
+    vae_decode holds, or one that reaches it later). Nobody else counts it: denoise, which counts a stream it ended
+    only with its FINAL, is gone, and no `end` will come."""
     if s.stop == "cancelled":
         return Do(count="cancelled", forget=True)  # the client left: nobody reads an error
     return Do(send="error", message=s.failure or part_died("denoise"), count=s.stop or "failed", forget=True)
@@ -130,30 +156,51 @@ def frames_go(s: DecodeStream) -> bool:
 # ---------------------------------------------------------------------------------------------------------------
 # denoise: the engine's end of a stream, then its held FINAL until vae_decode is done with it
 # ---------------------------------------------------------------------------------------------------------------
-def engine_error(stop: str | None, outcome: str | None, decode_down: bool, message: str) -> Do:
-    """The engine ends a stream early. `stop`: why vae_decode told it to stop (None: not told); `outcome`: the owner's
-    rejection ("rejected", "bad_input"); `decode_down`: vae_decode is dead, so the error event's decode step would
-    reach the dead instance: the Triton error goes from here (nothing else of the stream can still complete)."""
-    count = outcome or stop or "failed"
-    if decode_down:
-        return Do(send="error", message=message, count=count, forget=True)
-    return Do(send="error_event", message=message, count=count)
+def engine_outcome(stop: str | None, outcome: str | None) -> str:
+    """The outcome of a stream the engine ends early: the owner's rejection (`outcome`: "rejected", "bad_input"),
+    else why vae_decode told it to stop (`stop`), else "failed"."""
+    return outcome or stop or "failed"
+
+
+def engine_error(stop: str | None, outcome: str | None, decode_gone: bool, message: str) -> Do:
+    """The engine ends a stream early. `decode_gone`: no step of the stream can reach a live vae_decode (it died
+    after the request arrived, or none was ever sent there), so the Triton error goes from here, counted now.
+    Otherwise the error goes as an event, the FINAL held (`HeldStream` ending, which counts it with the FINAL: a
+    denoise that dies before leaves the count to vae_decode) until vae_decode has answered it."""
+    if decode_gone:
+        return Do(send="error", message=message, count=engine_outcome(stop, outcome), forget=True)
+    return Do(send="error_event", final=False, message=message)
 
 
 @dataclass
 class HeldStream:
-    """A stream whose engine part ended with `done`: denoise holds its FINAL until vae_decode is done with it."""
+    """A stream whose engine part is over (`done`, or an `error` event): denoise holds its FINAL until vae_decode is
+    done with its frames (decoding) and has answered its last step (ending)."""
 
     last_poll: float
+    t0: float = 0.0  # the request's arrival: `gone(t0, vae_decode's death)`
+    ending: bool = False  # its last step (`end`, or the engine's `error` event) went to vae_decode
+    error: str | None = None  # the engine's error event's text; None: the stream's `end`
+    outcome: str | None = None  # the error event's outcome (`engine_outcome`), counted with the FINAL
 
 
-def held_tick(s: HeldStream, now: float, finished: bool, decode_down: bool) -> Do:
-    """The holder's look at one decoding stream (every few milliseconds)."""
-    if finished:  # vae_decode sent its last frames (or stopped): the stream's FINAL, with one last step for it
-        return Do(send="end", final=True)
-    if decode_down:
+def held_tick(s: HeldStream, now: float, finished: bool, ended: str | None, decode_gone: bool) -> Do:
+    """The holder's look at one stream (every TICK_S). `finished`: vae_decode sent its last frames (or stopped);
+    `ended`: its answer to the last step (the error text, "" none; None: not yet); `decode_gone`: `gone`."""
+    if s.ending:
+        if ended is not None:  # every step of the stream at vae_decode is answered: this FINAL is the last
+            return Do(send="error" if ended else "nothing", message=ended or None, count=s.outcome, forget=True)
+        if decode_gone:  # the last step went to the dead instance: nobody answers it
+            if s.error is not None:
+                return Do(send="error", message=s.error, count=s.outcome, forget=True)
+            return Do(send="error", message=part_died("vae_decode"), count="failed", forget=True)
+        return Do(final=False)
+    if decode_gone:  # its steps at vae_decode were the dead instance's
         return Do(send="error", message=part_died("vae_decode"), count="failed", forget=True)
+    if finished:  # vae_decode sent its last frames (or stopped): the stream's last step, FINAL held for its answer
+        s.ending = True
+        return Do(send="end", final=False)
     if now - s.last_poll >= POLL_S:
         s.last_poll = now
         return Do(send="poll", final=False)
-    return Do(send="nothing", final=False)
+    return Do(final=False)
