@@ -186,6 +186,7 @@ def prerequisites(lines: list[str]) -> list[set[int]]:
 @pytest.mark.served
 def test_try_every_mode_runs_as_written(tiny_server, tmp_path):
     (tmp_path / ".venv").symlink_to(sys.prefix)  # this interpreter's venv: its python finds its packages
+    (tmp_path / "out").mkdir()  # `make demo` made it (out/demo.mp4): a line's shell redirect writes into it
     lines = readme_try_block()
     needs, done, running = prerequisites(lines), set(), {}
     pending = set(range(len(lines)))
