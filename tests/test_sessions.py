@@ -318,3 +318,22 @@ def test_a_continuations_pieces_decode_on_from_the_kept_streams_decoder(setup):
     assert not decode.sessions and not decode.streams
     with pytest.raises(RuntimeError, match="decoder state is gone"):
         decode.start_chunk("d", latents[:, :, 4:], last=True, resume="s" * 32)
+
+
+def test_the_records_prefill_reads_name_why_a_session_cannot_be_continued():
+    from cosmos3_core.sessions import kept_params
+
+    records: dict[str, str | None] = {}
+    s = sched()
+    s.sessions.on_record = records.__setitem__
+    ident = keep(s)
+    assert kept_params(ident, records[ident]).params.window_mode == "kv"  # idle: its parameters
+    sink = cont(s, ident)
+    with pytest.raises(RequestError, match="already being continued"):
+        kept_params(ident, records[ident])
+    drive(s)
+    assert sink.final is not None
+    with pytest.raises(RequestError, match="has ended"):
+        kept_params(ident, records[ident])
+    with pytest.raises(RequestError, match="is unknown"):
+        kept_params("0" * 32, None)

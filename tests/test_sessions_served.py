@@ -1,0 +1,47 @@
+"""AR sessions through a real server: a kept stream and its continuation give the frames one long stream gives (the
+decoder goes on from the kept stream's state), a re-prompt is served, and refusals name `session`."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from client.stream import ServerError, generate
+
+pytestmark = pytest.mark.served
+
+WINDOWS = {
+    "chained": {"window_mode": "chained", "window_frames": 13, "overlap_frames": 8},  # 4 latent frames, 2 new a window
+    "kv": {"window_mode": "kv", "window_frames": 9, "context_frames": 0},
+}
+
+
+@pytest.mark.parametrize("mode", list(WINDOWS))
+def test_kept_and_continued_frames_equal_one_long_stream(server, mode):
+    prompt, params = "a red car on a coast road", {**WINDOWS[mode], "seed": 3}
+    whole = generate(server.url, prompt, {**params, "num_frames": 21})
+    kept = params["window_frames"]  # one whole window
+    first = generate(server.url, prompt, {**params, "num_frames": kept, "session": {"keep": True}})
+    ident = first.events[-1]["session_id"]
+    assert server.metrics(settle=True).get("cosmos3_sessions") == 1
+    then = generate(server.url, prompt, {"num_frames": 21 - kept, "session": {"continue": ident}})
+    done = then.events[-1]
+    assert done["continues"] == ident and done["timings"]["prefill_s"] < 0.5  # no text tower
+    joined = np.concatenate([first.video, then.video])
+    assert joined.shape == whole.video.shape and np.array_equal(joined, whole.video)
+    with pytest.raises(ServerError, match=f"session: {ident} has ended"):
+        generate(server.url, prompt, {"num_frames": 4, "session": {"continue": ident}})
+    assert server.metrics(settle=True).get("cosmos3_sessions") == 0
+
+
+def test_a_reprompted_continuation_and_refusals_by_name(server):
+    params = {**WINDOWS["kv"], "num_frames": 9, "session": {"keep": True}}
+    ident = generate(server.url, "a red car", params).events[-1]["session_id"]
+    with pytest.raises(ServerError, match="width: a continuation keeps its session's width"):
+        generate(server.url, "a red car", {"width": 128, "session": {"continue": ident}})
+    then = generate(
+        server.url, "the car enters a tunnel", {"num_frames": 8, "session": {"continue": ident, "keep": True}}
+    )
+    assert then.video.shape[0] == 8 and then.events[-1]["session_id"] == ident
+    with pytest.raises(ServerError, match="session: .* is unknown"):
+        generate(server.url, "x", {"num_frames": 4, "session": {"continue": "0" * 32}})
