@@ -1,9 +1,9 @@
 """AR sessions served: a continuation's time to first chunk (TTFC) and window time against a fresh stream's.
 
   python -m bench.sessions --config configs/bench_nano_ar.yaml --set precision=fp8 \
-      --params '{"window_mode": "chained", "num_frames": 29, "cache": {"policy": "sea"}}' --rounds 3
+      --params '{"window_mode": "chained", "num_frames": 29, "cache": {"policy": "sea"}}' --repeat 3
 
-Starts the real server on the deployment, runs one untimed stream (warm), then `--rounds` times: a fresh stream of
+Starts the real server on the deployment, runs one untimed stream (warm), then `--repeat` times: a fresh stream of
 `--params` that keeps its session (its TTFC is a fresh stream's: prefill, window 0, its decode), a continuation with
 the same prompt (no prefill at all: its TTFC should be one window's denoise and decode), and one re-prompted (the
 new prompt's text tower only), each `--new-frames` new frames (default: two windows' worth, so a window time shows
@@ -50,7 +50,7 @@ def main() -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=YAML", help="override a deployment key")
     ap.add_argument("--params", default='{"window_mode": "chained", "num_frames": 29}', help="the fresh stream's")
     ap.add_argument("--new-frames", type=int, default=0, help="a continuation's new frames (default: two windows')")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=3, help="each kind this many times")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     overrides = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.set)}
@@ -64,7 +64,7 @@ def main() -> int:
         more = {"num_frames": args.new_frames} if args.new_frames else {}
         warm = one(url, PROMPT, {**params, "session": {"keep": True}})  # untimed: first use of every layout
         one(url, REPROMPT, {**more, "session": {"continue": warm["session_id"]}})
-        for _ in range(args.rounds):
+        for _ in range(args.repeat):
             for kind, prompt in (("continue", PROMPT), ("reprompt", REPROMPT)):
                 fresh = one(url, PROMPT, {**params, "session": {"keep": True}})
                 rows["fresh"].append(fresh)
