@@ -45,3 +45,17 @@ def test_a_reprompted_continuation_and_refusals_by_name(server):
     assert then.video.shape[0] == 8 and then.events[-1]["session_id"] == ident
     with pytest.raises(ServerError, match="session: .* is unknown"):
         generate(server.url, "x", {"num_frames": 4, "session": {"continue": "0" * 32}})
+
+
+def test_client_world_goes_on_reprompted_and_writes_the_whole_video(server, tmp_path, monkeypatch):
+    import io
+
+    from client.__main__ import main
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("the car turns left\n\nq\n"))  # a new prompt, go on, stop
+    out = tmp_path / "world.npy"
+    args = ["world", "--url", server.url, "--prompt", "a red car", "--window-mode", "kv", "--window-frames", "9",
+            "--num-frames", "9", "--then-frames", "8", "--out", str(out)]  # fmt: skip
+    assert main(args) == 0
+    assert np.load(out).shape[0] == 9 + 8 + 8  # the first stream and two continuations
+    assert len(list(tmp_path.glob("world.chunk*.mp4"))) >= 3
