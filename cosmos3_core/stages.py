@@ -360,8 +360,7 @@ class DecodeStage:
         if not last:
             self.streams[stream_id] = (decoder, now)
         elif keep:
-            for ident in [i for i, (_, t) in self.sessions.items() if not self.session_live(i) or
-                          now - t > self.STREAM_IDLE_S]:  # fmt: skip
+            for ident in [i for i in self.sessions if not self.session_live(i)]:
                 del self.sessions[ident]
             self.sessions[keep] = (decoder, now)
         return pending
