@@ -164,12 +164,7 @@ class Checkpoint:
             with safe_open(path, framework="pt", device="cpu") as f:
                 stored |= {n: f.get_slice(n + ".weight").get_dtype() for n in names if files[n + ".weight"] == path}
         fp8 = {n for n in names if stored[n] == "F8_E4M3"}
-        for name in fp8:
-            parent, _, child = name.rpartition(".")
-            owner = model.get_submodule(parent)
-            lin = getattr(owner, child)
-            with torch.device("meta"):
-                setattr(owner, child, Fp8Linear(lin.in_features, lin.out_features, lin.bias is not None, False, dtype))
+        _swap_to_fp8(model, fp8, dtype, rowwise=False)  # tensorwise scales, as ModelOpt stores them
         return fp8
 
     def _load_weights(
@@ -233,7 +228,7 @@ class Checkpoint:
                     if key in to_quantize:
                         state[key], scales[key] = quantize_weight(state[key], rowwise=True)
         if to_quantize:
-            _swap_to_fp8(model, {k.removesuffix(".weight") for k in to_quantize}, dtype)
+            _swap_to_fp8(model, {k.removesuffix(".weight") for k in to_quantize}, dtype, rowwise=True)
             state |= {k.removesuffix("weight") + "weight_scale": v for k, v in scales.items()}
         model.load_state_dict(state, strict=True, assign=True)
         return model.eval().requires_grad_(False)
@@ -303,11 +298,11 @@ class Checkpoint:
             raise CheckpointError(f"{self.root / 'text_tokenizer'}: cannot load tokenizer ({e})") from e
 
 
-def _swap_to_fp8(model: Cosmos3Transformer, names: set[str], dtype: torch.dtype) -> None:
-    """Replace the meta model's linears `names` by rowwise `Fp8Linear` placeholders (their tensors are assigned)."""
+def _swap_to_fp8(model: Cosmos3Transformer, names: set[str], dtype: torch.dtype, rowwise: bool) -> None:
+    """Replace the meta model's linears `names` by `Fp8Linear` placeholders (their tensors are assigned)."""
     for name in names:
         parent, _, child = name.rpartition(".")
         owner = model.get_submodule(parent)
         lin = getattr(owner, child)
         with torch.device("meta"):
-            setattr(owner, child, Fp8Linear(lin.in_features, lin.out_features, lin.bias is not None, True, dtype))
+            setattr(owner, child, Fp8Linear(lin.in_features, lin.out_features, lin.bias is not None, rowwise, dtype))
