@@ -1,7 +1,8 @@
 """The chaos soak (bench/chaos.py) for 2 minutes on the CPU, as CI runs it: 8 concurrent mixed streams through the
 supervised server, a random part SIGKILLed every ~20 s, a fifth of the requests cancelled by their client. Every
-stream ends (completed, cancelled, or a clear error), none hangs past 5 s after its part's death, every part is
-served again after every kill, the pool ends all free, and nothing of the server is left after it stops.
+stream ends (completed, cancelled, or a clear error), none hangs past 5 s after its part's death (prefill's queued
+requests: 20 s, Triton answers those), every part is served again after every kill, the pool ends all free, the
+counters add up, and nothing of the server is left after it stops.
 `python -m bench.chaos --minutes 10` is the long run."""
 
 from __future__ import annotations
@@ -15,11 +16,6 @@ from bench.chaos import run
 pytestmark = pytest.mark.served
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="a run on the loaded 2-core machine left 4 streams without an answer for 120 s "
-    "(unattributed to a kill: not yet understood); another run left none",
-)
 def test_two_minutes_of_chaos(served_deployment, tmp_path):
     report = run(str(served_deployment[0]), tmp_path / "chaos", minutes=2, seed=1)
     print(json.dumps(report, indent=1))

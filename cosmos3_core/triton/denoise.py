@@ -191,8 +191,8 @@ class Holder:
             if do.final:
                 with self._lock:
                     self.streams.pop(ident, None)
-            if do.count:
-                self.outcomes.count(do.count)
+            if do.count:  # published now, not with the engine's next metrics (a kill meanwhile would lose it)
+                self.outcomes.count_now(do.count)
             if h.ending and do.final:  # every other step of it is answered: directly, the sooner the safer
                 try:
                     if do.send == "error":

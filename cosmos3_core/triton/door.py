@@ -5,7 +5,7 @@ step first, not read); output `ticket` (BYTES [1, 1], `admission.Ticket`) for pr
 request queued meanwhile (up to the config's max_batch_size) in one round trip. A refusal is a Triton error whose text
 is `errors.OVER_CAPACITY` (or `errors.DRAINING` while the server drains), counted as
 `cosmos3_requests_total{outcome="rejected"}` with this model's labels (outcomes.py; published by a thread of its own
-every 0.2 s). Its execute reads the server's state (state.py) and counts the tickets once per batch, then touches one file per admitted
+every PUBLISH_S). Its execute reads the server's state (state.py) and counts the tickets once per batch, then touches one file per admitted
 request: its own Triton queue (bounded by the config's queue policy) holds at most what arrived during one execute, so
 the answer comes within milliseconds of arrival.
 
@@ -27,6 +27,8 @@ from ..errors import DRAINING, OVER_CAPACITY, part_restarting
 from .admission import Ticket
 from .outcomes import Outcomes
 from .state import ServerState
+
+PUBLISH_S = 0.05  # how often the refusals are handed to Triton: a killed door loses those of its last PUBLISH_S
 
 
 class AdmitModel:
@@ -69,7 +71,7 @@ class AdmitModel:
         return DRAINING if self.state.draining() else None
 
     def _publish(self) -> None:
-        while not self._stop.wait(0.2):
+        while not self._stop.wait(PUBLISH_S):
             self.outcomes.publish()
 
     def finalize(self) -> None:

@@ -298,6 +298,9 @@ def supervise(
 
 
 RELOAD_ATTEMPTS = 3  # reloads of a part in a row that fail before tritonserver is restarted whole
+# An ensemble request is bound to the model instances of its arrival: one that arrived just before the reload swapped
+# the new instance in still has the dead one, and may reach the door a moment after the reload: refused meanwhile.
+MARK_UP_GRACE_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -356,6 +359,7 @@ def heal(parts: list[str], reloader: Reloader, front: Front, state: ServerState,
         else:
             raise RuntimeError(f"{errors.model_of(part)} did not come back in {RELOAD_ATTEMPTS} reloads")
         print(f"{errors.model_of(part)} reloaded in {took:.1f}s", file=sys.stderr)
+        stopping.wait(MARK_UP_GRACE_S)
         state.mark_up(part)
 
 
