@@ -35,10 +35,12 @@ PARTS = ("prefill", "denoise", "vae_decode", "server")
 # a CUDA context with torch, cuBLAS and cuDNN loaded, per process (nvidia-smi's share of a stub that allocated nothing)
 CONTEXT_BYTES = 600 * MIB
 SERVER_BYTES = 1100 * MIB  # tritonserver's own process (its context, the Python backend's shm bookkeeping)
-# the denoise step's live activations per packed row, in units of hidden × dtype bytes, with the MLP run in row chunks
-# (towers.gen_forward: the residual stream, its normed copy, q/k/v, the attention output, the gathered own K/V).
-# Fitted on an H100 (bench.memory, Nano, compiled kernels): 2.02 / 3.52 / 5.01 GiB at 24,180 / 57,040 / 88,320 rows
-STEP_HIDDEN_COPIES = 6.3
+# the denoise step's memory per packed row, in units of hidden × dtype bytes, with the MLP run in row chunks
+# (towers.gen_forward: the residual stream, its normed copy, q/k/v, the attention output, the gathered own K/V), as
+# the default caching allocator reserves it. H100 (bench.memory, Nano, compiled kernels): live peaks 2.02 / 3.52 /
+# 5.01 GiB at 24,180 / 57,040 / 88,320 rows (6.3 copies), reserved 2.33 / 4.63 (graphs included) / 7.88 GiB: the
+# blocks of the chunks' sizes the allocator keeps apart (10 copies fits the largest)
+STEP_HIDDEN_COPIES = 10.0
 MLP_INTERMEDIATE_COPIES = 1.0  # what a chunk's [rows, intermediate] tensors add (the compiled kernels fuse the rest)
 STEP_FIXED_BYTES = 400 * MIB  # FlashInfer's workspace, cuBLAS's, the step's small buffers
 GRAPH_POOL_SHARE = 0.3  # the CUDA graphs' pool beside the eager step, a share of its step (H100: 2.02 → 2.33 GiB)

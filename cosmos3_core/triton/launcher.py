@@ -225,9 +225,6 @@ def server_env(base: Mapping[str, str] | None = None, *, tritonserver: Path | No
     env["LD_LIBRARY_PATH"] = ld
     env.pop("PYTHONPATH", None)  # not seen by the stub anyway; keep the server env unambiguous
     env.setdefault("PYTHONUNBUFFERED", "1")
-    # the allocator grows segments in place instead of caching blocks of every size a step freed: a part's reserved
-    # memory stays near its live peak, which the memory plan counts (memory.py); CUDA graphs capture with it
-    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     env.update(NO_MULTICAST)  # the denoise/decode instances may start a group of GPU workers (parallel/group.py)
     use_kernel_caches(env)
     return env
