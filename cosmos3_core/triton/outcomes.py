@@ -12,7 +12,8 @@ Who counts what (each stage under its own `model` label; the server merges the f
 lifecycle.py decides each count.
 
 `count` only bumps a plain counter under a lock: the engine thread counts and never talks to the server. `publish`
-hands the increments to Triton (the engine's metrics thread calls it; prefill and decode right after counting).
+hands the increments to Triton (the engine's metrics thread calls it; prefill, decode and denoise's holder right
+after counting).
 Only imported inside a Triton Python stub.
 """
 
