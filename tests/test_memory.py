@@ -32,6 +32,24 @@ def test_every_shipped_config_fits_an_80_gb_card(config, precision, capsys):
     assert "fits" in out and "denoise     weights" in out and "vae_decode  workspace" in out
 
 
+@pytest.mark.parametrize(
+    "command",
+    [
+        "make plan CONFIG=configs/nano.yaml GPU_MEMORY=80",
+        "make plan CONFIG=configs/nano.yaml GPU_MEMORY=80 SET=precision=fp8",
+    ],
+)
+def test_make_plan_as_documented(command):
+    import shlex
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run(shlex.split(command) + ["-s"], cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "fits 72.0 GiB" in out.stdout and ("fp8 linears" in out.stdout) == ("fp8" in command)
+
+
 def test_a_plan_over_the_card_exits_1_saying_what_to_change(capsys):
     assert plan_tool.main(["--config", "configs/nano.yaml", "--gpu-memory", "40"]) == 1
     out = capsys.readouterr().out
