@@ -50,6 +50,9 @@ GRAPH_POOL_SHARE = 0.3  # the CUDA graphs' pool beside the eager step, a share o
 DECODE_BYTES_PER_PIXEL = 7500
 DECODE_EXTRA_FRAME = 0.52
 MAX_DECODE_FRAMES_PER_CALL = 4
+# frames up to this size decode 4 latent frames a call (faster there: H100, 832x480, 0.038 s a latent frame against
+# 0.07 s one at a time); larger ones 1 (1280x720: 0.075 s against 0.089 s, and 6.4 GiB against 16.4)
+FOUR_FRAMES_MAX_PIXELS = 832 * 480
 # frames larger than this decode in row bands (model/wan_decoder.py BandedStream), each a call of at most this size
 BAND_ABOVE_PIXELS = 1280 * 720
 BAND_HALO_ROWS = 8  # = BandedStream.HALO_ROWS
@@ -104,7 +107,7 @@ class MemoryPlan:
     pool_pages: int
     max_step_rows: int
     largest: Largest
-    decode_budget: int  # the decoder's workspace bound: frames per call and bands are chosen under it
+    decode_budget: int  # the decoder's largest call (`decode_budget`)
     spatial: int  # output pixels per latent pixel, per axis (the VAE's spatial factor)
     notes: tuple[str, ...] = field(default_factory=tuple)
 
@@ -125,16 +128,24 @@ class MemoryPlan:
 
     def decode_frames_per_call(self, h: int, w: int) -> int:
         """Latent frames per decoder call for a latent grid (h, w) (a band's rows, halo included)."""
-        return decode_frames_per_call(h * w * self.spatial**2, self.decode_budget)
+        return decode_frames_per_call(h * w * self.spatial**2)
+
+    def decode_warmup_sizes(self) -> list[tuple[int, int]]:
+        """(height, width) of the frames whose decode reaches the decoder's budget: the largest admitted one, and
+        the 4-frames-a-call size when the limits admit it."""
+        big = self.largest
+        sizes = [(big.decode_height, big.decode_width)]
+        if big.decode_pixels > FOUR_FRAMES_MAX_PIXELS:
+            sizes.append((480, 832))
+        return sizes
 
     def decode_band_rows(self, h: int, w: int) -> int:
-        """Latent rows per band of a frame of latent grid (h, w): h when the whole frame's call fits the budget,
-        else the most whose band (with its halo, `BandedStream.HALO_ROWS` each side) does."""
+        """Latent rows per band of a frame of latent grid (h, w): h up to BAND_ABOVE_PIXELS, else the most whose
+        band (with its halo, `BandedStream.HALO_ROWS` each side) is at most that."""
         row = w * self.spatial**2
-        if decode_workspace(h * row, 1) <= self.decode_budget:
+        if h * row <= BAND_ABOVE_PIXELS:
             return h
-        rows = self.decode_budget // decode_workspace(row, 1) - 2 * BAND_HALO_ROWS
-        return max(1, min(h, rows))
+        return max(1, min(h, BAND_ABOVE_PIXELS // row - 2 * BAND_HALO_ROWS))
 
     def table(self) -> str:
         lines = [f"{'part':<11} {'kind':<10} {'GiB':>7}  what"]
@@ -188,11 +199,17 @@ def decode_workspace(pixels: int, frames: int) -> int:
     return int(DECODE_BYTES_PER_PIXEL * pixels * (1 + DECODE_EXTRA_FRAME * (frames - 1)))
 
 
-def decode_frames_per_call(pixels: int, budget: int) -> int:
-    """Latent frames a decoder call takes at `pixels` output pixels a frame: 4 (every kernel busy) when that fits
-    `budget`, else 1, diffusers' own pattern and bit-identical (H100, 1280x720: 1 a call is also the faster,
-    0.075 s a latent frame against 0.089 s)."""
-    return MAX_DECODE_FRAMES_PER_CALL if decode_workspace(pixels, MAX_DECODE_FRAMES_PER_CALL) <= budget else 1
+def decode_frames_per_call(pixels: int) -> int:
+    """Latent frames a decoder call takes at `pixels` output pixels a frame: 4 (every kernel busy) up to
+    FOUR_FRAMES_MAX_PIXELS, else 1, diffusers' own pattern and bit-identical."""
+    return MAX_DECODE_FRAMES_PER_CALL if pixels <= FOUR_FRAMES_MAX_PIXELS else 1
+
+
+def decode_budget(largest_pixels: int) -> int:
+    """The decoder's largest call for frames up to `largest_pixels`: 4 latent frames at up to FOUR_FRAMES_MAX_PIXELS,
+    or 1 at up to BAND_ABOVE_PIXELS (larger frames are banded to that)."""
+    four = decode_workspace(min(largest_pixels, FOUR_FRAMES_MAX_PIXELS), MAX_DECODE_FRAMES_PER_CALL)
+    return max(four, decode_workspace(min(largest_pixels, BAND_ABOVE_PIXELS), 1))
 
 
 def largest_request(cfg: ModelConfig, limits) -> Largest:  # limits: requests.Limits
@@ -321,12 +338,11 @@ def plan(d, ckpt_root: str | Path, cfg: ModelConfig, card: int) -> MemoryPlan:  
 
     # decode: the decoder, its workspace at the largest call (a frame up to 1280x720, one latent frame a call;
     # larger frames in row bands of that size), the video guardrail
-    call_pixels = min(largest.decode_pixels, BAND_ABOVE_PIXELS)
-    budget = decode_workspace(call_pixels, 1)
+    budget = decode_budget(largest.decode_pixels)
     banded = " in row bands" if largest.decode_pixels > BAND_ABOVE_PIXELS else ""
     add("vae_decode", "weights", decoder, f"VAE decoder ({str(dtype).removeprefix('torch.')})")
-    add("vae_decode", "workspace", budget, f"decoder call of {call_pixels / 1e6:.2f} MP (largest frame "
-        f"{largest.decode_width}x{largest.decode_height}{banded})")  # fmt: skip
+    add("vae_decode", "workspace", budget, f"its largest call (4 latent frames at 832x480, 1 at 1280x720; largest "
+        f"frame {largest.decode_width}x{largest.decode_height}{banded})")  # fmt: skip
     if guard:
         add("vae_decode", "guardrail", GUARDRAIL_BYTES["vae_decode"], "video guardrail (RetinaFace, content filter)")
     add("vae_decode", "context", CONTEXT_BYTES, "CUDA context")

@@ -287,10 +287,10 @@ class DecodeStage:
         if compile:
             warm_decoder(self.codec, ckpt.config.latent_channel)
             lap("compile warmup")
-        if plan is not None:  # the largest frame: 1 + 4 latent frames (its first call and a full one)
-            s, big = ckpt.config.vae_scale_spatial, plan.largest
-            self.codec.decode(torch.zeros(1, ckpt.config.latent_channel, 5, big.decode_height // s,
-                                          big.decode_width // s, device=device))  # fmt: skip
+        if plan is not None:  # its largest calls: 1 + 4 latent frames (a first call and a full one) of each size
+            s = ckpt.config.vae_scale_spatial
+            for h, w in plan.decode_warmup_sizes():
+                self.codec.decode(torch.zeros(1, ckpt.config.latent_channel, 5, h // s, w // s, device=device))
             lap("memory warmup")
 
     @classmethod
