@@ -50,12 +50,15 @@ def to_decode_s(done: ChunkEvent) -> float:
 
 class DecodeLoop:
     """vae_decode's threads. `put` (Triton's execute thread) reads each step's event and sees a cancel at once, so
-    that the piece decoding now is the stream's last; the loop thread answers the steps in order as
-    `lifecycle.decode_step` says, holding each stream's latest step (a step of a dead denoise's stream that comes
-    late: `lifecycle.denoise_died`); the watcher answers a dead denoise's streams on those held steps within a
+    that the piece decoding now is the stream's last; it answers a `poll` at once, and a stream's last step (`end`, or
+    the engine's `error` event) too, once every earlier step of that stream is answered: inside `execute`, so that a
+    vae_decode dying then leaves the step to Triton, which answers it. The loop thread answers the other steps in
+    order as `lifecycle.decode_step` says, holding each stream's latest step (a step of a dead denoise's stream that
+    comes late: `lifecycle.denoise_died`); the watcher answers a dead denoise's streams on those held steps within a
     fraction of a second, whatever piece the loop is decoding."""
 
     WATCH_S = 0.1
+    LAST_WAIT_S = 120.0  # the most a last step waits in `execute` for the stream's earlier steps (their pieces)
 
     def __init__(self, stage: DecodeStage, state: ServerState, metrics: DecodeMetrics, device: str):
         self.stage, self.state, self.metrics, self.device = stage, state, metrics, device
@@ -64,7 +67,8 @@ class DecodeLoop:
         self.inbox: queue.Queue = queue.Queue()
         self.streams: dict[str, lifecycle.DecodeStream] = {}
         self.held: dict[str, Any] = {}  # stream id → the sender of its latest step, FINAL held back
-        self.lock = threading.Lock()  # streams and held: the three threads
+        self.pending: dict[str, int] = {}  # stream id → its steps in the inbox or the responder, not yet answered
+        self.lock = threading.Lock()  # streams, held and pending: the four threads
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="cosmos3-decode", daemon=True)
         self.thread.start()
@@ -76,13 +80,49 @@ class DecodeLoop:
             event = decode_event(input_array(request, "event").reshape(-1)[0])
         except Exception as e:  # noqa: BLE001 - answered by the loop, in order
             event = {"type": "error", "id": "", "message": log_exception("cosmos3_vae_decode", e)}
+        ident, kind = event["id"], event["type"]
         if request.is_cancelled():  # seen now, not after the pieces queued ahead of this step
             with self.lock:
-                s = self.streams.get(event["id"])
+                s = self.streams.get(ident)
                 do = lifecycle.decode_cancelled(s) if s is not None else None
             if do is not None and do.stop:
-                self.state.stop(event["id"], do.stop)
+                self.state.stop(ident, do.stop)
+        if kind == "poll" or (kind in lifecycle.LAST_EVENTS and ident):
+            return self._answer_now(request, event)
+        with self.lock:
+            self.pending[ident] = self.pending.get(ident, 0) + 1
         self.inbox.put((request, event))
+
+    def _answer_now(self, request: Any, event: dict) -> None:
+        """A poll, or a stream's last step: answered here, in `execute` (the last one once the stream's earlier steps
+        are answered: its frames out)."""
+        ident, kind = event["id"], event["type"]
+        if kind in lifecycle.LAST_EVENTS:
+            deadline = time.monotonic() + self.LAST_WAIT_S
+            while self.pending.get(ident, 0) and time.monotonic() < deadline:
+                time.sleep(0.005)
+        died = self.state.died_at("denoise")
+        with self.lock:
+            s = self.streams.get(ident)
+            if s is not None and kind == "poll" and lifecycle.gone(s.t0, died):
+                do = lifecycle.denoise_died(s)
+            else:  # a last step came with denoise's FINAL: the stream no longer needs denoise
+                do = lifecycle.decode_step(s, kind, request.is_cancelled(), event.get("message", ""))
+            previous = self.held.pop(ident, None) if do.forget else None
+            if do.forget:
+                self.streams.pop(ident, None)
+                self.pending.pop(ident, None)
+        try:
+            if previous is not None:
+                previous.send(flags=FINAL)
+            sender = request.get_response_sender()
+            if do.send == "error":
+                sender.send(error_response(do.message), flags=FINAL)
+            else:
+                sender.send(flags=FINAL)
+        except Exception as e:  # noqa: BLE001 - the request is already gone
+            log_exception("cosmos3_vae_decode", e)
+        self._apply(ident, s, do)
 
     def _run(self) -> None:
         while (item := self.inbox.get()) is not None:
@@ -103,45 +143,30 @@ class DecodeLoop:
             if previous is not None:
                 self.responder.send(previous, lambda: None, final=True)  # its previous step is done now
             self._apply(ident, s, do)
-            if do.ended is not None:
-                self._last_step(sender, ident, s, do)
-                continue
             if do.send == "frames":
-                build = self._launch(request, event, s, do.finish)
+                build = self._launch(request, event, s)
             elif do.send == "error":
                 build = lambda m=do.message: error_response(m)  # noqa: E731
             else:
                 build = lambda: None  # noqa: E731
-                if do.finish:
-                    self.state.finish(ident)
-            self.responder.send(sender, build, final=do.final)
+            self.responder.send(sender, build, final=do.final, after=lambda i=ident, f=do.finish: self._sent(i, f))
 
-    def _last_step(self, sender: Any, ident: str, s: lifecycle.DecodeStream | None, do: lifecycle.Do) -> None:
-        """The stream's last step here: a bare FINAL, then denoise is told (`state.end`) and the outcome counted. A
-        denoise that died meanwhile never sends its FINAL: the step ends the stream with its error instead (decided
-        when the step's turn to be sent comes: it may wait behind other streams' pieces)."""
-        orphaned: list[lifecycle.Do] = []
-
-        def build() -> Any:
-            if s is not None and lifecycle.gone(s.t0, self.state.died_at("denoise")):
-                orphaned.append(lifecycle.denoise_died(s))
-                return error_response(orphaned[0].message) if orphaned[0].send == "error" else None
-            return None
-
-        def after() -> None:
-            if not orphaned:
-                self.state.end(ident, do.ended)
-            count = orphaned[0].count if orphaned else do.count
-            if count:
-                self.metrics.outcomes.count_now(count)
-
-        self.responder.send(sender, build, final=True, after=after)
+    def _sent(self, ident: str, finish: bool) -> None:
+        """A step's response is out: the stream's last piece's frames (`finish`: denoise may send its `end` now)."""
+        if finish:
+            self.state.finish(ident)
+        with self.lock:
+            left = self.pending.get(ident, 1) - 1
+            if left > 0:
+                self.pending[ident] = left
+            else:
+                self.pending.pop(ident, None)
 
     def _apply(self, ident: str, s: lifecycle.DecodeStream | None, do: lifecycle.Do) -> None:
-        """The facts and counts of a `Do` (its sends are the caller's; a last step's count is `_last_step`'s)."""
+        """The facts and counts of a `Do` (its sends are the caller's)."""
         if do.stop:
             self.state.stop(ident, do.stop)
-        if do.count and do.ended is None:
+        if do.count:
             self.metrics.outcomes.count_now(do.count)
         if do.forget:
             with self.lock:
@@ -173,9 +198,7 @@ class DecodeLoop:
                     log_exception("cosmos3_vae_decode", e)
                 self._apply(ident, None, do)
 
-    def _launch(
-        self, request: Any, event: ChunkEvent, s: lifecycle.DecodeStream, finish_after: bool
-    ) -> Callable[[], Any]:
+    def _launch(self, request: Any, event: ChunkEvent, s: lifecycle.DecodeStream) -> Callable[[], Any]:
         """Start decoding a piece (a progress event passes through) → the build that sends it."""
         ident = event["id"]
         try:
@@ -191,17 +214,15 @@ class DecodeLoop:
                 event["timings"]["to_decode_s"] = to_decode_s(event)
             finish = self.stage.launch(event, latents, sound if sound.numel() else None)
         except Exception as e:  # noqa: BLE001
-            return self._failed(s, ident, e, finish_after)
+            return self._failed(s, ident, e)
 
         def build(_inputs: Any = (request, latents)) -> Any:  # the inputs outlive the GPU work that reads them
             try:
                 video, out, audio = finish()
             except Exception as e:  # noqa: BLE001
-                return self._failed(s, ident, e, finish_after)()
+                return self._failed(s, ident, e)()
             with self.lock:
                 go = lifecycle.frames_go(s)
-            if finish_after:
-                self.state.finish(ident)
             if not go:  # cancelled (or an earlier piece failed) while this one decoded
                 return None
             out["timings"].update(self.metrics.frames_out(out))
@@ -210,15 +231,13 @@ class DecodeLoop:
 
         return build
 
-    def _failed(self, s: lifecycle.DecodeStream, ident: str, e: Exception, finish_after: bool) -> Callable[[], Any]:
+    def _failed(self, s: lifecycle.DecodeStream, ident: str, e: Exception) -> Callable[[], Any]:
         """A piece that did not decode: the stream ends with its text (lifecycle.decode_failed)."""
         # the guardrail's refusal (a RequestError) is the client's error as it stands, never an internal one
         message = str(e) if isinstance(e, RequestError) else log_exception("cosmos3_vae_decode", e)
         with self.lock:
             do = lifecycle.decode_failed(s, message, "refused" if isinstance(e, RequestError) else "failed")
         self._apply(ident, s, do)
-        if finish_after:
-            self.state.finish(ident)
         return lambda: None
 
     def close(self, timeout: float) -> None:

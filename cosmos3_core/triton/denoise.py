@@ -31,7 +31,6 @@ from .io import (
     EMPTY_ACTIONS,
     EMPTY_LATENTS,
     EMPTY_SOUND,
-    FINAL,
     Responder,
     deployment_from_args,
     error_response,
@@ -127,15 +126,13 @@ class TritonSink:
 
     def error(self, message: str, outcome: str | None = None) -> None:
         """The engine (or the model, `outcome`: its rejection) ends the request early."""
-        gone = not self.at_decode or self.holder is None or self.holder.exiting or self.decode_gone()
-        do = lifecycle.engine_error(self.stop, outcome, gone, message)
+        do = lifecycle.engine_error(self.stop, outcome, not self.at_decode or self.decode_gone(), message)
+        self.outcomes.count(do.count)
         if do.send == "error":  # no step of it can reach a live vae_decode: the Triton error goes from here
-            self.outcomes.count(do.count)
             self._send(lambda: error_response(message), final=True)
-        else:  # as data, the FINAL held until vae_decode answered it (the Holder counts it then)
+        else:  # as data: vae_decode's step of it, the request's last, turns it into the Triton error
             event: ErrorEvent = {"type": "error", "id": self.id, "message": message}
-            self._send(lambda: latents_response(EMPTY_LATENTS, event), final=False)
-            self.holder.hold(self, error=message, outcome=lifecycle.engine_outcome(self.stop, outcome))
+            self._send(lambda: latents_response(EMPTY_LATENTS, event), final=True)
         if do.forget and self.meta is not None:
             self.state.forget(self.id)
 
@@ -149,28 +146,23 @@ class TritonSink:
 
 
 class Holder:
-    """The requests whose engine part is over: each one's FINAL is held until vae_decode reports it done with the
-    frames (`state.finished`), then an `end` step goes, and the FINAL once vae_decode answered that (`state.ended`),
-    as after the engine's `error` event; meanwhile a `poll` step every POLL_S carries a client's cancel to vae_decode;
-    the streams of a dead vae_decode are answered with its error (lifecycle.held_tick)."""
+    """The requests whose engine part ended with `done`: each one's FINAL is held until vae_decode reports it done
+    with the frames (`state.finished`), then sent with an `end` step; meanwhile a `poll` step every POLL_S carries a
+    client's cancel to vae_decode; the streams of a dead vae_decode are answered with its error (lifecycle.held_tick)."""
 
-    TICK_S = 0.01  # how soon a stream's FINAL follows vae_decode's answer to its last step
+    TICK_S = 0.01  # how soon a finished stream's FINAL follows its last frames
 
     def __init__(self, responder: Responder, state: ServerState, outcomes: Outcomes):
         self.responder, self.state, self.outcomes = responder, state, outcomes
         self.streams: dict[str, tuple[TritonSink, lifecycle.HeldStream]] = {}
-        self.exiting = False  # the process exits next (EngineBroken): the engine's errors go as Triton errors
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="cosmos3-hold", daemon=True)
         self.thread.start()
 
-    def hold(self, sink: TritonSink, error: str | None = None, outcome: str | None = None) -> None:
-        """After the engine's `done` (decoding), or its `error` event (`error`, `outcome`: ending)."""
-        h = lifecycle.HeldStream(last_poll=time.monotonic(), t0=sink.t0, ending=error is not None, error=error,
-                                 outcome=outcome)  # fmt: skip
+    def hold(self, sink: TritonSink) -> None:
         with self._lock:
-            self.streams[sink.id] = (sink, h)
+            self.streams[sink.id] = (sink, lifecycle.HeldStream(last_poll=time.monotonic(), t0=sink.t0))
 
     def busy(self) -> bool:
         return bool(self.streams)
@@ -185,36 +177,24 @@ class Holder:
         with self._lock:
             held = list(self.streams.items())
         for ident, (sink, h) in held:
-            ended = self.state.ended(ident) if h.ending else None
-            finished = not h.ending and self.state.finished(ident)
-            do = lifecycle.held_tick(h, now, finished, ended, lifecycle.gone(h.t0, died))
+            do = lifecycle.held_tick(h, now, self.state.finished(ident), lifecycle.gone(h.t0, died))
+            if do.send == "nothing":
+                continue
+            if do.count:  # published now, not with the engine's next metrics (a kill meanwhile would lose it)
+                self.outcomes.count_now(do.count)
+            if do.send == "error":
+                self.responder.send(sink.sender, lambda m=do.message: error_response(m), final=True)
+            else:  # poll or end: an event vae_decode answers with nothing
+                event = {"type": do.send, "id": ident}
+                self.responder.send(sink.sender, lambda e=event: latents_response(EMPTY_LATENTS, e), do.final)
             if do.final:
                 with self._lock:
                     self.streams.pop(ident, None)
-            if do.count:  # published now, not with the engine's next metrics (a kill meanwhile would lose it)
-                self.outcomes.count_now(do.count)
-            if h.ending and do.final:  # every other step of it is answered: directly, the sooner the safer
-                try:
-                    if do.send == "error":
-                        sink.sender.send(error_response(do.message), flags=FINAL)
-                    else:
-                        sink.sender.send(flags=FINAL)
-                except Exception as e:  # noqa: BLE001 - the request is already gone
-                    log_exception("cosmos3_denoise", e)
-            elif do.send == "error":
-                self.responder.send(sink.sender, lambda m=do.message: error_response(m), final=True)
-            elif do.send in ("poll", "end"):  # an event vae_decode answers with nothing
-                event = {"type": do.send, "id": ident}
-                self.responder.send(sink.sender, lambda e=event: latents_response(EMPTY_LATENTS, e), do.final)
             if do.forget:
                 self.state.forget(ident)
 
     def close(self, timeout: float) -> None:
-        """The model is unloading: the streams whose last step vae_decode is answering get `timeout` seconds; those
-        still held then end with that error."""
-        deadline = time.monotonic() + timeout
-        while any(h.ending for _, h in list(self.streams.values())) and time.monotonic() < deadline:
-            time.sleep(self.TICK_S)
+        """The model is unloading: the streams still held end with that error."""
         self._stop.set()
         self.thread.join(timeout)
         for sink, _ in self.streams.values():
@@ -337,7 +317,6 @@ class EngineThread:
                 self.engine.tick()
             except EngineBroken as e:  # the device is gone: end everything and let Triton restart this model
                 message = log_exception("denoise engine", e)
-                self.holder.exiting = True  # nobody would send the FINALs held for vae_decode's answers
                 self.engine.abort_all(f"{message}; the denoise model restarts, retry")
                 if self.on_broken is not None:
                     self.on_broken()
@@ -408,7 +387,6 @@ class DenoiseModel:
         self.engine.scheduler.sessions.on_record = self.state.set_session  # prefill and vae_decode read them
         self.state.clear_tickets("engine")  # a previous incarnation's waiting requests are never answered
         self.state.set_busy(args["model_instance_name"], False)  # nor its held ones
-        self.state.clear_ended()  # nor vae_decode's answers to their last steps
         self.responder = Responder(device)
         self.holder = Holder(self.responder, self.state, self.metrics.outcomes)
         self.engine_thread = EngineThread(self.engine, self.state, args["model_instance_name"], self.holder,

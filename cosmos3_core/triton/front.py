@@ -35,9 +35,11 @@ class Front:
     (`set_down(key, text)` / `clear(key)`)."""
 
     def __init__(self, address: str, http_port: int, metrics_port: int, backend_http: int, backend_metrics: int,
-                 state: ServerState | None = None):  # fmt: skip
+                 state: ServerState | None = None, starting: str | None = None):  # fmt: skip
+        """`starting`: not ready from the first answer, with this text (under the key "server"), until cleared."""
         self.state = state
-        self._down: dict[str, str] = {}  # insertion order: the first cause is the one readiness names
+        # insertion order: the first cause is the one readiness names
+        self._down: dict[str, str] = {"server": starting} if starting else {}
         self.restarts: Counter[str] = Counter()
         self.draining: str | None = None  # set by a signal handler: a plain assignment, no lock
         self._lock = threading.Lock()

@@ -14,10 +14,13 @@ Why it is built so (Triton 2.51, gRPC streams, an ensemble with two decoupled st
   `ServerState.died_at`). So the survivor answers exactly those, whenever their steps reach it, not only those it
   held at the moment of the death.
 - No step answers with a Triton error while another step of the same ensemble request may still be in flight
-  (Triton then stops counting its steps' FINALs and never releases the request), and the stream's very last FINAL
-  is denoise's: vae_decode answers the stream's last step (`end`, or the engine's `error` event) with a bare FINAL
-  and reports the error the stream ends with (`ServerState.end`); denoise then sends its FINAL, or that error.
-  Whichever part dies before that, the other still holds a step and answers.
+  (Triton then stops counting its steps' FINALs and never releases the request): the engine ends a stream with an
+  `error` event as data, and vae_decode, whose step of it is the last, turns it into the Triton error.
+- The stream's last FINAL is vae_decode's answer to its last step (`end`, or the engine's `error` event), sent from
+  inside vae_decode's `execute` once every earlier step of the stream there is answered: Triton answers itself a
+  step whose `execute` had not returned when its stub died, so there is no moment when a dead vae_decode leaves the
+  stream unanswered. A `poll` is answered at once there too (the stream's held step stays held): it only carries a
+  client's cancel, which `execute` sees.
 
 Phases of a stream and who holds what:
 
@@ -25,16 +28,14 @@ Phases of a stream and who holds what:
 |---|---|---|
 | engine (queued, denoised) | its request | the latest step (`accepted`, then each progress / chunk) |
 | decoding (the engine sent `done`) | its request, FINAL held; a `poll` every POLL_S | the latest step (`done`, then each poll) |
-| ending (denoise sent `end` or an `error` event) | its request, FINAL held until vae_decode `ended` it | the last step, until its FINAL is out |
+| ending (denoise sent `end` or an `error` event with its FINAL) | nothing | the last step, answered inside `execute` |
 
-What no process can answer: denoise dying in the few milliseconds between vae_decode's bare FINAL of the last step
-and denoise's own FINAL (its holder looks every 10 ms) — both steps a survivor could answer on are spent; and a
-request in the stub when it dies before its execute returns, which Triton itself answers with an error.
+A request whose step is in a stub's `execute` when the stub dies is answered by Triton itself, with an error.
 
-Who counts the outcome (`cosmos3_requests_total`), once, as it sends the stream's last FINAL: denoise for a stream
-its engine ended early (cancelled, failed, rejected, or the reason vae_decode gave it to stop), with its own FINAL;
-vae_decode for a stream whose engine part ended with `done` (once its FINAL of `end` is out: completed, cancelled,
-failed, refused); the survivor when a part dies ("failed", or "cancelled" when the client had left).
+Who counts the outcome (`cosmos3_requests_total`), once: the engine when it ends a stream with an `error` event
+(cancelled, failed, rejected, or the reason vae_decode gave it to stop); vae_decode for a stream whose engine part
+ended with `done` (at `end`: completed, cancelled, failed, refused); the survivor when a part dies ("failed", or
+"cancelled" when the client had left).
 """
 
 from __future__ import annotations
@@ -58,9 +59,6 @@ class Do:
     stop: str | None = None  # tell the engine to stop the stream, and why (state.stop)
     finish: bool = False  # tell denoise that decode is done with the stream, after this step's frames (state.finish)
     forget: bool = False  # the stream has ended here: drop what this process keeps of it (state.forget)
-    # the stream's last step at vae_decode: once its FINAL is out, tell denoise the error the stream ends with ("":
-    # none; state.end), and count then (a count before it could be counted twice, by denoise too, were decode to die)
-    ended: str | None = None
 
 
 def gone(t0: float, died_at: float | None) -> bool:
@@ -85,35 +83,38 @@ class DecodeStream:
 STREAM_EVENTS = ("accepted", "progress", "chunk", "done", "poll", "end", "error")
 
 
-LAST_EVENTS = ("end", "error")  # a stream's last step at vae_decode
+LAST_EVENTS = ("end", "error")  # a stream's last step at vae_decode: answered inside its execute
 
 
 def decode_step(s: DecodeStream | None, kind: str, cancelled: bool, message: str = "") -> Do:
     """One step of a stream reaching vae_decode (`s` None: a stream it does not know: a step of a dead instance's
     stream, or one it already ended). `cancelled`: the step's `is_cancelled()`; `message`: an error event's text.
-    Updates `s`. The executor first releases the stream's previously held step (its FINAL, nothing else), and
-    answers a stream whose denoise is `gone` with `denoise_died` instead."""
+    Updates `s`. The executor releases the stream's previously held step (its FINAL, nothing else) when this one is
+    held in its place or ends the stream (`not final or forget`): a `poll` leaves it held. A stream whose denoise is
+    `gone` gets `denoise_died` instead, but for its last step (denoise sent its FINAL with it)."""
     if kind not in STREAM_EVENTS:
         raise ValueError(f"not a stream event: {kind!r}")
-    if s is None:  # nothing to hold for: answer the step and go; denoise still waits for a last one's answer
-        return Do(ended=(message if kind == "error" else "")) if kind in LAST_EVENTS else Do()
+    if s is None:  # nothing to hold for: answer the step and go (an error event: the engine's refusal of a request
+        return Do(send="error", message=message) if kind == "error" else Do()  # it could not even read)
     stop = decode_cancelled(s).stop if cancelled else None
     if kind == "error":  # the engine's last word: it counted; a piece's failure is the text the client gets
         if s.stop == "cancelled" and s.failure is None:
-            return Do(forget=True, ended="")  # the client left: nobody reads an error
-        return Do(forget=True, ended=s.failure or message)
-    if kind == "end":  # denoise waits for this step's answer to send its FINAL, the stream's last
+            return Do(forget=True)  # the client left: nobody reads an error
+        return Do(send="error", message=s.failure or message, forget=True)
+    if kind == "end":  # denoise has sent its FINAL: this step is the stream's last
         if s.failure is not None:
-            return Do(count=s.stop or "failed", forget=True, ended=s.failure)
-        return Do(count=s.stop or "completed", forget=True, ended="")
+            return Do(send="error", message=s.failure, count=s.stop or "failed", forget=True)
+        return Do(count=s.stop or "completed", forget=True)
+    if kind == "poll":  # answered at once (it carried the cancel, if any); the stream's held step stays held
+        return Do(stop=None if s.engine_done else stop)
     if kind == "done":
         s.engine_done = True
-        # the engine ended without seeing a stop (or before it): vae_decode's to count; report it finished now, or
-        # after the frames
+        # the engine ended without seeing a stop (or before it): vae_decode's to count; report it finished once the
+        # frames are out (or now)
         return Do(send="nothing" if s.stop else "frames", final=False, finish=True)
     if kind in ("progress", "chunk") and s.stop is None:
         return Do(send="frames", final=False)
-    # accepted, poll, or a piece of a stopped stream: hold it; the engine is told to stop (once)
+    # accepted, or a piece of a stopped stream: hold it; the engine is told to stop (once)
     return Do(final=False, stop=None if s.engine_done else stop)
 
 
@@ -140,9 +141,9 @@ def decode_failed(s: DecodeStream, message: str, outcome: str = "failed") -> Do:
 
 
 def denoise_died(s: DecodeStream) -> Do:
-    """A step of a stream whose denoise instance died (`gone`): answer the stream now, on that step (the one
-    vae_decode holds, or one that reaches it later). Nobody else counts it: denoise, which counts a stream it ended
-    only with its FINAL, is gone, and no `end` will come."""
+    """A step of a stream whose denoise instance died (`gone`) before its last step: answer the stream now, on that
+    step (the one vae_decode holds, or one that reaches it later). Nobody else counts it: the engine (whose part of
+    the stream was not over) is gone, and no `end` will come."""
     if s.stop == "cancelled":
         return Do(count="cancelled", forget=True)  # the client left: nobody reads an error
     return Do(send="error", message=s.failure or part_died("denoise"), count=s.stop or "failed", forget=True)
@@ -163,44 +164,31 @@ def engine_outcome(stop: str | None, outcome: str | None) -> str:
 
 
 def engine_error(stop: str | None, outcome: str | None, decode_gone: bool, message: str) -> Do:
-    """The engine ends a stream early. `decode_gone`: no step of the stream can reach a live vae_decode (it died
-    after the request arrived, or none was ever sent there), so the Triton error goes from here, counted now.
-    Otherwise the error goes as an event, the FINAL held (`HeldStream` ending, which counts it with the FINAL: a
-    denoise that dies before leaves the count to vae_decode) until vae_decode has answered it."""
+    """The engine ends a stream early, counted now. `decode_gone`: no step of the stream can reach a live vae_decode
+    (it died after the request arrived, or none was ever sent there), so the Triton error goes from here. Otherwise
+    the error goes as an event with denoise's FINAL, and vae_decode's step of it, the stream's last, answers it."""
+    count = engine_outcome(stop, outcome)
     if decode_gone:
-        return Do(send="error", message=message, count=engine_outcome(stop, outcome), forget=True)
-    return Do(send="error_event", final=False, message=message)
+        return Do(send="error", message=message, count=count, forget=True)
+    return Do(send="error_event", message=message, count=count)
 
 
 @dataclass
 class HeldStream:
-    """A stream whose engine part is over (`done`, or an `error` event): denoise holds its FINAL until vae_decode is
-    done with its frames (decoding) and has answered its last step (ending)."""
+    """A stream whose engine part ended with `done`: denoise holds its FINAL until vae_decode is done with it."""
 
     last_poll: float
     t0: float = 0.0  # the request's arrival: `gone(t0, vae_decode's death)`
-    ending: bool = False  # its last step (`end`, or the engine's `error` event) went to vae_decode
-    error: str | None = None  # the engine's error event's text; None: the stream's `end`
-    outcome: str | None = None  # the error event's outcome (`engine_outcome`), counted with the FINAL
 
 
-def held_tick(s: HeldStream, now: float, finished: bool, ended: str | None, decode_gone: bool) -> Do:
-    """The holder's look at one stream (every TICK_S). `finished`: vae_decode sent its last frames (or stopped);
-    `ended`: its answer to the last step (the error text, "" none; None: not yet); `decode_gone`: `gone`."""
-    if s.ending:
-        if ended is not None:  # every step of the stream at vae_decode is answered: this FINAL is the last
-            return Do(send="error" if ended else "nothing", message=ended or None, count=s.outcome, forget=True)
-        if decode_gone:  # the last step went to the dead instance: nobody answers it
-            if s.error is not None:
-                return Do(send="error", message=s.error, count=s.outcome, forget=True)
-            return Do(send="error", message=part_died("vae_decode"), count="failed", forget=True)
-        return Do(final=False)
-    if decode_gone:  # its steps at vae_decode were the dead instance's
+def held_tick(s: HeldStream, now: float, finished: bool, decode_gone: bool) -> Do:
+    """The holder's look at one decoding stream (every few milliseconds). `finished`: vae_decode sent its last frames
+    (or stopped); `decode_gone`: `gone`."""
+    if decode_gone:  # its steps at vae_decode were the dead instance's (the end step too: nobody would answer it)
         return Do(send="error", message=part_died("vae_decode"), count="failed", forget=True)
-    if finished:  # vae_decode sent its last frames (or stopped): the stream's last step, FINAL held for its answer
-        s.ending = True
-        return Do(send="end", final=False)
+    if finished:  # the stream's FINAL, with its last step for vae_decode to answer
+        return Do(send="end", final=True)
     if now - s.last_poll >= POLL_S:
         s.last_poll = now
         return Do(send="poll", final=False)
-    return Do(final=False)
+    return Do(send="nothing", final=False)

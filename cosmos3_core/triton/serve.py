@@ -171,7 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.render_only:
         return 0
     private = [free_port(), free_port()]  # tritonserver's HTTP and metrics, on loopback behind the front
-    front = Front(args.address, ports[1], ports[2], *private, state=ServerState(deployment.state_dir))
+    # not ready from its first answer: a probe between here and tritonserver's start must not read 200
+    front = Front(args.address, ports[1], ports[2], *private, state=ServerState(deployment.state_dir),
+                  starting=errors.STARTING)  # fmt: skip
     stopping = threading.Event()
 
     def stop(*_) -> None:  # readiness answers 503 from this moment; a reload in progress stops at its next check

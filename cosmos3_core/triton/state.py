@@ -7,8 +7,7 @@ under `<workdir>/state` (per server: `serve.render` gives each its own and wipes
 | fact | files | written by | read by |
 |---|---|---|---|
 | a stream must stop: `stop(id, why)` "cancelled" (the client left) or a piece that did not decode ("failed", "refused") | `stop/<id>` (why) | vae_decode (it sees the cancel: Triton cancels only the steps it schedules after it) | the denoise engine, between ticks (`stop_reason`) |
-| decode is done with a stream's frames: `finish(id)` | `finished/<id>` | vae_decode (after its last piece, or the stop) | denoise, which then sends the stream's `end` step (`finished`) |
-| vae_decode answered a stream's last step (`end`, or the engine's `error` event): `end(id, text)` | `ended/<id>` (the error the stream ends with, empty for none) | vae_decode, once that step's FINAL is out | denoise, which then sends the stream's FINAL, the last of all its steps (`ended`) |
+| decode is done with a stream's frames: `finish(id)` | `finished/<id>` | vae_decode (once its last piece's frames are out, or at the stop) | denoise, which then sends the stream's FINAL with its `end` step (`finished`) |
 | a part is dead or reloading: `mark_down` / `mark_up` | `down/<part>` | the supervisor (up only once the new stub answers) | the door and prefill (refuse), the denoise engine (ends its streams when vae_decode is down), the front (readiness): `down_parts` |
 | when a part last died: `mark_down` writes it, `died_at(part)` | `died/<part>` (epoch seconds) | the supervisor | denoise and vae_decode: a request that arrived before it has its steps of that part in the dead instance (an ensemble request keeps the model instances it started with), so the survivor answers it |
 | the server drains: `drain` / `undrain` | `DRAINING` | the supervisor (SIGINT / SIGTERM) | the door and the engine (admit nothing new) |
@@ -16,8 +15,7 @@ under `<workdir>/state` (per server: `serve.render` gives each its own and wipes
 | admission tickets: `take`, `claim`, `release`, `held` | `tickets/<id>.door`, `.engine` | the door (take), prefill (release on its error), denoise (claim, release at the first event) | the door (`held`): admission.py |
 | an AR session's record: `set_session(id, record)` (idle with its parameters, busy, ended and why; None: forgotten) | `sessions/<id>` (sessions.record) | the denoise engine's session table, on each change | prefill (checks a continuation: sessions.kept_params), vae_decode (lets go of an ended session's decoder) |
 
-A stream's facts are dropped by whoever ends it (`forget`): denoise once it sent the stream's FINAL (or vae_decode
-when denoise died).
+A stream's facts are dropped by whoever ends it (`forget`): vae_decode at its last step, denoise when vae_decode died.
 Stream ids and part names are alphanumeric (`_` allowed in part and instance names).
 
 Stdlib only: the supervisor and the door's stub import it.
@@ -58,7 +56,7 @@ def _write(path: Path, text: str) -> None:
 class ServerState:
     def __init__(self, state_dir: str | Path):
         self.dir = Path(state_dir)
-        for sub in ("stop", "finished", "ended", "down", "died", "busy", "tickets"):
+        for sub in ("stop", "finished", "down", "died", "busy", "tickets"):
             (self.dir / sub).mkdir(parents=True, exist_ok=True)
 
     def reset(self) -> None:
@@ -82,24 +80,9 @@ class ServerState:
     def finished(self, stream: str) -> bool:
         return (self.dir / "finished" / _name(stream)).exists()
 
-    def end(self, stream: str, text: str = "") -> None:
-        _write(self.dir / "ended" / _name(stream), text)
-
-    def ended(self, stream: str) -> str | None:
-        """The error text the stream ends with ("" none) once vae_decode answered its last step, else None."""
-        try:
-            return (self.dir / "ended" / _name(stream)).read_text()
-        except FileNotFoundError:
-            return None
-
     def forget(self, stream: str) -> None:
-        for sub in ("stop", "finished", "ended"):
+        for sub in ("stop", "finished"):
             (self.dir / sub / _name(stream)).unlink(missing_ok=True)
-
-    def clear_ended(self) -> None:
-        """A denoise instance is starting: the `ended` marks of a dead one's streams are nobody's."""
-        for entry in os.scandir(self.dir / "ended"):
-            Path(entry.path).unlink(missing_ok=True)
 
     # ---- parts: the supervisor → everyone ----
     def mark_down(self, part: str) -> None:
