@@ -193,14 +193,18 @@ class Chaos:
                     hung.append({"part": k["part"], "ended_after_kill_s": after})
         gauges = {g: self.server.gauge(g) for g in ("cosmos3_kv_pages_used", "cosmos3_live_requests",
                                                     "cosmos3_queue_depth")}  # fmt: skip
-        now = counters(self.server)
-        counted = {o: now["outcomes"][o] - self.before["outcomes"][o] for o in OUTCOMES}
-        by_triton = {m: now["by_triton"][m] - self.before["by_triton"][m] for m in TRITON_ANSWERS}
         unreached = sum(s["end"].startswith("error: cannot reach the server") for s in self.streams)
         sent = len(self.streams) + self.probes - unreached
-        identity = {"sent": sent, "counted": sum(counted.values()), "answered_by_triton": sum(by_triton.values()),
-                    "by_triton": by_triton, "unreached": unreached}  # fmt: skip
-        identity["difference"] = sent - identity["counted"] - identity["answered_by_triton"]
+        for _ in range(10):  # a client that cancelled left at once: the server counts it a moment later
+            time.sleep(0.5)
+            now = counters(self.server)
+            counted = {o: now["outcomes"][o] - self.before["outcomes"][o] for o in OUTCOMES}
+            by_triton = {m: now["by_triton"][m] - self.before["by_triton"][m] for m in TRITON_ANSWERS}
+            identity = {"sent": sent, "counted": sum(counted.values()), "answered_by_triton": sum(by_triton.values()),
+                        "by_triton": by_triton, "unreached": unreached}  # fmt: skip
+            identity["difference"] = sent - identity["counted"] - identity["answered_by_triton"]
+            if identity["difference"] == 0:
+                break
         restarts = self.server.restarts()
         kills_of = {p: sum(k["part"] == p for k in self.kills) for p in PARTS}
         back = [k["back_s"] for k in self.kills]

@@ -73,11 +73,11 @@ class TritonSink:
     def id(self) -> str:
         return self.meta.id if self.meta is not None else ""
 
-    def _send(self, build: Callable[[], Any], final: bool) -> None:
+    def _send(self, build: Callable[[], Any], final: bool, after: Callable[[], None] | None = None) -> None:
         if self.ticket:
             self.state.release(self.id)
             self.ticket = False
-        self.responder.send(self.sender, build, final)
+        self.responder.send(self.sender, build, final, after)
 
     @property
     def t0(self) -> float:
@@ -127,12 +127,14 @@ class TritonSink:
     def error(self, message: str, outcome: str | None = None) -> None:
         """The engine (or the model, `outcome`: its rejection) ends the request early."""
         do = lifecycle.engine_error(self.stop, outcome, not self.at_decode or self.decode_gone(), message)
-        self.outcomes.count(do.count)
+        # counted once the end is out, by the responder's thread (the engine's never talks to the server): a stub
+        # killed then loses no count that its metrics thread had not published yet
+        count = lambda: self.outcomes.count_now(do.count)  # noqa: E731
         if do.send == "error":  # no step of it can reach a live vae_decode: the Triton error goes from here
-            self._send(lambda: error_response(message), final=True)
+            self._send(lambda: error_response(message), final=True, after=count)
         else:  # as data: vae_decode's step of it, the request's last, turns it into the Triton error
             event: ErrorEvent = {"type": "error", "id": self.id, "message": message}
-            self._send(lambda: latents_response(EMPTY_LATENTS, event), final=True)
+            self._send(lambda: latents_response(EMPTY_LATENTS, event), final=True, after=count)
         if do.forget and self.meta is not None:
             self.state.forget(self.id)
 
