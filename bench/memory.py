@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
             captured = n <= d.max_capture_rows
             row(rows, "denoise", f"  reserved growth{' (eager + graph)' if captured else ''}",
                 torch.cuda.memory_reserved() - reserved,
-                memory.step_bytes(cfg, n, dtype) * (2 if captured else 1))  # fmt: skip
+                memory.step_bytes(cfg, n, dtype) * (1 + memory.GRAPH_POOL_SHARE * captured))  # fmt: skip
         del engine
         fresh()
 
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
         for _ in range(2):
             prefill_text_kv(model, torch.zeros(tokens, dtype=torch.long, device="cuda"), cos, sin)
         row(rows, "prefill", f"UND pass, {tokens} tokens x 2 branches", torch.cuda.max_memory_allocated() - before,
-            256 * memory.MIB)  # fmt: skip
+            memory.UND_PASS_BYTES)  # fmt: skip
 
     if args.json:
         with open(args.json, "w") as f:

@@ -172,8 +172,9 @@ class Deployment:
         card = memory.card_bytes(self.torch_device) if card is None else card
         p = memory.plan(self, ckpt.root, ckpt.config, card)
         memory.check(p)
-        warmup, largest = self.warmup_requests, p.largest.warmup_request()
-        if self.torch_device.startswith("cuda") and largest not in warmup:  # planned() twice: added once
+        warmup, largest = self.warmup_requests, p.largest.warmup_request(self.limits)
+        fits = p.largest.rows <= p.max_step_rows  # else the scheduler refuses it: max_step_rows bounds the peak
+        if self.torch_device.startswith("cuda") and fits and largest not in warmup:  # planned() twice: added once
             warmup = [*warmup, largest]
         return replace(self, pool_pages=p.pool_pages, max_step_rows=p.max_step_rows, warmup_requests=warmup), p
 
@@ -199,6 +200,10 @@ class Deployment:
         if not isinstance(raw.get("fp8_attention", False), bool):
             raise ValueError(f"{path}: fp8_attention: true or false; got {raw['fp8_attention']!r}")
         buckets = raw.get("graph_buckets")
+        cap = raw.get("max_capture_rows", 65536)
+        if buckets and isinstance(buckets, list) and isinstance(cap, int) and cap and max(map(int, buckets)) > cap:
+            raise ValueError(f"{path}: graph_buckets: {max(buckets)} rows is over max_capture_rows ({cap}): such a "
+                             "bucket is never captured, only padded; raise max_capture_rows or drop the bucket")  # fmt: skip
         if buckets is not None and (
             not isinstance(buckets, list)
             or any(not isinstance(b, int) or b <= 0 or b % 64 for b in buckets)

@@ -53,6 +53,15 @@ MAX_DECODE_FRAMES_PER_CALL = 4
 # frames up to this size decode 4 latent frames a call (faster there: H100, 832x480, 0.038 s a latent frame against
 # 0.07 s one at a time); larger ones 1 (1280x720: 0.075 s against 0.089 s, and 6.4 GiB against 16.4)
 FOUR_FRAMES_MAX_PIXELS = 832 * 480
+# a decoder stream's causal state: every causal conv's last 2 input frames, per output pixel of a frame (bf16 Wan2.2,
+# counted on its config); kept from a stream's first piece to its last, and for a kept session until it ends
+STREAM_STATE_BYTES_PER_PIXEL = 3600
+# live streams the plan holds decoder state for (one at the largest frame, the rest at the default size): requests
+# whose pieces decode at once, as c=4 packs them; more at once is not bounded yet
+MAX_STREAMS_PLANNED = 4
+# eager kernels (compile: false) keep more of each op's output alive: the decoder at 1280x720, 4 frames a call,
+# took 22 GiB eager against 14 GiB compiled (H100); the step is taken to grow alike
+EAGER_FACTOR = 1.6
 # frames larger than this decode in row bands (model/wan_decoder.py BandedStream), each a call of at most this size
 BAND_ABOVE_PIXELS = 1280 * 720
 BAND_HALO_ROWS = 8  # = BandedStream.HALO_ROWS
@@ -63,7 +72,6 @@ UND_PASS_BYTES = 320 * MIB  # the UND tower over max_prompt_tokens, both branche
 # NVIDIA's guardrail (safety.py, cosmos_guardrail 0.3.2): Qwen3Guard-0.6B in prefill; RetinaFace and the video
 # content filter in decode (3.9 GiB for both, measured on the H200)
 GUARDRAIL_BYTES = {"prefill": 1600 * MIB, "vae_decode": 2300 * MIB}
-EXTRA_ROWS_PER_BRANCH = 512  # sound and action tokens beside a branch's video tokens (189 frames of sound: 197)
 
 
 class PlanError(ValueError):
@@ -86,17 +94,17 @@ class Largest:
     width: int
     frames: int
     rows: int  # packed rows of its step, both CFG branches
-    decode_height: int  # the largest frame the limits admit (a 1-frame request's), which the decoder's call sizes
-    decode_width: int
+    frame_height: int  # the largest frame the limits admit (a 1-frame request's): the decoder's and encoder's
+    frame_width: int
 
     @property
-    def decode_pixels(self) -> int:
-        return self.decode_height * self.decode_width
+    def frame_pixels(self) -> int:
+        return self.frame_height * self.frame_width
 
-    def warmup_request(self) -> dict:
-        """A 2-step request of this size (memory is claimed at load: `Deployment.planned`)."""
-        return {"height": self.height, "width": self.width, "num_frames": self.frames, "steps": 2,
-                "guidance_scale": 6.0}  # fmt: skip
+    def warmup_request(self, limits) -> dict:  # limits: requests.Limits
+        """A 2-step request of this size, with CFG (memory is claimed at load: `Deployment.planned`)."""
+        return {"height": self.height, "width": self.width, "num_frames": self.frames,
+                "steps": min(2, limits.max_steps), "guidance_scale": min(6.0, limits.max_guidance)}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -134,18 +142,14 @@ class MemoryPlan:
         """(height, width) of the frames whose decode reaches the decoder's budget: the largest admitted one, and
         the 4-frames-a-call size when the limits admit it."""
         big = self.largest
-        sizes = [(big.decode_height, big.decode_width)]
-        if big.decode_pixels > FOUR_FRAMES_MAX_PIXELS:
+        sizes = [(big.frame_height, big.frame_width)]
+        if big.frame_pixels > FOUR_FRAMES_MAX_PIXELS:
             sizes.append((480, 832))
         return sizes
 
     def decode_band_rows(self, h: int, w: int) -> int:
-        """Latent rows per band of a frame of latent grid (h, w): h up to BAND_ABOVE_PIXELS, else the most whose
-        band (with its halo, `BandedStream.HALO_ROWS` each side) is at most that."""
-        row = w * self.spatial**2
-        if h * row <= BAND_ABOVE_PIXELS:
-            return h
-        return max(1, min(h, BAND_ABOVE_PIXELS // row - 2 * BAND_HALO_ROWS))
+        """Latent rows per band of a frame of latent grid (h, w) (`plan_band_rows`)."""
+        return plan_band_rows(h, w, self.spatial)
 
     def table(self) -> str:
         lines = [f"{'part':<11} {'kind':<10} {'GiB':>7}  what"]
@@ -172,26 +176,36 @@ class MemoryPlan:
 
     def _advice(self, over: int) -> list[str]:
         out = []
-        weights = sum(e.bytes for e in self.entries if e.kind == "weights" and e.part in ("prefill", "denoise"))
-        if "fp8" not in " ".join(e.what for e in self.entries if e.kind == "weights"):
-            out.append(f"precision: fp8 saves ~{weights * 0.45 / GIB:.1f} GiB of weights.")
+        towers = [e for e in self.entries if e.kind == "weights" and e.part in ("prefill", "denoise")]
+        if not any("fp8" in e.what for e in towers):  # the layer linears, most of each tower, halve
+            out.append(f"precision: fp8 saves ~{sum(e.bytes for e in towers) * 0.45 / GIB:.1f} GiB of weights.")
         pool = next(e for e in self.entries if e.kind == "kv_pool")
         page = pool.bytes // max(self.pool_pages, 1)
-        if pool.bytes and page:
-            fewer = min(self.pool_pages, -(-over // page))
+        least = 2 * -(-1024 // 16)  # one prompt of 1024 tokens, both branches
+        if page and self.pool_pages > least:
+            fewer = min(self.pool_pages - least, -(-over // page))
             out.append(
                 f"pool_pages: {self.pool_pages - fewer} (from {self.pool_pages}) saves {fewer * page / GIB:.1f} GiB."
             )
         step = next(e for e in self.entries if e.kind == "step")
         if step.bytes:
-            rows_cut = -(-over * self.max_step_rows // step.bytes)
+            fit = self.max_step_rows - -(-over * self.max_step_rows // step.bytes)
             out.append(
                 f"limits (max_pixel_frames, max_height, max_width, max_frames) or max_step_rows: the step holds "
-                f"{self.max_step_rows} rows ({step.bytes / GIB:.1f} GiB); {max(self.max_step_rows - rows_cut, 0)} "
-                "rows would fit."
+                f"{self.max_step_rows} rows ({step.bytes / GIB:.1f} GiB)"
+                + (f"; {fit} rows would fit." if fit >= 64 else ": the step alone cannot make it fit.")
             )
         out.append("Or gpu_memory_utilization, if the card holds nothing else.")
         return out
+
+
+def plan_band_rows(h: int, w: int, spatial: int) -> int:
+    """Latent rows per band of a frame of latent grid (h, w): h up to BAND_ABOVE_PIXELS, else the most whose band
+    (with its halo, `BandedStream.HALO_ROWS` each side) is at most that."""
+    row = w * spatial * spatial
+    if h * row <= BAND_ABOVE_PIXELS:
+        return h
+    return max(1, min(h, BAND_ABOVE_PIXELS // row - 2 * BAND_HALO_ROWS))
 
 
 def decode_workspace(pixels: int, frames: int) -> int:
@@ -212,32 +226,45 @@ def decode_budget(largest_pixels: int) -> int:
     return max(four, decode_workspace(min(largest_pixels, BAND_ABOVE_PIXELS), 1))
 
 
-def largest_request(cfg: ModelConfig, limits) -> Largest:  # limits: requests.Limits
-    """The admitted request with the most packed rows (both CFG branches): over every frame count the limits allow
-    (per window for AR), the largest frame `max_pixel_frames` leaves within max_height × max_width; and the largest
-    frame of any admitted request (the decoder's call)."""
+def largest_request(cfg: ModelConfig, limits, extra_rows: int = 0) -> Largest:  # limits: requests.Limits
+    """The admitted request with the most packed rows (both CFG branches, `extra_rows` of sound and actions each):
+    over every frame count the limits allow (per window for AR) and every aligned width, the tallest aligned frame
+    within max_pixel_frames, max_height and max_width (a latent grid that is not a multiple of the patch rounds up,
+    so the most pixels is not always the most rows); and the largest frame of any admitted request, the decoder's
+    and the encoder's."""
     align, t = cfg.pixel_alignment, cfg.vae_scale_temporal
-
-    def frame(frames: int) -> tuple[int, int]:
-        """The widest, then tallest, aligned frame of at most max_pixel_frames / frames pixels."""
-        area = limits.max_pixel_frames // frames
-        width = min(limits.max_width, area // align * align) // align * align
-        height = min(limits.max_height, area // max(width, 1)) // align * align
-        return height, width
-
-    best: Largest | None = None
+    best: tuple[int, int, int, int] | None = None  # rows, height, width, frames
+    frame_area = limits.max_frame_pixels or limits.max_height * limits.max_width
     for frames in range(1, limits.max_frames + 1, t):
-        height, width = frame(frames)
-        if height < align or width < align:
-            continue
-        gh, gw = cfg.token_grid(height, width)
-        rows = 2 * (gh * gw * latent_frames(frames, t) + EXTRA_ROWS_PER_BRANCH)
-        if best is None or rows > best.rows:
-            best = Largest(height, width, frames, rows, 0, 0)
+        area = min(limits.max_pixel_frames // frames, frame_area)
+        for width in range(align, limits.max_width + 1, align):
+            height = min(limits.max_height, area // width) // align * align
+            if height < align:
+                break
+            gh, gw = cfg.token_grid(height, width)
+            rows = 2 * (gh * gw * latent_frames(frames, t) + extra_rows)
+            if best is None or rows > best[0]:
+                best = (rows, height, width, frames)
     if best is None:
         raise ValueError("limits admit no request: max_pixel_frames is below one aligned frame")
-    decode_h, decode_w = frame(1)
-    return Largest(best.height, best.width, best.frames, best.rows, decode_h, decode_w)
+    area = min(limits.max_pixel_frames, frame_area)
+    frame_w = min(limits.max_width, area // align // align * align) // align * align
+    frame_h = min(limits.max_height, area // frame_w) // align * align
+    return Largest(best[1], best[2], best[3], best[0], frame_h, frame_w)
+
+
+def extra_rows_per_branch(ckpt_root: Path, cfg: ModelConfig, limits) -> int:
+    """The most sound and action rows a branch adds beside its video: sound at max_frames and the lowest fps (1),
+    actions at max_chunk_size; none where the checkpoint has no such heads."""
+    rows = limits.max_chunk_size if cfg.action_gen else 0
+    if cfg.sound_gen:
+        from .model.sound import SoundSpec
+
+        try:
+            rows += SoundSpec.open(ckpt_root).latent_shape(limits.max_frames, 1.0)[1]
+        except (ValueError, OSError):  # no sound tokenizer: sound requests are refused
+            pass
+    return rows
 
 
 def tower_bytes(cfg: ModelConfig, tower: str, dtype: torch.dtype, fp8: bool) -> int:
@@ -303,7 +330,8 @@ def plan(d, ckpt_root: str | Path, cfg: ModelConfig, card: int) -> MemoryPlan:  
     label = f"{'fp8 linears, ' if fp8 else ''}{str(dtype).removeprefix('torch.')}"
     vae_config = json.loads((Path(ckpt_root) / "vae" / "config.json").read_text())
     encoder, decoder = vae_bytes(vae_config, dtype)
-    largest = largest_request(cfg, d.limits)
+    largest = largest_request(cfg, d.limits, extra_rows_per_branch(Path(ckpt_root), cfg, d.limits))
+    eager = 1.0 if d.compile else EAGER_FACTOR
     entries: list[Entry] = []
     notes: list[str] = []
     n_pre, n_den = d.instances["prefill"], d.instances["denoise"]
@@ -314,9 +342,9 @@ def plan(d, ckpt_root: str | Path, cfg: ModelConfig, card: int) -> MemoryPlan:  
     guard = d.safety_checker != "none"
     # prefill: the UND tower, the VAE's encoder, the text guardrail; activations: its largest conditioning encode
     add("prefill", "weights", tower_bytes(cfg, UND, dtype, fp8) + encoder, f"UND tower ({label}) + VAE encoder", n_pre)
-    enc_pixels = min(d.limits.max_height * d.limits.max_width, d.limits.max_image_pixels)
+    enc_pixels = largest.frame_pixels  # conditioning frames are resized to the request's size
     add("prefill", "workspace", max(ENCODE_BYTES_PER_PIXEL * ENCODE_CLIP_FACTOR * enc_pixels, UND_PASS_BYTES),
-        f"VAE encode of a {d.limits.max_height}x{d.limits.max_width} clip's 4 frames", n_pre)  # fmt: skip
+        f"VAE encode of a {largest.frame_width}x{largest.frame_height} clip's 4 frames", n_pre)  # fmt: skip
     if guard:
         add("prefill", "guardrail", GUARDRAIL_BYTES["prefill"], "text guardrail (Qwen3Guard)", n_pre)
     add("prefill", "context", CONTEXT_BYTES, "CUDA context", n_pre)
@@ -327,22 +355,43 @@ def plan(d, ckpt_root: str | Path, cfg: ModelConfig, card: int) -> MemoryPlan:  
         notes.append(f"max_step_rows {rows} is below the largest admitted request's {largest.rows} rows: "
                      "such a request is refused at submit")  # fmt: skip
     add("denoise", "weights", tower_bytes(cfg, GEN, dtype, fp8), f"GEN tower ({label})", n_den)
-    add("denoise", "step", step_bytes(cfg, rows, dtype),
+    step = step_bytes(cfg, rows, dtype) * eager
+    if d.lora_dir:  # a pack with adapters runs each layer's MLP whole (model/towers.py): its [rows, intermediate] three
+        step += 3 * max(rows - MLP_CHUNK_ROWS, 0) * cfg.intermediate_size * dtype.itemsize
+    add("denoise", "step", step,
         f"packed step of {rows} rows (largest admitted: {largest.width}x{largest.height}x{largest.frames}, CFG)", n_den)  # fmt: skip
+    # step caching (SeaCache, any request may ask): the last two block-stack residuals of every running branch
+    add("denoise", "cache", 2 * rows * cfg.hidden_size * dtype.itemsize, "SeaCache residuals (2 per branch)", n_den)
     graphs = d.torch_device.startswith("cuda") and d.cuda_graphs and d.max_captures
     captured = min(rows, d.max_capture_rows or rows) if graphs else 0
     if captured:  # the graphs' shared pool holds the largest captured layout's activations beside the eager ones
-        add("denoise", "graphs", GRAPH_POOL_SHARE * step_bytes(cfg, captured, dtype),
+        add("denoise", "graphs", GRAPH_POOL_SHARE * step_bytes(cfg, captured, dtype) * eager,
             f"CUDA graph pool (layouts ≤ {captured} rows)", n_den)  # fmt: skip
     add("denoise", "context", CONTEXT_BYTES, "CUDA context", n_den)
 
     # decode: the decoder, its workspace at the largest call (a frame up to 1280x720, one latent frame a call;
     # larger frames in row bands of that size), the video guardrail
-    budget = decode_budget(largest.decode_pixels)
-    banded = " in row bands" if largest.decode_pixels > BAND_ABOVE_PIXELS else ""
+    budget = decode_budget(largest.frame_pixels)
+    banded = " in row bands" if largest.frame_pixels > BAND_ABOVE_PIXELS else ""
     add("vae_decode", "weights", decoder, f"VAE decoder ({str(dtype).removeprefix('torch.')})")
-    add("vae_decode", "workspace", budget, f"its largest call (4 latent frames at 832x480, 1 at 1280x720; largest "
-        f"frame {largest.decode_width}x{largest.decode_height}{banded})")  # fmt: skip
+    add("vae_decode", "workspace", budget * eager, f"its largest call (4 latent frames at 832x480, 1 at 1280x720; "
+        f"largest frame {largest.frame_width}x{largest.frame_height}{banded})")  # fmt: skip
+    # live streams' causal state: one at the largest frame (its bands' halos included), the rest at the default size
+    state = STREAM_STATE_BYTES_PER_PIXEL * dtype.itemsize // 2
+    s = cfg.vae_scale_spatial
+    h, w = largest.frame_height // s, largest.frame_width // s
+    band = plan_band_rows(h, w, s)
+    bands = -(-h // band)
+    decoded_rows = h if bands == 1 else bands * min(h, band + 2 * BAND_HALO_ROWS)  # each band with its halo
+    largest_state = state * decoded_rows * w * s * s
+    default_px = d.defaults.height * d.defaults.width
+    gh, gw = cfg.token_grid(d.defaults.height, d.defaults.width)
+    default_rows = 2 * gh * gw * latent_frames(d.defaults.num_frames, cfg.vae_scale_temporal)
+    streams = max(1, min(MAX_STREAMS_PLANNED, rows // max(default_rows, 1)))
+    # (a kept session's state waits in host memory: `StreamDecoder.move_state`)
+    add("vae_decode", "streams", largest_state + state * default_px * (streams - 1),
+        f"decoder state of {streams} live streams: 1 at the largest frame, the rest {d.defaults.width}x"
+        f"{d.defaults.height}")  # fmt: skip
     if guard:
         add("vae_decode", "guardrail", GUARDRAIL_BYTES["vae_decode"], "video guardrail (RetinaFace, content filter)")
     add("vae_decode", "context", CONTEXT_BYTES, "CUDA context")
@@ -351,7 +400,7 @@ def plan(d, ckpt_root: str | Path, cfg: ModelConfig, card: int) -> MemoryPlan:  
     add("server", "cuda_pool", cuda_pool_bytes(d, cfg), "Triton's CUDA memory pool (text K/V between stages)")
 
     page = page_bytes(cfg, d.page_size, dtype)
-    need_pages = n_den * max_prompt_pages(cfg, d)
+    need_pages = max_prompt_pages(cfg, d)
     if d.pool_pages == "auto":
         left = int(card * d.gpu_memory_utilization) - sum(e.bytes for e in entries) if card else 0
         pages = max(need_pages, min(left // (page * n_den), max_pool_pages(cfg, d))) if card else max_pool_pages(cfg, d)

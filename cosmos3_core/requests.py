@@ -35,6 +35,9 @@ class Limits:
     max_guidance: float = 30.0
     max_image_pixels: int = 4096 * 4096
     max_pixel_frames: int = 1280 * 720 * 189  # frames × height × width budget per request (per window for AR)
+    # height × width of one frame (0: max_height × max_width): what the VAE's calls and a decoder stream's state scale
+    # with (memory.py)
+    max_frame_pixels: int = 0
     max_windows: int = 64
     max_video_frames: int = 1024  # frames of a v2v or action conditioning clip (each at most max_image_pixels)
     max_chunk_size: int = 64  # actions per action request (its video: chunk_size + 1 frames)
@@ -576,6 +579,10 @@ def _validate_size(
     for key, value in (("height", height), ("width", width)):
         if value % alignment:
             raise RequestError(key, f"must be a multiple of {alignment}, got {value}")
+    if limits.max_frame_pixels and height * width > limits.max_frame_pixels:
+        raise RequestError(
+            "height", f"height×width = {height}x{width} exceeds max_frame_pixels {limits.max_frame_pixels}"
+        )
     mode = params.get("window_mode", "none")
     if mode not in WINDOW_MODES:
         raise RequestError("window_mode", f"must be one of {', '.join(WINDOW_MODES)}, got {mode!r}")

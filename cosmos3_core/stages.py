@@ -94,7 +94,7 @@ class PrefillStage:
         if str(device).startswith("cuda"):  # the encoder's peak at load: a clip's first call at the largest frame
             big = plan.largest
             with torch.inference_mode():
-                clip = torch.zeros(1, 3, 5, big.decode_height, big.decode_width, dtype=stage.codec.dtype, device=device)
+                clip = torch.zeros(1, 3, 5, big.frame_height, big.frame_width, dtype=stage.codec.dtype, device=device)
                 stage.codec.vae.encode(clip)
         return stage
 
@@ -266,7 +266,8 @@ class DecodeStage:
         cuda = str(device).startswith("cuda")
         compile = compile and cuda  # the fused kernels save memory traffic on the GPU; on CPU, only compile time
         wrap = None if group is None else (lambda decoder: PatchDecoder(decoder, group))
-        calls = (plan.decode_frames_per_call, plan.decode_band_rows) if plan is not None else (None, None)
+        # a group's workers choose their own calls: the plan's (from rank 0's rows) would desynchronise them
+        calls = (plan.decode_frames_per_call, plan.decode_band_rows) if plan and group is None else (None, None)
         self.codec = VaeCodec(ckpt.load_vae(device, dtype, ("decoder",)), compile, wrap, *calls)
         lap("vae")
         try:  # the sound tokenizer in the deployment's dtype, as the pipeline loads its components
@@ -287,7 +288,7 @@ class DecodeStage:
         if compile:
             warm_decoder(self.codec, ckpt.config.latent_channel)
             lap("compile warmup")
-        if plan is not None:  # its largest calls: 1 + 4 latent frames (a first call and a full one) of each size
+        if plan is not None and group is None:  # its largest calls: 1 + 4 latent frames (a first and a full call)
             s = ckpt.config.vae_scale_spatial
             for h, w in plan.decode_warmup_sizes():
                 self.codec.decode(torch.zeros(1, ckpt.config.latent_channel, 5, h // s, w // s, device=device))
@@ -345,6 +346,7 @@ class DecodeStage:
             if kept is None:
                 raise RuntimeError(f"session {resume}: its decoder state is gone (a restart of vae_decode)")
             decoder = kept[0]
+            decoder.move_state(self.codec.device)
         elif stream_id not in self.streams:
             decoder = StreamDecoder(self.codec)
         elif (decoder := self.streams.pop(stream_id)[0]) is None:
@@ -362,6 +364,7 @@ class DecodeStage:
         elif keep:
             for ident in [i for i in self.sessions if not self.session_live(i)]:
                 del self.sessions[ident]
+            decoder.move_state("cpu")  # after its last chunk's kernels (same stream); idle, it holds no GPU memory
             self.sessions[keep] = (decoder, now)
         return pending
 

@@ -5,6 +5,8 @@ residual in row chunks against the whole. The activation coefficients are checke
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -210,3 +212,45 @@ def test_the_server_exports_each_parts_plan(server, served_deployment):
     assert seen["denoise", "weights", "planned"] == next(e.bytes for e in p.entries if e.part == "denoise"
                                                          and e.kind == "weights")  # fmt: skip
     assert {seen[part, "total", "in_use"] for part in ("prefill", "denoise", "vae_decode")} == {0.0}
+
+
+def test_the_largest_request_is_the_one_with_the_most_rows():
+    """The search counts rows, not pixels: a latent grid that is not a multiple of the patch rounds up, so 1264x1264
+    (40x40 patches) at 109 frames packs more rows than 1280x720x189 under the same pixel budget."""
+    from cosmos3_core.model.provision import resolve_checkpoint
+    from cosmos3_core.requests import Limits
+
+    cfg = Checkpoint.open(resolve_checkpoint("random:nano")).config
+    largest = memory.largest_request(cfg, Limits())
+    for h, w, f in ((720, 1280, 189), (1264, 1264, 109), (1280, 1280, 105)):
+        gh, gw = cfg.token_grid(h, w)
+        assert largest.rows >= 2 * gh * gw * (1 + (f - 1) // 4), (h, w, f)
+    assert (largest.frame_height, largest.frame_width) == (1280, 1280)
+    capped = memory.largest_request(cfg, dataclasses.replace(Limits(), max_frame_pixels=1280 * 720))
+    assert capped.frame_pixels <= 1280 * 720 and capped.rows < largest.rows
+
+
+def test_max_frame_pixels_refuses_a_larger_frame_by_name():
+    from cosmos3_core.requests import Defaults, Limits, validate
+
+    limits = dataclasses.replace(Limits(), max_frame_pixels=64 * 64)
+    with pytest.raises(RequestError, match="height.*max_frame_pixels"):
+        validate("p", {"height": 64, "width": 128, "num_frames": 1}, None, Defaults(), limits, 16, 4, None)
+    validate("p", {"height": 64, "width": 64, "num_frames": 1}, None, Defaults(), limits, 16, 4, None)
+
+
+def test_a_bound_below_the_largest_request_keeps_it_out_of_the_warmup(nano_ckpt):
+    d = dataclasses.replace(_tiny(nano_ckpt, max_step_rows=1024), device="cuda", dtype="bfloat16")
+    ckpt = d.open_checkpoint()
+    planned, p = d.planned(ckpt, card=80 * memory.GIB)
+    assert p.largest.rows > 1024 and planned.warmup_requests == d.warmup_requests
+    roomy, p = dataclasses.replace(d, max_step_rows="auto").planned(ckpt, card=80 * memory.GIB)
+    assert roomy.warmup_requests[-1] == p.largest.warmup_request(d.limits)
+    assert roomy.planned(ckpt, card=80 * memory.GIB)[0].warmup_requests == roomy.warmup_requests  # added once
+
+
+def test_a_graph_bucket_over_max_capture_rows_is_refused_at_load(tmp_path):
+    path = tmp_path / "d.yaml"
+    path.write_text("graph_buckets: [4096, 131072]\nmax_capture_rows: 65536\n")
+    with pytest.raises(ValueError, match="graph_buckets.*max_capture_rows"):
+        Deployment.load(path)

@@ -255,7 +255,7 @@ class BandedStream:
     band's activations, not the frame's. The halo stands in for the rows beyond it (zeros at the band's edge where
     the whole frame has values, and the mid block's attention sees the band's pixels only), so a band's rows differ
     from the whole frame's by less than diffusers' own tiled decode (tiles of 16 latent rows, 4 blended):
-    `tests/test_decoder.py` holds it to that. The bands are fixed by the stream's first chunk."""
+    `tests/test_memory.py` holds it to that. The bands are fixed by the stream's first chunk."""
 
     HALO_ROWS = 8
 
