@@ -11,9 +11,10 @@ Who counts what (each stage under its own `model` label; the server merges the f
                       failed, refused (the video guardrail's); failed or cancelled: a request whose denoise died
 lifecycle.py decides each count.
 
-`count` only bumps a plain counter under a lock: the engine thread counts and never talks to the server. `publish`
-hands the increments to Triton (the engine's metrics thread calls it; prefill, decode and denoise's holder right
-after counting).
+`count` only bumps a plain counter under a lock (a thread that must not wait on the server: the door's execute);
+`publish` hands the increments to Triton (the door's thread every 0.05 s, the engine's metrics thread); `count_now`
+does both, where each answer that ends a request goes out: prefill's execute, decode's threads, denoise's responder
+and holder (the engine thread never talks to the server). A stub killed loses only what it had not published.
 Only imported inside a Triton Python stub.
 """
 
