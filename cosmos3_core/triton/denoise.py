@@ -56,6 +56,7 @@ class TritonSink:
         state: ServerState,
         outcomes: Outcomes,
         holder: Holder | None = None,
+        publish_end: Callable[[str], None] | None = None,
     ):
         self.request = request
         self.sender = request.get_response_sender()
@@ -64,6 +65,7 @@ class TritonSink:
         self.state = state
         self.outcomes = outcomes
         self.holder = holder
+        self.publish_end = publish_end or outcomes.count_now  # counts a request the engine ended, once it is out
         self.ticket = meta is not None  # held until the first event
         self.t_arrive = time.time()  # reached the denoise model (epoch s, as meta.t0)
         self.stop: str | None = None  # why the engine ends it early: the client cancelled, or vae_decode's reason
@@ -129,7 +131,7 @@ class TritonSink:
         do = lifecycle.engine_error(self.stop, outcome, not self.at_decode or self.decode_gone(), message)
         # counted once the end is out, by the responder's thread (the engine's never talks to the server): a stub
         # killed then loses no count that its metrics thread had not published yet
-        count = lambda: self.outcomes.count_now(do.count)  # noqa: E731
+        count = lambda: self.publish_end(do.count)  # noqa: E731
         if do.send == "error":  # no step of it can reach a live vae_decode: the Triton error goes from here
             self._send(lambda: error_response(message), final=True, after=count)
         else:  # as data: vae_decode's step of it, the request's last, turns it into the Triton error
@@ -251,14 +253,27 @@ class EngineMetrics:
         while not self._stop.wait(self.interval):
             self.publish()
 
+    def _set_gauges(self) -> None:
+        e, stats = self.engine, self.engine.stats
+        values = {"pages_used": e.pool.pages_used, "pages_free": e.pool.pages_free, "num_waiting": e.num_waiting,
+                  "num_live": e.num_live, "max_requests_in_tick": stats.max_requests_in_tick,
+                  "rows_last_tick": stats.rows_last_tick}  # fmt: skip
+        for k, metric in self.gauges.items():
+            metric.set(values[k])
+
+    def publish_end(self, outcome: str) -> None:
+        """A request the engine ended, once its end is out (the responder's thread): counted and published with the
+        gauges it moved (its pages freed), so that a scrape that shows the count shows them too, and a kill loses
+        neither."""
+        self.outcomes.count(outcome)
+        with self._lock:
+            self._set_gauges()
+        self.outcomes.publish()
+
     def publish(self) -> None:
         e, stats = self.engine, self.engine.stats
         with self._lock:
-            values = {"pages_used": e.pool.pages_used, "pages_free": e.pool.pages_free, "num_waiting": e.num_waiting,
-                      "num_live": e.num_live, "max_requests_in_tick": stats.max_requests_in_tick,
-                      "rows_last_tick": stats.rows_last_tick}  # fmt: skip
-            for k, metric in self.gauges.items():
-                metric.set(values[k])
+            self._set_gauges()
             now = time.monotonic()
             steps = stats.request_steps - self._last["request_steps"]
             self.steps_per_s.set(steps / max(now - self._last_t, 1e-6))
@@ -406,7 +421,8 @@ class DenoiseModel:
             except Exception as e:  # noqa: BLE001
                 self._reject(request, None, log_exception("cosmos3_denoise", e), "failed")
                 continue
-            sink = TritonSink(request, self.responder, meta, self.state, self.metrics.outcomes, self.holder)
+            sink = TritonSink(request, self.responder, meta, self.state, self.metrics.outcomes, self.holder,
+                              self.metrics.publish_end)  # fmt: skip
             if lifecycle.gone(meta.t0, died):  # its vae_decode step would go to the dead instance
                 sink.error(part_died("vae_decode"))
                 continue
@@ -448,7 +464,8 @@ class DenoiseModel:
         self.engine.submit(result, sink)
 
     def _reject(self, request, sink, message, outcome):
-        sink = sink or TritonSink(request, self.responder, None, self.state, self.metrics.outcomes)
+        sink = sink or TritonSink(request, self.responder, None, self.state, self.metrics.outcomes,
+                                  publish_end=self.metrics.publish_end)  # fmt: skip
         sink.error(message, outcome)
 
     def _flush(self) -> None:
