@@ -27,7 +27,7 @@ Phases of a stream and who holds what:
 | phase | denoise holds | vae_decode holds |
 |---|---|---|
 | engine (queued, denoised) | its request | the latest step (`accepted`, then each progress / chunk) |
-| decoding (the engine sent `done`) | its request, FINAL held; a `poll` every POLL_S | the latest step (`done`, then each poll) |
+| decoding (the engine sent `done`) | its request, FINAL held; a `poll` every POLL_S | the `done` step (each poll answered at once) |
 | ending (denoise sent `end` or an `error` event with its FINAL) | nothing | the last step, answered inside `execute` |
 
 A request whose step is in a stub's `execute` when the stub dies is answered by Triton itself, with an error.
