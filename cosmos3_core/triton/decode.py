@@ -112,16 +112,9 @@ class DecodeLoop:
             if do.forget:
                 self.streams.pop(ident, None)
                 self.pending.pop(ident, None)
-        try:
-            if previous is not None:
-                previous.send(flags=FINAL)
-            sender = request.get_response_sender()
-            if do.send == "error":
-                sender.send(error_response(do.message), flags=FINAL)
-            else:
-                sender.send(flags=FINAL)
-        except Exception as e:  # noqa: BLE001 - the request is already gone
-            log_exception("cosmos3_vae_decode", e)
+        if previous is not None:
+            _final(previous, None)
+        _final(request.get_response_sender(), do)
         self._apply(ident, s, do)
 
     def _run(self) -> None:
@@ -188,15 +181,8 @@ class DecodeLoop:
                 # dropped here, under the lock: a step of the stream that the loop takes next finds nothing to answer
                 dos = {i: lifecycle.denoise_died(self.streams.pop(i, None) or lifecycle.DecodeStream()) for i in held}
             for ident, sender in held.items():
-                do = dos[ident]
-                try:  # directly: the responder may be waiting seconds for a piece's frames
-                    if do.send == "error":
-                        sender.send(error_response(do.message), flags=FINAL)
-                    else:
-                        sender.send(flags=FINAL)
-                except Exception as e:  # noqa: BLE001 - the request is already gone
-                    log_exception("cosmos3_vae_decode", e)
-                self._apply(ident, None, do)
+                _final(sender, dos[ident])  # directly: the responder may be waiting seconds for a piece's frames
+                self._apply(ident, None, dos[ident])
 
     def _launch(self, request: Any, event: ChunkEvent, s: lifecycle.DecodeStream) -> Callable[[], Any]:
         """Start decoding a piece (a progress event passes through) → the build that sends it."""
@@ -316,3 +302,15 @@ class DecodeMetrics:
 
     def forget(self, stream_id: str) -> None:
         self.last_chunk.pop(stream_id, None)
+
+
+def _final(sender: Any, do: Any) -> None:
+    """A held step's FINAL: the `lifecycle` decision's error, or empty (`do` None: empty). A sender whose request
+    is already gone is logged, not raised."""
+    try:
+        if do is not None and do.send == "error":
+            sender.send(error_response(do.message), flags=FINAL)
+        else:
+            sender.send(flags=FINAL)
+    except Exception as e:  # noqa: BLE001 - the request is already gone
+        log_exception("cosmos3_vae_decode", e)
