@@ -136,10 +136,10 @@ memory() {
   [ ${#parts[@]} -gt 0 ] || parts=(inprocess served)
   for part in "${parts[@]}"; do
     case $part in
-      inprocess) timeout 300 $PY -m bench.memory --preset nano --compile --precision $precision \
+      inprocess) timeout 300 $PY -m bench.memory --preset nano --compile --precision $precision ${MEMORY_ARGS:-} \
                    --json "$OUT/memory_nano_$precision.json" 2>&1 | grep -e ratio -e Error | tail -30 ;;
       served) need_pytriton
-              timeout 400 $PY -m bench.memory --served configs/nano.yaml --precision $precision \
+              timeout 400 $PY -m bench.memory --served configs/nano.yaml --precision $precision ${MEMORY_ARGS:-} \
                 --json "$OUT/memory_served_nano_$precision.json" 2>&1 | grep -v -e Warning -e float32 -e pow_by | tail -40 ;;
       *) echo "unknown memory part $part (inprocess, served)"; exit 2 ;;
     esac

@@ -87,7 +87,8 @@ def served(args) -> None:
     from cosmos3_core.triton.launcher import stop_server, wait_until_ready
     from cosmos3_core.triton.serve import start
 
-    d = Deployment.load(args.served, safety_checker="none", precision=args.precision)
+    d = Deployment.load(args.served, safety_checker="none", precision=args.precision,
+                        expandable_segments=not args.no_expandable)
     root, _ = checkpoint_root(d.checkpoint)
     d = replace(d, checkpoint=str(root))
     ckpt = d.open_checkpoint()
@@ -147,11 +148,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--compile", action="store_true", help="compiled GEN and decoder kernels, as the configs serve")
     ap.add_argument("--json", default=None)
     ap.add_argument("--skip", nargs="*", default=[], help="parts to skip: denoise decode encode prefill")
+    ap.add_argument("--no-expandable", action="store_true", help="expandable_segments: false (the allocator's default)")
     args = ap.parse_args(argv)
     if args.served:
         return served(args)
     d = Deployment.load(f"configs/{args.preset}.yaml", checkpoint=f"random:{args.preset}", safety_checker="none",
-                        precision=args.precision, compile=args.compile, warmup_requests=[])  # fmt: skip
+                        precision=args.precision, compile=args.compile, warmup_requests=[],
+                        expandable_segments=not args.no_expandable)  # fmt: skip
+    memory.use_allocator(d.expandable_segments)
     ckpt = d.open_checkpoint()
     cfg, dtype = ckpt.config, d.torch_dtype
     p = memory.plan(d, ckpt.root, cfg, memory.card_bytes())

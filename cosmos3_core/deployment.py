@@ -61,6 +61,8 @@ def _check_memory_keys(raw: dict[str, Any], where: str) -> None:
     util = raw.get("gpu_memory_utilization", 0.9)
     if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
         raise ValueError(f"{where}: gpu_memory_utilization: a share of the card in (0, 1]; got {util!r}")
+    if not isinstance(raw.get("expandable_segments", True), bool):
+        raise ValueError(f"{where}: expandable_segments: true or false; got {raw['expandable_segments']!r}")
     cap = raw.get("max_capture_rows", 0)
     if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
         raise ValueError(f"{where}: max_capture_rows: a row count ≥ 0; got {cap!r}")
@@ -96,6 +98,9 @@ class Deployment:
     # the share of the card the server's processes may use together (vLLM's name): the memory plan must fit it, or
     # the server refuses to load, saying what to change (memory.py, `make plan`)
     gpu_memory_utilization: float = 0.9
+    # CUDA only: torch's allocator maps memory in growable segments, so blocks freed by steps of other sizes are
+    # reused instead of held apart (the step's reserved memory stays near its live peak; memory.py)
+    expandable_segments: bool = True
     # packed rows a denoise step may hold (requests wait for room); auto: the largest request the limits admit
     max_step_rows: int | str = "auto"
     max_queue: int = 16
@@ -169,6 +174,8 @@ class Deployment:
         """This deployment with `pool_pages` and `max_step_rows` resolved by its memory plan on this machine's card
         (`card` bytes: another's), and the plan. On CUDA, `PlanError` when the plan does not fit the card, and the
         largest admitted request joins `warmup_requests`: each part reaches its peak at load, not at a request."""
+        if self.torch_device.startswith("cuda"):
+            memory.use_allocator(self.expandable_segments)
         card = memory.card_bytes(self.torch_device) if card is None else card
         p = memory.plan(self, ckpt.root, ckpt.config, card)
         memory.check(p)

@@ -376,22 +376,26 @@ def plan(d, ckpt_root: str | Path, cfg: ModelConfig, card: int) -> MemoryPlan:  
     add("vae_decode", "weights", decoder, f"VAE decoder ({str(dtype).removeprefix('torch.')})")
     add("vae_decode", "workspace", budget * eager, f"its largest call (4 latent frames at 832x480, 1 at 1280x720; "
         f"largest frame {largest.frame_width}x{largest.frame_height}{banded})")  # fmt: skip
-    # live streams' causal state: one at the largest frame (its bands' halos included), the rest at the default size
+    # live streams' causal state beyond the workspace's own: the workspace was measured over a whole stream, so it
+    # holds the state of the rows its call decodes; a banded stream also keeps its other bands' (halos included),
+    # and the other live streams theirs, at the default size
     state = STREAM_STATE_BYTES_PER_PIXEL * dtype.itemsize // 2
     s = cfg.vae_scale_spatial
     h, w = largest.frame_height // s, largest.frame_width // s
     band = plan_band_rows(h, w, s)
     bands = -(-h // band)
-    decoded_rows = h if bands == 1 else bands * min(h, band + 2 * BAND_HALO_ROWS)  # each band with its halo
-    largest_state = state * decoded_rows * w * s * s
+    call_rows = min(h, band + 2 * BAND_HALO_ROWS) if bands > 1 else h
+    decoded_rows = h if bands == 1 else bands * call_rows  # each band with its halo
+    largest_state = state * (decoded_rows - call_rows) * w * s * s
     default_px = d.defaults.height * d.defaults.width
     gh, gw = cfg.token_grid(d.defaults.height, d.defaults.width)
     default_rows = 2 * gh * gw * latent_frames(d.defaults.num_frames, cfg.vae_scale_temporal)
     streams = max(1, min(MAX_STREAMS_PLANNED, rows // max(default_rows, 1)))
     # (a kept session's state waits in host memory: `StreamDecoder.move_state`)
-    add("vae_decode", "streams", largest_state + state * default_px * (streams - 1),
-        f"decoder state of {streams} live streams: 1 at the largest frame, the rest {d.defaults.width}x"
-        f"{d.defaults.height}")  # fmt: skip
+    if largest_state or streams > 1:
+        add("vae_decode", "streams", largest_state + state * default_px * (streams - 1),
+            f"decoder state beyond the call's own: the largest frame's other bands, {streams - 1} more live "
+            f"streams at {d.defaults.width}x{d.defaults.height}")  # fmt: skip
     if guard:
         add("vae_decode", "guardrail", GUARDRAIL_BYTES["vae_decode"], "video guardrail (RetinaFace, content filter)")
     add("vae_decode", "context", CONTEXT_BYTES, "CUDA context")
@@ -452,6 +456,11 @@ def _fp8_checkpoint(root: Path) -> bool:
     except (OSError, ValueError):
         return False
     return isinstance(qc, dict) and "FP8" in str(qc.get("quant_algo") or qc.get("quant_type") or "").upper()
+
+
+def use_allocator(expandable_segments: bool) -> None:
+    """This process's CUDA caching allocator, set before its first model loads (`Deployment.planned`)."""
+    torch.cuda.memory._set_allocator_settings(f"expandable_segments:{expandable_segments}")
 
 
 def in_use_bytes() -> int:
