@@ -87,8 +87,9 @@ def served(args) -> None:
     from cosmos3_core.triton.launcher import stop_server, wait_until_ready
     from cosmos3_core.triton.serve import start
 
-    d = Deployment.load(args.served, safety_checker="none", precision=args.precision,
-                        expandable_segments=not args.no_expandable)
+    d = Deployment.load(
+        args.served, safety_checker="none", precision=args.precision, expandable_segments=not args.no_expandable
+    )
     root, _ = checkpoint_root(d.checkpoint)
     d = replace(d, checkpoint=str(root))
     ckpt = d.open_checkpoint()

@@ -56,8 +56,8 @@ FOUR_FRAMES_MAX_PIXELS = 832 * 480
 # a decoder stream's causal state: every causal conv's last 2 input frames, per output pixel of a frame (bf16 Wan2.2,
 # counted on its config); kept from a stream's first piece to its last, and for a kept session until it ends
 STREAM_STATE_BYTES_PER_PIXEL = 3600
-# live streams the plan holds decoder state for (one at the largest frame, the rest at the default size): requests
-# whose pieces decode at once, as c=4 packs them; more at once is not bounded yet
+# live streams the plan holds decoder state for on the GPU (one at the largest frame, the rest at the default size):
+# requests whose pieces decode at once, as c=4 packs them; the state of more waits in host memory between pieces
 MAX_STREAMS_PLANNED = 4
 # eager kernels (compile: false) keep more of each op's output alive: the decoder at 1280x720, 4 frames a call,
 # took 22 GiB eager against 14 GiB compiled (H100); the step is taken to grow alike
@@ -118,6 +118,9 @@ class MemoryPlan:
     decode_budget: int  # the decoder's largest call (`decode_budget`)
     spatial: int  # output pixels per latent pixel, per axis (the VAE's spatial factor)
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # decoder streams whose causal state the plan holds on the GPU; the decoder parks the state of the least
+    # recently decoded ones beyond it in host memory until their next piece (stages.DecodeStage)
+    decode_streams: int = MAX_STREAMS_PLANNED
 
     def part_bytes(self, part: str) -> int:
         return sum(e.bytes for e in self.entries if e.part == part)
@@ -418,7 +421,7 @@ def plan(d, ckpt_root: str | Path, cfg: ModelConfig, card: int) -> MemoryPlan:  
         Entry("denoise", "kv_pool", page * pages * n_den, f"{pages} pages of {d.page_size} tokens ({how})"),
     )
     return MemoryPlan(tuple(entries), card, d.gpu_memory_utilization, pages, rows, largest, budget,
-                      cfg.vae_scale_spatial, tuple(notes))  # fmt: skip
+                      cfg.vae_scale_spatial, tuple(notes), streams)  # fmt: skip
 
 
 def max_prompt_pages(cfg: ModelConfig, d) -> int:

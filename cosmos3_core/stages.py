@@ -279,6 +279,10 @@ class DecodeStage:
         # stream id → (its decoder, last chunk's time); decoder None: a chunk of it failed, and its later chunks
         # fail too rather than decode as a new stream's start
         self.streams: dict[str, tuple[StreamDecoder | None, float]] = {}
+        # streams whose state waits in host memory between pieces: beyond the plan's live streams on the GPU, the
+        # least recently decoded ones (its memory plan holds `decode_streams` streams' state)
+        self.parked: set[str] = set()
+        self.gpu_streams = plan.decode_streams if plan is not None and group is None else 0  # 0: no bound (CPU)
         # session id → the decoder its kept stream ended with, and when: its continuation's first piece goes on from it
         self.sessions: dict[str, tuple[StreamDecoder, float]] = {}
         # whether a session is still live (the server's record of it); those that are not are let go at each keep
@@ -341,6 +345,7 @@ class DecodeStage:
         now = time.monotonic()
         for sid in [s for s, (_, t) in self.streams.items() if now - t > self.STREAM_IDLE_S]:
             del self.streams[sid]
+            self.parked.discard(sid)
         if stream_id not in self.streams and resume:
             kept = self.sessions.pop(resume, None)
             if kept is None:
@@ -353,6 +358,9 @@ class DecodeStage:
             if not last:
                 self.streams[stream_id] = (None, now)
             raise RuntimeError(f"an earlier chunk of stream {stream_id} failed to decode")
+        if stream_id in self.parked:
+            self.parked.discard(stream_id)
+            decoder.move_state(self.codec.device)
         try:
             pending = decoder.start(latents)
         except Exception:
@@ -361,6 +369,7 @@ class DecodeStage:
             raise
         if not last:
             self.streams[stream_id] = (decoder, now)
+            self._park_beyond(self.gpu_streams)
         elif keep:
             for ident in [i for i in self.sessions if not self.session_live(i)]:
                 del self.sessions[ident]
@@ -402,5 +411,14 @@ class DecodeStage:
 
         return finish
 
+    def _park_beyond(self, most: int) -> None:
+        """Move the causal state of the least recently decoded live streams beyond `most` to host memory (a copy
+        that waits for their pieces' kernels); each comes back at its next piece."""
+        on_gpu = [(t, sid) for sid, (dec, t) in self.streams.items() if dec is not None and sid not in self.parked]
+        for _, sid in sorted(on_gpu)[: max(0, len(on_gpu) - most) if most else 0]:
+            self.streams[sid][0].move_state("cpu")  # type: ignore[union-attr]
+            self.parked.add(sid)
+
     def drop(self, stream_id: str) -> None:
+        self.parked.discard(stream_id)
         self.streams.pop(stream_id, None)

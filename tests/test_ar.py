@@ -219,6 +219,33 @@ def test_stream_decode_joins_like_one_decode(setup):
     assert "s1" not in decode.streams
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA: parked state really moves to host memory"))])  # fmt: skip
+def test_streams_beyond_the_plans_live_ones_park_their_state_and_decode_the_same(setup, device):
+    """Three streams interleaved piece by piece, the decoder holding 1 stream's state on its device: the least
+    recently decoded ones wait in host memory, each comes back at its next piece, and every stream's frames equal
+    its decode alone."""
+    ckpt, _, _ = setup
+    decode = DecodeStage(ckpt, device, torch.float32)
+    g = torch.Generator().manual_seed(1)
+    streams = {s: torch.randn(1, ckpt.config.latent_channel, 3, H // 16, W // 16, generator=g) for s in "abc"}
+    alone = {s: [decode.start_chunk(s, z[:, :, i : i + 1], last=i == 2)().numpy() for i in range(3)]
+             for s, z in streams.items()}  # fmt: skip
+    decode.gpu_streams = 1
+    mixed: dict[str, list] = {s: [] for s in streams}
+    for i in range(3):
+        for s, z in streams.items():
+            mixed[s].append(decode.start_chunk(s, z[:, :, i : i + 1], last=i == 2)().numpy())
+            if i < 2:
+                assert decode.parked == set(decode.streams) - {s}  # all but the newest
+                if device == "cuda":
+                    assert all(t.device.type == "cpu" for p in decode.parked
+                               for t in decode.streams[p][0].stream.state.values())  # fmt: skip
+    for s in streams:
+        assert all((x == y).all() for x, y in zip(alone[s], mixed[s], strict=True)), s
+    assert not decode.streams and not decode.parked
+
+
 @pytest.mark.parametrize(
     "params",
     [
