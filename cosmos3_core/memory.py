@@ -468,7 +468,7 @@ def use_allocator(expandable_segments: bool) -> None:
 
 def in_use_bytes() -> int:
     """This process's share of the card: what torch's allocator reserves, plus a CUDA context."""
-    return torch.cuda.memory_reserved() + CONTEXT_BYTES if torch.cuda.is_available() else 0
+    return torch.cuda.memory_reserved() + CONTEXT_BYTES if torch.cuda.is_initialized() else 0  # 0: a CPU part
 
 
 def check(p: MemoryPlan) -> None:
