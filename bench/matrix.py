@@ -79,7 +79,9 @@ def deployment_of(model: str, precision: str) -> Deployment:
     if "checkpoint" in spec:
         warmup = [r for path in spec["warmup_from"] for r in Deployment.load(path).warmup_requests]
         d = dataclasses.replace(d, checkpoint=spec["checkpoint"], warmup_requests=warmup)
-    return d
+    # the cells' frames are the default size: frames up to it keep the plan (eager kernels) within an 80 GB card
+    frame = d.defaults.height * d.defaults.width
+    return dataclasses.replace(d, limits=dataclasses.replace(d.limits, max_frame_pixels=frame))
 
 
 class Cell:

@@ -19,10 +19,12 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import re
 import subprocess
 import tempfile
 import threading
 import time
+import urllib.request
 from dataclasses import replace
 from pathlib import Path
 
@@ -81,6 +83,17 @@ def part_of(pid: int) -> str:
     return next((part for name, part in PART_OF.items() if name in cmd), "server")
 
 
+def peak_gauges(metrics_port: int) -> dict[str, int]:
+    """part → its stub's `cosmos3_gpu_memory_bytes{kind="total", of="peak"}` (refreshed at each request's arrival)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+    peaks = {}
+    for m in re.finditer(r"^cosmos3_gpu_memory_bytes\{([^}]*)\} (\S+)$", text, re.M):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+        if labels.get("of") == "peak" and labels.get("kind") == "total":
+            peaks[labels["part"]] = int(float(m.group(2)))
+    return peaks
+
+
 def served(args) -> None:
     from client.stream import generate
     from cosmos3_core.tools.plan import checkpoint_root
@@ -125,12 +138,15 @@ def served(args) -> None:
                 generate(f"127.0.0.1:{ports[0]}", "A robot arm stacks red and blue cubes on a wooden table.",
                          {"width": w, "height": h, "num_frames": f, "steps": args.steps})  # fmt: skip
                 print(f"request {w}x{h}x{f}, {args.steps} steps: {time.perf_counter() - t:.1f}s", flush=True)
+            gauges = peak_gauges(ports[2])
         finally:
             stop.set()
             stop_server(proc)
     rows: list[dict] = []
     for part in memory.PARTS:
         row(rows, part, "peak (nvidia-smi)", peaks.get(part, 0), p.part_bytes(part))
+        if part in gauges:
+            row(rows, part, "  torch's peak reserved + context (gauge)", gauges[part], p.part_bytes(part))
     row(rows, "all", "whole server's peak (nvidia-smi)", total_peak[0], p.total)
     if args.json:
         with open(args.json, "w") as fh:
@@ -142,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--served", default=None, metavar="CONFIG", help="the whole server on CONFIG, sampled")
     ap.add_argument("--request", default="1280x720x189", help="--served: WxHxF of its requests")
-    ap.add_argument("--requests", type=int, default=1)
+    ap.add_argument("--requests", type=int, default=2, help="--served: the gauges are read at the last arrival")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--preset", default="nano")
     ap.add_argument("--precision", default="checkpoint", choices=["checkpoint", "fp8"])

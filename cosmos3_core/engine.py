@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from . import faults
+from . import faults, memory
 from .deployment import Deployment
 from .kv_pool import KVPool
 from .lora_store import LoraSettings, open_store
@@ -360,7 +360,7 @@ class DenoiseEngine:
                               f"rows (+{pad:.0%} padding computed every step); leave graph_buckets out to derive "
                               "buckets from warmup_requests", file=sys.stderr)  # fmt: skip
         if self.device.startswith("cuda"):
-            torch.cuda.synchronize()
+            memory.release_cached()
         self.scheduler.stats = EngineStats()  # serving counts start after warmup
         faults.restart_counts()
         total = time.perf_counter() - t0

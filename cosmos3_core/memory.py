@@ -34,7 +34,9 @@ PARTS = ("prefill", "denoise", "vae_decode", "server")
 
 # a CUDA context with torch, cuBLAS and cuDNN loaded, per process (nvidia-smi's share of a stub that allocated nothing)
 CONTEXT_BYTES = 600 * MIB
-SERVER_BYTES = 1100 * MIB  # tritonserver's own process (its context, the Python backend's shm bookkeeping)
+# tritonserver's own process apart from its CUDA pool (its context, the Python backend's bookkeeping): H100,
+# nvidia-smi, 1.13 GiB with a 640 MiB pool
+SERVER_BYTES = 512 * MIB
 # the denoise step's memory per packed row, in units of hidden × dtype bytes, with the MLP run in row chunks
 # (towers.gen_forward: the residual stream, its normed copy, q/k/v, the attention output, the gathered own K/V), as
 # the default caching allocator reserves it. H100 (bench.memory, Nano, compiled kernels): live peaks 2.02 / 3.52 /
@@ -65,9 +67,10 @@ EAGER_FACTOR = 1.6
 # frames larger than this decode in row bands (model/wan_decoder.py BandedStream), each a call of at most this size
 BAND_ABOVE_PIXELS = 1280 * 720
 BAND_HALO_ROWS = 8  # = BandedStream.HALO_ROWS
-# the VAE encoder's workspace per input pixel of one frame (H100: 2.01 GiB at 1280x1280); a clip's chunk of 4 frames
+# the VAE encoder's workspace per input pixel of one frame (H100: 2.01 GiB at 1280x1280); a clip's first 1 + 4 frames
+# (H100: 1.62 / 3.71 / 6.57 GiB at 832x480 / 1280x720 / 1280x1280)
 ENCODE_BYTES_PER_PIXEL = 1400
-ENCODE_CLIP_FACTOR = 2.6
+ENCODE_CLIP_FACTOR = 3.15
 UND_PASS_BYTES = 320 * MIB  # the UND tower over max_prompt_tokens, both branches (H100: 0.30 GiB at 1024 tokens)
 # NVIDIA's guardrail (safety.py, cosmos_guardrail 0.3.2): Qwen3Guard-0.6B in prefill; RetinaFace and the video
 # content filter in decode (3.9 GiB for both, measured on the H200)
@@ -469,6 +472,18 @@ def use_allocator(expandable_segments: bool) -> None:
 def in_use_bytes() -> int:
     """This process's share of the card: what torch's allocator reserves, plus a CUDA context."""
     return torch.cuda.memory_reserved() + CONTEXT_BYTES if torch.cuda.is_initialized() else 0  # 0: a CPU part
+
+
+def release_cached() -> None:
+    """After a part's load and warmup: the allocator's cached blocks go back to the card. The plan still holds them
+    for the part (its requests grow back to the warmup's peak), and between requests the card shows what is held."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def peak_bytes() -> int:
+    """The most of the card this process has held: torch's peak reserved memory, plus a CUDA context."""
+    return torch.cuda.max_memory_reserved() + CONTEXT_BYTES if torch.cuda.is_initialized() else 0
 
 
 def check(p: MemoryPlan) -> None:

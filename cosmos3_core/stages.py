@@ -18,7 +18,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from . import faults
+from . import faults, memory
 from .deployment import Deployment
 from .lora_store import LoraSettings, adapter_dir, open_store, weights_file
 from .memory import MemoryPlan
@@ -96,6 +96,8 @@ class PrefillStage:
             with torch.inference_mode():
                 clip = torch.zeros(1, 3, 5, big.frame_height, big.frame_width, dtype=stage.codec.dtype, device=device)
                 stage.codec.vae.encode(clip)
+            del clip
+            memory.release_cached()
         return stage
 
     def validate(
@@ -296,6 +298,7 @@ class DecodeStage:
             s = ckpt.config.vae_scale_spatial
             for h, w in plan.decode_warmup_sizes():
                 self.codec.decode(torch.zeros(1, ckpt.config.latent_channel, 5, h // s, w // s, device=device))
+            memory.release_cached()
             lap("memory warmup")
 
     @classmethod

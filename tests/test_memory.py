@@ -195,7 +195,7 @@ def test_one_latent_frame_a_call_decodes_bit_identical_to_four(vae):
 
 def test_the_server_exports_each_parts_plan(server, served_deployment):
     """`cosmos3_gpu_memory_bytes{part, kind, of}`: the plan of every part, as `memory.plan` makes it (on the CPU: sizes,
-    no card), and each stub's in-use gauge (0 off CUDA)."""
+    no card), and each stub's in-use and peak gauges (0 off CUDA)."""
     import re
     import urllib.request
 
@@ -211,7 +211,8 @@ def test_the_server_exports_each_parts_plan(server, served_deployment):
         assert seen[part, "total", "planned"] == p.part_bytes(part), part
     assert seen["denoise", "weights", "planned"] == next(e.bytes for e in p.entries if e.part == "denoise"
                                                          and e.kind == "weights")  # fmt: skip
-    assert {seen[part, "total", "in_use"] for part in ("prefill", "denoise", "vae_decode")} == {0.0}
+    held = {seen[part, "total", of] for part in ("prefill", "denoise", "vae_decode") for of in ("in_use", "peak")}
+    assert held == {0.0}
 
 
 def test_the_largest_request_is_the_one_with_the_most_rows():

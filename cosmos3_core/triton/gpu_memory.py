@@ -1,6 +1,7 @@
 """`cosmos3_gpu_memory_bytes{part, kind, of}`, exported by each stub for its part: the memory plan's entries
-(`of="planned"`, one per kind, and `kind="total"`) and what the process holds now (`of="in_use"`,
-`kind="total"`: torch's reserved memory plus a CUDA context, 0 off CUDA). The denoise stub also exports the
+(`of="planned"`, one per kind, and `kind="total"`), what the process holds now (`of="in_use"`, `kind="total"`:
+torch's reserved memory plus a CUDA context, 0 off CUDA) and the most it has held (`of="peak"`: torch's peak
+reserved plus a CUDA context). The denoise stub also exports the
 `server` part's plan (tritonserver's own process and its CUDA pool), which no stub of ours runs in.
 """
 
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import triton_python_backend_utils as pb_utils
 
-from ..memory import MemoryPlan, in_use_bytes
+from ..memory import MemoryPlan, in_use_bytes, peak_bytes
 
 
 class GpuMemoryMetric:
@@ -29,8 +30,11 @@ class GpuMemoryMetric:
                     self._family.Metric(labels={**labels, "part": part, "kind": kind, "of": "planned"})
                 )
                 self._metrics[-1].set(nbytes)
-        self._in_use = self._family.Metric(labels={**labels, "part": parts[0], "kind": "total", "of": "in_use"})
+        held = {**labels, "part": parts[0], "kind": "total"}
+        self._in_use = self._family.Metric(labels={**held, "of": "in_use"})
+        self._peak = self._family.Metric(labels={**held, "of": "peak"})
         self.publish()
 
     def publish(self) -> None:
         self._in_use.set(in_use_bytes())
+        self._peak.set(peak_bytes())

@@ -37,11 +37,10 @@ from string import Template
 
 import yaml
 
-from .. import errors
+from .. import errors, memory
 from ..deployment import DEFAULT_CONFIG, Deployment
 from ..model.checkpoint import Checkpoint
 from ..model.provision import resolve_checkpoint
-from ..wire import max_text_kv_bytes
 from .front import Front
 from .launcher import (
     ServerConfig,
@@ -98,19 +97,13 @@ def render(deployment: Deployment, workdir: Path) -> tuple[Path, Deployment]:
 
 
 def cuda_pool_bytes(deployment: Deployment) -> int:
-    """Triton's CUDA pool for a deployment that serves on the GPU (0 on the CPU), a multiple of 64 MiB: room for the
-    largest `text_kv` in each prefill instance's output and each denoise instance's input at once, plus 64 MiB for
-    the rest (latents, conditioning). Triton's default, 64 MiB, holds no Nano K/V (70 MB at a 473-token prompt):
-    such a tensor then crossed through host shared memory, slower, and the served Nano packs came back black
-    (H200, 2026-12-02). Nano bf16: 640 MiB, Edge: 512 MiB, reserved on GPU 0 while the server runs.
-    Raises what `Checkpoint.open` raises for a checkpoint it cannot read."""
+    """Triton's CUDA pool for the deployment (`memory.cuda_pool_bytes`: 0 on the CPU). Triton's default, 64 MiB,
+    holds no Nano K/V (70 MB at a 473-token prompt): such a tensor then crossed through host shared memory, slower,
+    and the served Nano packs came back black (H200, 2026-12-02). Raises what `Checkpoint.open` raises for a
+    checkpoint it cannot read."""
     if not deployment.torch_device.startswith("cuda"):
         return 0
-    cfg = Checkpoint.open(resolve_checkpoint(deployment.checkpoint)).config
-    kv = max_text_kv_bytes(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
-                           deployment.torch_dtype.itemsize, deployment.limits.max_prompt_tokens)  # fmt: skip
-    need = (deployment.instances["prefill"] + deployment.instances["denoise"]) * kv + (64 << 20)
-    return -(-need // (64 << 20)) * (64 << 20)
+    return memory.cuda_pool_bytes(deployment, Checkpoint.open(resolve_checkpoint(deployment.checkpoint)).config)
 
 
 def start(
