@@ -255,3 +255,35 @@ def test_a_graph_bucket_over_max_capture_rows_is_refused_at_load(tmp_path):
     path.write_text("graph_buckets: [4096, 131072]\nmax_capture_rows: 65536\n")
     with pytest.raises(ValueError, match="graph_buckets.*max_capture_rows"):
         Deployment.load(path)
+
+
+def test_a_decoder_streams_state_is_counted_once():
+    """The decoder's workspace was measured over whole streams (its own stream's causal state inside): nano.yaml's
+    one live stream at an unbanded 1280x720 adds nothing beside it, while Edge's banded 1280x1280 frame adds its
+    other bands' state (halos included) and nothing for the band its call decodes."""
+    nano = Deployment.load("configs/nano.yaml", checkpoint="random:nano", safety_checker="none")
+    ckpt = nano.open_checkpoint()
+    p = memory.plan(nano, ckpt.root, ckpt.config, 0)
+    assert p.largest.frame_pixels <= memory.BAND_ABOVE_PIXELS and p.decode_streams == 1
+    assert {e.kind for e in p.entries if e.part == "vae_decode"} == {"weights", "workspace", "context"}
+    edge = Deployment.load("configs/edge.yaml", checkpoint="random:edge", safety_checker="none")
+    ckpt = edge.open_checkpoint()
+    p = memory.plan(edge, ckpt.root, ckpt.config, 0)
+    s = ckpt.config.vae_scale_spatial
+    h, w = p.largest.frame_height // s, p.largest.frame_width // s
+    band = memory.plan_band_rows(h, w, s)
+    assert band < h  # banded
+    call = band + 2 * memory.BAND_HALO_ROWS
+    bands_state = memory.STREAM_STATE_BYTES_PER_PIXEL * (-(-h // band) * call - call) * w * s * s
+    others = memory.STREAM_STATE_BYTES_PER_PIXEL * edge.defaults.height * edge.defaults.width * (p.decode_streams - 1)
+    streams = next(e.bytes for e in p.entries if e.kind == "streams")
+    assert streams == bands_state + others
+
+
+def test_expandable_segments_is_a_boolean_named_when_wrong(tmp_path):
+    path = tmp_path / "d.yaml"
+    path.write_text("expandable_segments: yes-please\n")
+    with pytest.raises(ValueError, match="expandable_segments: true or false"):
+        Deployment.load(path)
+    path.write_text("expandable_segments: false\n")
+    assert Deployment.load(path).expandable_segments is False
