@@ -477,8 +477,9 @@ def in_use_bytes() -> int:
 def release_cached() -> None:
     """After a part's load and warmup: the allocator's cached blocks go back to the card. The plan still holds them
     for the part (its requests grow back to the warmup's peak), and between requests the card shows what is held."""
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
 
 
 def peak_bytes() -> int:

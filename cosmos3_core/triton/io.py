@@ -19,6 +19,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import to_dlpack
 
+from .. import memory
 from ..deployment import Deployment
 from ..wire import Event, encode_event
 
@@ -99,7 +100,13 @@ def error_response(message: str):
 
 
 def log_exception(where: str, e: BaseException) -> str:
+    """Log a request's failure with its traceback → the text its client gets. Out of GPU memory, the part gives the
+    failed call's blocks back to the card first, and the text says the part serves on."""
     pb_utils.Logger.log_error(f"{where}: {e}\n{traceback.format_exc()}")
+    if isinstance(e, torch.cuda.OutOfMemoryError):
+        memory.release_cached()
+        return (f"{where}: out of GPU memory for this request ({str(e).splitlines()[0]}); the part serves on; "
+                "the memory plan sizes each part (`make plan`, docs/configuration.md)")  # fmt: skip
     return f"internal error in {where}: {type(e).__name__}: {e}"
 
 
