@@ -9,10 +9,12 @@ then wait for its frames), each stream keeping its decoder cache. The offline CL
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import replace
 
 import numpy as np
@@ -83,9 +85,12 @@ class PrefillStage:
             self.no_sound = str(e)
 
     @classmethod
-    def from_deployment(cls, ckpt: Checkpoint, d: Deployment, device: str) -> PrefillStage:
+    def from_deployment(
+        cls, ckpt: Checkpoint, d: Deployment, device: str, turn: AbstractContextManager | None = None
+    ) -> PrefillStage:
         """With the deployment's text guardrail (`safety.Unavailable` when it cannot be built here). Refuses a
-        deployment whose memory plan does not fit its card (`memory.PlanError`)."""
+        deployment whose memory plan does not fit its card (`memory.PlanError`). `turn`: held around the encoder's
+        warmup (a server's parts reach their peaks one at a time: `ServerState.warmup_turn`)."""
         _, plan = d.planned(ckpt)
         safety = Guardrail.load(d.safety_checker, device, TEXT)
         stage = cls(ckpt, device, d.torch_dtype, d.defaults, d.limits, d.lora, safety=safety,
@@ -93,11 +98,11 @@ class PrefillStage:
         stage.plan = plan
         if str(device).startswith("cuda"):  # the encoder's peak at load: a clip's first call at the largest frame
             big = plan.largest
-            with torch.inference_mode():
+            with turn or contextlib.nullcontext(), torch.inference_mode():
                 clip = torch.zeros(1, 3, 5, big.frame_height, big.frame_width, dtype=stage.codec.dtype, device=device)
                 stage.codec.vae.encode(clip)
-            del clip
-            memory.release_cached()
+                del clip
+                memory.release_cached()
         return stage
 
     def validate(
@@ -241,12 +246,13 @@ class DecodeStage:
         group: Group | None = None,
         safety: Guardrail | None = None,
         plan: MemoryPlan | None = None,
+        turn: AbstractContextManager | None = None,
     ):
         """`group`: decode each chunk split by rows over its decode ranks (parallel/vae.py). `startup`: seconds
         per part of this load (the server logs them). `safety`: the video guardrail every piece of frames passes
         before it is returned (None: no checks). `plan`: the deployment's memory plan (on CUDA): the decoder's
         latent frames per call and its row bands by frame size, and a warmup decode of the largest admitted frame,
-        so its memory is claimed at load (None: the decoder's defaults)."""
+        so its memory is claimed at load (None: the decoder's defaults). `turn`: held around that warmup."""
         self.safety = safety
         self.plan = plan
         # stream id → (why the guardrail blocked one of its pieces, when): its later pieces are refused too, never
@@ -296,22 +302,26 @@ class DecodeStage:
             lap("compile warmup")
         if plan is not None and group is None:  # its largest calls: 1 + 4 latent frames (a first and a full call)
             s = ckpt.config.vae_scale_spatial
-            for h, w in plan.decode_warmup_sizes():
-                self.codec.decode(torch.zeros(1, ckpt.config.latent_channel, 5, h // s, w // s, device=device))
-            memory.release_cached()
+            with turn or contextlib.nullcontext():
+                for h, w in plan.decode_warmup_sizes():
+                    self.codec.decode(torch.zeros(1, ckpt.config.latent_channel, 5, h // s, w // s, device=device))
+                memory.release_cached()
             lap("memory warmup")
 
     @classmethod
-    def from_deployment(cls, ckpt: Checkpoint, d: Deployment, device: str, group: Group | None = None) -> DecodeStage:
+    def from_deployment(
+        cls, ckpt: Checkpoint, d: Deployment, device: str, group: Group | None = None,
+        turn: AbstractContextManager | None = None,
+    ) -> DecodeStage:  # fmt: skip
         """`group`: a running group to decode over (the CLI's, shared with its engine); else one of the
-        deployment's `parallel.vae` ranks is started when that is above 1."""
+        deployment's `parallel.vae` ranks is started when that is above 1. `turn`: held around the memory warmup."""
         _, plan = d.planned(ckpt)  # refuses a deployment that does not fit its card
         safety = Guardrail.load(d.safety_checker, device, VIDEO)  # first: a missing guardrail fails before the VAE
         if group is None and d.parallel.vae > 1:
             group = Group(d.worker_spec(ckpt.root, ("decode",)))
         cuda = str(device).startswith("cuda")
         stage = cls(ckpt, device, d.torch_dtype, d.compile, group if d.parallel.vae > 1 else None, safety,
-                    plan if cuda else None)  # fmt: skip
+                    plan if cuda else None, turn)  # fmt: skip
         stage.plan = plan
         return stage
 

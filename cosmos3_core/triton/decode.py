@@ -242,8 +242,9 @@ class DecodeModel:
     def __init__(self, args):
         t0 = time.perf_counter()
         d, device = deployment_from_args(args)
-        stage = DecodeStage.from_deployment(Checkpoint.open(d.checkpoint), d, device)  # parallel.vae: over a group
         state = ServerState(d.state_dir)
+        # parallel.vae: over a group; its memory warmup takes its turn among the parts'
+        stage = DecodeStage.from_deployment(Checkpoint.open(d.checkpoint), d, device, turn=state.warmup_turn())
         stage.session_live = lambda ident: record_live(state.session(ident))  # an ended session's decoder goes
         metrics = DecodeMetrics({"model": args["model_name"], "instance": args["model_instance_name"]})
         labels = {"model": args["model_name"], "instance": args["model_instance_name"]}

@@ -391,7 +391,8 @@ class DenoiseModel:
         for r in d.warmup_requests:  # an action request: a blank image (clip) at the default size (warmup_inputs)
             image, video, raw = warmup_inputs(r, d.defaults)
             warmup.append(validate("warmup", r, image, *sizes, video, raw))
-        took = self.engine.warmup(warmup)
+        with ServerState(d.state_dir).warmup_turn():  # the parts reach their peaks one at a time
+            took = self.engine.warmup(warmup)
         parts = ", ".join(f"{k} {v:.1f}s" for k, v in self.engine.warmup_parts.items())
         pb_utils.Logger.log_info(f"cosmos3_denoise: warmup of {len(warmup)} shapes took {took:.1f}s ({parts})")
         self.metrics = EngineMetrics(

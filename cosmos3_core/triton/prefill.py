@@ -47,11 +47,12 @@ class PrefillModel:
     def __init__(self, args):
         t0 = time.perf_counter()
         d, device = deployment_from_args(args)
-        self.stage = PrefillStage.from_deployment(d.open_checkpoint(), d, device)  # with its text guardrail
+        self.state = ServerState(d.state_dir)
+        # with its text guardrail; its warmup takes its turn among the parts'
+        self.stage = PrefillStage.from_deployment(d.open_checkpoint(), d, device, self.state.warmup_turn())
         self.refusals = RefusalMetric({"model": args["model_name"], "instance": args["model_instance_name"]})
         labels = {"model": args["model_name"], "instance": args["model_instance_name"]}
         self.gpu_memory = GpuMemoryMetric(self.stage.plan, ("prefill",), labels)
-        self.state = ServerState(d.state_dir)
         # how requests ended here: one count each, the only one (outcomes.py)
         self.outcomes = Outcomes({"model": args["model_name"], "instance": args["model_instance_name"]}, AT_PREFILL)
         pb_utils.Logger.log_info(f"cosmos3_prefill: ready in {time.perf_counter() - t0:.1f}s")  # startup's parts

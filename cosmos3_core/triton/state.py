@@ -13,6 +13,7 @@ under `<workdir>/state` (per server: `serve.render` gives each its own and wipes
 | the server drains: `drain` / `undrain` | `DRAINING` | the supervisor (SIGINT / SIGTERM) | the door and the engine (admit nothing new) |
 | an engine is busy: `set_busy(instance, busy)` | `busy/<instance>` | each denoise instance, on change | the supervisor's drain (`idle`) |
 | admission tickets: `take`, `claim`, `release`, `held` | `tickets/<id>.door`, `.engine` | the door (take), prefill (release on its error), denoise (claim, release at the first event) | the door (`held`): admission.py |
+| one part warms up at a time: `warmup_turn()` | `warmup.lock` (an exclusive lock) | prefill, denoise and vae_decode, around their warmups (each reaches its peak, then gives its cached memory back) | the same |
 | an AR session's record: `set_session(id, record)` (idle with its parameters, busy, ended and why; None: forgotten) | `sessions/<id>` (sessions.record) | the denoise engine's session table, on each change | prefill (checks a continuation: sessions.kept_params), vae_decode (lets go of an ended session's decoder) |
 
 A stream's facts are dropped by whoever ends it (`forget`): vae_decode at its last step, denoise when vae_decode died.
@@ -23,6 +24,7 @@ Stdlib only: the supervisor and the door's stub import it.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import re
@@ -30,6 +32,7 @@ import shutil
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 # A `.door` ticket older than this is a request that never reached the engine (cancelled between two steps).
@@ -58,6 +61,17 @@ class ServerState:
         self.dir = Path(state_dir)
         for sub in ("stop", "finished", "down", "died", "busy", "tickets"):
             (self.dir / sub).mkdir(parents=True, exist_ok=True)
+
+    @contextlib.contextmanager
+    def warmup_turn(self) -> Iterator[None]:
+        """Held while a part runs its warmup: the parts load at once, but reach their peaks one after another (each
+        gives its cached memory back before the next starts), so loading never holds every part's peak together."""
+        with open(self.dir / "warmup.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
 
     def reset(self) -> None:
         """A new server: nothing of a previous run's (serve.render, before any stub starts)."""
