@@ -13,8 +13,9 @@ Supervision (docs/operations.md): this process owns the HTTP and metrics ports (
 listen on private loopback ports behind it) and watches tritonserver's Python stubs every 0.1 s. A dead stub's part
 is marked down at once (readiness 503 with the part's text; `ServerState.mark_down` for the stubs still alive, which
 answer its requests in flight and refuse new ones) and reloaded alone through Triton's model control, up to
-RELOAD_ATTEMPTS times, then tritonserver is restarted whole, as it is when it exits. SIGINT/SIGTERM drain at any
-moment (a reload in progress included): readiness 503 from the first moment, requests in flight finish.
+RELOAD_ATTEMPTS times, then tritonserver is restarted whole, as it is when it exits, and when it runs but has not
+answered for UNANSWERED_S (`Watchdog`: killed first). SIGINT/SIGTERM drain at any moment (a reload in progress
+included): readiness 503 from the first moment, requests in flight finish.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import fcntl
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -211,7 +213,13 @@ def _serve(args, repo: Path, deployment: Deployment, pool: int, ports: list[int]
             file=sys.stderr,
         )
         healed.clear()  # parts healed in this tritonserver's life
-        reason = supervise(proc, stopping, heal_parts, state)
+        watchdog = Watchdog(proc, private[0], (_connect_address(args.address), ports[0]))
+        try:
+            reason = supervise(proc, stopping, heal_parts, state)
+        finally:
+            watchdog.stop()
+        if reason is not None and watchdog.fired is not None:  # what it killed then failed: its reason is the cause
+            reason = watchdog.fired
         if reason is None:  # asked to stop (readiness said so at once): drain, then stop the server
             drain(state, deployment.drain_timeout_s + 10)  # the engine's drain timeout, then its stragglers' errors
             if not healed & {"denoise", "vae_decode"}:
@@ -292,6 +300,69 @@ def supervise(
     return None
 
 
+# tritonserver not answering this long, and not yet seen exited by the supervisor, is killed with its stubs, then
+# restarted whole. Seen in the chaos soak on the CPU, twice: a SIGABRT in Triton 2.51's libtriton_python.so (an
+# uncaught boost::interprocess::lock_exception, 0.5 s after a killed admit's reload unloaded the ensemble's old
+# version), whose handler calls exit() while the other threads run; tritonserver stopped answering (clients' gRPC
+# refused, its metrics gone) while the next part's reload was in flight, and the supervisor, waiting for the load's
+# answer, restarted nothing: the stub that load had started holds the request's connection (forked meanwhile, it
+# inherited it). `Reloader.reload` now watches the process while it waits; this covers a tritonserver that runs but
+# answers nothing (hung: the handler's exit() can deadlock), and any other wait.
+UNANSWERED_S = 15.0
+
+
+class Watchdog:
+    """Asks a running tritonserver `proc` every second whether it answers (its private HTTP's `/v2/health/live` is
+    200 and its gRPC port takes a connection); once it has not for UNANSWERED_S while the supervisor has not seen it
+    exit (it runs, hung, or it exited and the supervisor waits on a request its stubs hold), SIGKILLs its process
+    group (tritonserver and its stubs): the supervisor then sees it exited (or its reload fail) and restarts it whole.
+    `fired`: why, once it did. Runs while `supervise` does (`stop()` after)."""
+
+    def __init__(self, proc: subprocess.Popen, http_port: int, grpc: tuple[str, int]):
+        self.proc, self.http_port, self.grpc = proc, http_port, grpc
+        self.fired: str | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cosmos3-watchdog", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join(15)
+
+    def answers(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/v2/health/live", timeout=5) as r:
+                if r.status != 200:
+                    return False
+            socket.create_connection(self.grpc, timeout=5).close()
+            return True
+        except OSError:
+            return False
+
+    def _run(self) -> None:
+        last = time.monotonic()
+        while not self._done.wait(1.0):
+            if self.answers():
+                last = time.monotonic()
+                continue
+            unanswered = time.monotonic() - last
+            # one the supervisor has reaped is its own to restart (its process group may be gone, its id reused)
+            if unanswered >= UNANSWERED_S and not self._done.is_set() and self.proc.returncode is None:
+                how = "while it ran (hung)" if pid_alive(self.proc.pid) else "and exited unseen (a request held)"
+                self.fired = f"tritonserver did not answer for {unanswered:.0f} s {how}: killed with its stubs"
+                print(self.fired, file=sys.stderr)
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                return
+
+
+def _connect_address(address: str) -> str:
+    """Where to reach a port bound at `address` from this host."""
+    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(address, address)
+
+
 RELOAD_ATTEMPTS = 3  # reloads of a part in a row that fail before tritonserver is restarted whole
 # An ensemble request is bound to the model instances of its arrival: one that arrived just before the reload swapped
 # the new instance in still has the dead one, and may reach the door a moment after the reload: refused meanwhile.
@@ -313,13 +384,30 @@ class Reloader:
     def reload(self, part: str, timeout_s: float = 30.0) -> float:
         """A real reload → seconds it took; raises RuntimeError unless a new stub of `part` runs and Triton says the
         model is ready. Triton skips an explicit load of a model whose files look unchanged (it kept the instance
-        whose stub died, and answered the load at once): newer files make it start new instances."""
+        whose stub died, and answered the load at once): newer files make it start new instances. tritonserver
+        exiting meanwhile fails it at once: the load's answer never comes then, nor does its connection close (the
+        stub the load started inherited it)."""
         model, old = errors.model_of(part), self.stubs(part)
         now = time.time()
         for path in (self.repo / model / "1" / "model.py", self.repo / model / "1"):
             os.utime(path, (now, now))
         t0 = time.monotonic()
-        load_model(self.http_port, model, self.admin_token)
+        failed: list[Exception] = []
+
+        def load() -> None:
+            try:
+                load_model(self.http_port, model, self.admin_token)
+            except RuntimeError as e:
+                failed.append(e)
+
+        loading = threading.Thread(target=load, name="cosmos3-reload", daemon=True)
+        loading.start()
+        while loading.is_alive():
+            loading.join(0.1)
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"tritonserver exited with {self.proc.returncode} while {model} loaded")
+        if failed:
+            raise failed[0]
         while not (self.stubs(part) - old and _ready(self.http_port, model)):
             if time.monotonic() - t0 > timeout_s:
                 raise RuntimeError(f"{model} was loaded but no new stub of it answers")
@@ -337,8 +425,8 @@ def _ready(http_port: int, model: str) -> bool:
 
 def heal(parts: list[str], reloader: Reloader, front: Front, state: ServerState, stopping: threading.Event) -> None:
     """Mark `parts` down (readiness; the stubs still alive answer for them), reload each until a new stub answers,
-    mark them up again. Raises RuntimeError after RELOAD_ATTEMPTS failed reloads of a part; returns at once, the part
-    still down, when the server is asked to stop."""
+    mark them up again. Raises RuntimeError after RELOAD_ATTEMPTS failed reloads of a part, or at once when
+    tritonserver exited; returns at once, the part still down, when the server is asked to stop."""
     for part in parts:
         state.mark_down(part)
         front.count_restart(part)
@@ -350,6 +438,8 @@ def heal(parts: list[str], reloader: Reloader, front: Front, state: ServerState,
                 took = reloader.reload(part)
                 break
             except RuntimeError as e:
+                if reloader.proc.poll() is not None:  # no reload can help: the whole restart does
+                    raise
                 print(f"{errors.model_of(part)}: reload {attempt} of {RELOAD_ATTEMPTS} failed: {e}", file=sys.stderr)
         else:
             raise RuntimeError(f"{errors.model_of(part)} did not come back in {RELOAD_ATTEMPTS} reloads")
