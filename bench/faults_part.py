@@ -75,11 +75,30 @@ class Supervised:
         return time.monotonic() - t0
 
     def stub(self, part: str) -> int:
-        pattern = f"triton_python_backend_stub {self.workdir}/model_repository/{model_of(part)}/"
-        pids = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
+        pids = self.stubs(model_of(part))
         if len(pids) != 1:
             raise RuntimeError(f"expected one {model_of(part)} stub, found {pids}")
-        return int(pids[0])
+        return pids[0]
+
+    def stubs(self, model: str = "") -> list[int]:
+        """The Python stubs of this server (of `model` only, if given)."""
+        pattern = f"triton_python_backend_stub {self.workdir}/model_repository/{model}{'/' if model else ''}"
+        return [int(p) for p in subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()]
+
+    def tritonserver(self) -> tuple[int, int] | None:
+        """The running tritonserver of this supervisor as (pid, start time in clock ticks since boot): one value per
+        life of it, a whole restart gives another. None while there is none (dead, not yet reaped, or starting)."""
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                comm, rest = (entry / "stat").read_text().rsplit(")", 1)
+                fields = rest.split()  # state, ppid, ... starttime is the 20th after the name
+                if comm.split("(", 1)[1] == "tritonserver" and int(fields[1]) == self.proc.pid and fields[0] != "Z":
+                    return int(entry.name), int(fields[19])
+            except (OSError, IndexError, ValueError):
+                continue
+        return None
 
     def metrics_text(self) -> str:
         return urllib.request.urlopen(f"http://127.0.0.1:{self.metrics}/metrics", timeout=5).read().decode()
