@@ -465,7 +465,10 @@ def _fp8_checkpoint(root: Path) -> bool:
 
 
 def use_allocator(expandable_segments: bool) -> None:
-    """This process's CUDA caching allocator, set before its first model loads (`Deployment.planned`)."""
+    """This process's CUDA caching allocator, set before its first model loads (`Deployment.planned`). Expandable
+    segments are never exported by CUDA IPC here: the Python backend's stub copies its GPU outputs into buffers
+    that tritonserver allocates (python_backend: `pb_stub.cc` saves responses with `copy_gpu` false), and opens
+    tritonserver's for its inputs."""
     torch.cuda.memory._set_allocator_settings(f"expandable_segments:{expandable_segments}")
 
 
