@@ -81,6 +81,7 @@ def deployment_of(model: str, precision: str) -> Deployment:
         d = dataclasses.replace(d, checkpoint=spec["checkpoint"], warmup_requests=warmup)
     # the cells' frames are the default size: frames up to it keep the plan (eager kernels) within an 80 GB card
     frame = d.defaults.height * d.defaults.width
+    frame = min(d.limits.max_frame_pixels or frame, frame)
     return dataclasses.replace(d, limits=dataclasses.replace(d.limits, max_frame_pixels=frame))
 
 

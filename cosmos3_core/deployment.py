@@ -254,4 +254,5 @@ class Deployment:
         return WorkerSpec(str(checkpoint), self.torch_device, dtype, p, roles, self.pool_pages,
                           self.page_size, self.attention, self.compile, self.cuda_graphs,
                           max_captures=self.max_captures, precision=self.precision,
-                          fp8_policy=dict(self.fp8_policy))  # fmt: skip
+                          fp8_policy=dict(self.fp8_policy),
+                          env={"PYTORCH_CUDA_ALLOC_CONF": memory.allocator_settings(self.expandable_segments)})  # fmt: skip

@@ -36,7 +36,7 @@ PARTS = ("prefill", "denoise", "vae_decode", "server")
 CONTEXT_BYTES = 600 * MIB
 # tritonserver's own process apart from its CUDA pool (its context, the Python backend's bookkeeping): H100,
 # nvidia-smi, 1.13 GiB with a 640 MiB pool
-SERVER_BYTES = 512 * MIB
+SERVER_BYTES = 520 * MIB
 # the denoise step's memory per packed row, in units of hidden × dtype bytes, with the MLP run in row chunks
 # (towers.gen_forward: the residual stream, its normed copy, q/k/v, the attention output, the gathered own K/V), as
 # the default caching allocator reserves it. H100 (bench.memory, Nano, compiled kernels): live peaks 2.02 / 3.52 /
@@ -350,7 +350,7 @@ def plan(d, ckpt_root: str | Path, cfg: ModelConfig, card: int) -> MemoryPlan:  
     add("prefill", "weights", tower_bytes(cfg, UND, dtype, fp8) + encoder, f"UND tower ({label}) + VAE encoder", n_pre)
     enc_pixels = largest.frame_pixels  # conditioning frames are resized to the request's size
     add("prefill", "workspace", max(ENCODE_BYTES_PER_PIXEL * ENCODE_CLIP_FACTOR * enc_pixels, UND_PASS_BYTES),
-        f"VAE encode of a {largest.frame_width}x{largest.frame_height} clip's 4 frames", n_pre)  # fmt: skip
+        f"VAE encode of a {largest.frame_width}x{largest.frame_height} clip's first 1 + 4 frames", n_pre)  # fmt: skip
     if guard:
         add("prefill", "guardrail", GUARDRAIL_BYTES["prefill"], "text guardrail (Qwen3Guard)", n_pre)
     add("prefill", "context", CONTEXT_BYTES, "CUDA context", n_pre)
@@ -464,12 +464,20 @@ def _fp8_checkpoint(root: Path) -> bool:
     return isinstance(qc, dict) and "FP8" in str(qc.get("quant_algo") or qc.get("quant_type") or "").upper()
 
 
+def allocator_settings(expandable_segments: bool) -> str:
+    """torch's CUDA allocator settings for a deployment (`PYTORCH_CUDA_ALLOC_CONF`'s form; a group's workers get it
+    in their environment)."""
+    return f"expandable_segments:{expandable_segments}"
+
+
 def use_allocator(expandable_segments: bool) -> None:
     """This process's CUDA caching allocator, set before its first model loads (`Deployment.planned`). Expandable
     segments are never exported by CUDA IPC here: the Python backend's stub copies its GPU outputs into buffers
     that tritonserver allocates (python_backend: `pb_stub.cc` saves responses with `copy_gpu` false), and opens
     tritonserver's for its inputs."""
-    torch.cuda.memory._set_allocator_settings(f"expandable_segments:{expandable_segments}")
+    settings = allocator_settings(expandable_segments)
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # torch ≥ 2.10; the older name warns there
+    (setter or torch.cuda.memory._set_allocator_settings)(settings)
 
 
 def in_use_bytes() -> int:
@@ -479,7 +487,7 @@ def in_use_bytes() -> int:
 
 def release_cached() -> None:
     """After a part's load and warmup: the allocator's cached blocks go back to the card. The plan still holds them
-    for the part (its requests grow back to the warmup's peak), and between requests the card shows what is held."""
+    for the part (its requests grow back to the warmup's peak); the next part's warmup can use them meanwhile."""
     if torch.cuda.is_initialized():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()

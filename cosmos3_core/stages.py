@@ -290,7 +290,8 @@ class DecodeStage:
         # streams whose state waits in host memory between pieces: beyond the plan's live streams on the GPU, the
         # least recently decoded ones (its memory plan holds `decode_streams` streams' state)
         self.parked: set[str] = set()
-        self.gpu_streams = plan.decode_streams if plan is not None and group is None else 0  # 0: no bound (CPU)
+        # None: no bound (the CPU; a group's streams keep their state on its workers)
+        self.gpu_streams: int | None = plan.decode_streams if plan is not None and group is None else None
         # session id → the decoder its kept stream ended with, and when: its continuation's first piece goes on from it
         self.sessions: dict[str, tuple[StreamDecoder, float]] = {}
         # whether a session is still live (the server's record of it); those that are not are let go at each keep
@@ -363,26 +364,28 @@ class DecodeStage:
             kept = self.sessions.pop(resume, None)
             if kept is None:
                 raise RuntimeError(f"session {resume}: its decoder state is gone (a restart of vae_decode)")
-            decoder = kept[0]
-            decoder.move_state(self.codec.device)
+            decoder, restore = kept[0], True
         elif stream_id not in self.streams:
-            decoder = StreamDecoder(self.codec)
+            decoder, restore = StreamDecoder(self.codec), False
         elif (decoder := self.streams.pop(stream_id)[0]) is None:
             if not last:
                 self.streams[stream_id] = (None, now)
             raise RuntimeError(f"an earlier chunk of stream {stream_id} failed to decode")
-        if stream_id in self.parked:
-            self.parked.discard(stream_id)
-            decoder.move_state(self.codec.device)
+        else:
+            restore = stream_id in self.parked
+        self.parked.discard(stream_id)
         try:
+            if self.gpu_streams is not None:  # this stream's state joins the others' on the device: room for it first
+                self._park_beyond(self.gpu_streams - 1)
+            if restore:
+                decoder.move_state(self.codec.device)
             pending = decoder.start(latents)
-        except Exception:
+        except Exception:  # its state is gone or partial: its later chunks fail rather than start a new stream
             if not last:
                 self.streams[stream_id] = (None, now)
             raise
         if not last:
             self.streams[stream_id] = (decoder, now)
-            self._park_beyond(self.gpu_streams)
         elif keep:
             for ident in [i for i in self.sessions if not self.session_live(i)]:
                 del self.sessions[ident]
@@ -426,9 +429,10 @@ class DecodeStage:
 
     def _park_beyond(self, most: int) -> None:
         """Move the causal state of the least recently decoded live streams beyond `most` to host memory (a copy
-        that waits for their pieces' kernels); each comes back at its next piece."""
+        that waits for their pieces' kernels); each comes back at its next piece. Streams are counted, not bytes:
+        the plan holds one at the largest frame and the rest at the default size."""
         on_gpu = [(t, sid) for sid, (dec, t) in self.streams.items() if dec is not None and sid not in self.parked]
-        for _, sid in sorted(on_gpu)[: max(0, len(on_gpu) - most) if most else 0]:
+        for _, sid in sorted(on_gpu)[: max(0, len(on_gpu) - most)]:
             self.streams[sid][0].move_state("cpu")  # type: ignore[union-attr]
             self.parked.add(sid)
 

@@ -221,29 +221,61 @@ def test_stream_decode_joins_like_one_decode(setup):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="CUDA: parked state really moves to host memory"))])  # fmt: skip
-def test_streams_beyond_the_plans_live_ones_park_their_state_and_decode_the_same(setup, device):
-    """Three streams interleaved piece by piece, the decoder holding 1 stream's state on its device: the least
-    recently decoded ones wait in host memory, each comes back at its next piece, and every stream's frames equal
-    its decode alone."""
+def test_streams_beyond_the_plans_live_ones_park_their_state_and_decode_the_same(setup, device, monkeypatch):
+    """Three streams interleaved piece by piece, the decoder holding 2 streams' state on its device: while a piece
+    decodes, its stream's state is on the device and at most 2 are; the least recently decoded wait in host memory
+    and come back at their next piece; a stream whose state failed to come back fails its later pieces; and every
+    stream's frames equal its decode alone."""
+    from cosmos3_core.model.conditioning import StreamDecoder
+
     ckpt, _, _ = setup
     decode = DecodeStage(ckpt, device, torch.float32)
     g = torch.Generator().manual_seed(1)
     streams = {s: torch.randn(1, ckpt.config.latent_channel, 3, H // 16, W // 16, generator=g) for s in "abc"}
     alone = {s: [decode.start_chunk(s, z[:, :, i : i + 1], last=i == 2)().numpy() for i in range(3)]
              for s, z in streams.items()}  # fmt: skip
-    decode.gpu_streams = 1
+    where: dict[int, str] = {}  # id(decoder) → where its state is (as move_state was last told)
+    move, start = StreamDecoder.move_state, StreamDecoder.start
+
+    def move_state(self, to):  # (on the CPU, host and device are one: told apart by what the stage passes)
+        where[id(self)] = "host" if isinstance(to, str) else "device"  # parking passes "cpu", a restore the device
+        move(self, to)
+
+    def start_piece(self, latents):
+        live = [dec for dec, _ in decode.streams.values() if dec is not None]
+        assert where.get(id(self), "device") == "device"
+        assert sum(where.get(id(d), "device") == "device" for d in [*live, self]) <= decode.gpu_streams
+        return start(self, latents)
+
+    monkeypatch.setattr(StreamDecoder, "move_state", move_state)
+    monkeypatch.setattr(StreamDecoder, "start", start_piece)
+    decode.gpu_streams = 2
     mixed: dict[str, list] = {s: [] for s in streams}
     for i in range(3):
         for s, z in streams.items():
             mixed[s].append(decode.start_chunk(s, z[:, :, i : i + 1], last=i == 2)().numpy())
-            if i < 2:
-                assert decode.parked == set(decode.streams) - {s}  # all but the newest
-                if device == "cuda":
-                    assert all(t.device.type == "cpu" for p in decode.parked
-                               for t in decode.streams[p][0].stream.state.values())  # fmt: skip
+            if i < 2 and device == "cuda":
+                assert all(t.device.type == "cpu" for p in decode.parked
+                           for t in decode.streams[p][0].stream.state.values())  # fmt: skip
     for s in streams:
         assert all((x == y).all() for x, y in zip(alone[s], mixed[s], strict=True)), s
     assert not decode.streams and not decode.parked
+
+    def failed_restore(self, to):
+        if not isinstance(to, str):
+            raise torch.cuda.OutOfMemoryError("no room to bring the state back")
+        move_state(self, to)
+
+    for s in "ab":  # "a" parked by "b"'s and the new "c"'s pieces, with room for 1
+        decode.start_chunk(s, streams[s][:, :, :1], last=False)().numpy()
+    decode.gpu_streams = 1
+    decode.start_chunk("c", streams["c"][:, :, :1], last=False)().numpy()
+    assert decode.parked == {"a", "b"}
+    monkeypatch.setattr(StreamDecoder, "move_state", failed_restore)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        decode.start_chunk("a", streams["a"][:, :, 1:2], last=False)
+    with pytest.raises(RuntimeError, match="an earlier chunk of stream a failed"):
+        decode.start_chunk("a", streams["a"][:, :, 2:], last=True)
 
 
 @pytest.mark.parametrize(

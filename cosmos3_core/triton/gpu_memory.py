@@ -16,7 +16,8 @@ class GpuMemoryMetric:
     def __init__(self, plan: MemoryPlan, parts: tuple[str, ...], labels: dict[str, str]):
         self._family = pb_utils.MetricFamily(
             name="cosmos3_gpu_memory_bytes",
-            description="GPU memory by part and kind: the memory plan's (of=planned) and the process's (of=in_use)",
+            description="GPU memory by part and kind: the memory plan's (of=planned), the process's now (of=in_use) "
+            "and at most (of=peak)",
             kind=pb_utils.MetricFamily.GAUGE,
         )
         self._metrics = []  # a Metric must outlive its setting

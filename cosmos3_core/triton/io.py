@@ -104,9 +104,12 @@ def log_exception(where: str, e: BaseException) -> str:
     failed call's blocks back to the card first, and the text says the part serves on."""
     pb_utils.Logger.log_error(f"{where}: {e}\n{traceback.format_exc()}")
     if isinstance(e, torch.cuda.OutOfMemoryError):
-        memory.release_cached()
-        return (f"{where}: out of GPU memory for this request ({str(e).splitlines()[0]}); the part serves on; "
-                "the memory plan sizes each part (`make plan`, docs/configuration.md)")  # fmt: skip
+        try:
+            memory.release_cached()
+        except Exception as pending:  # noqa: BLE001 - a CUDA error pending on the device: the part's health says
+            pb_utils.Logger.log_error(f"{where}: giving memory back after running out failed: {pending}")
+        return (f"{where}: out of GPU memory ({str(e).splitlines()[0]}); the part serves on; the memory plan sizes "
+                "each part (`make plan`, docs/configuration.md)")  # fmt: skip
     return f"internal error in {where}: {type(e).__name__}: {e}"
 
 

@@ -202,7 +202,7 @@ def _serve(args, repo: Path, deployment: Deployment, pool: int, ports: list[int]
                            private_address="127.0.0.1", cuda_pool_bytes=pool)  # fmt: skip
         proc = launch_server(cfg)
         try:
-            waited = wait_until_ready(private[0], proc=proc)
+            waited = wait_until_ready(private[0], proc=proc, timeout_s=900)  # a cold Nano compiles for minutes
         except (RuntimeError, TimeoutError) as e:
             print(f"error: {e}", file=sys.stderr)
             stop_server(proc)
