@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -37,6 +36,8 @@ from pathlib import Path
 from client.stream import ServerError, generate
 from cosmos3_core.errors import model_of
 from cosmos3_core.triton.launcher import free_port
+
+from . import prom
 
 PARTS = ("denoise", "vae_decode", "prefill", "admit")
 
@@ -101,16 +102,14 @@ class Supervised:
         return None
 
     def metrics_text(self) -> str:
-        return urllib.request.urlopen(f"http://127.0.0.1:{self.metrics}/metrics", timeout=5).read().decode()
+        return prom.scrape(self.metrics)
 
     def gauge(self, name: str) -> float:
         """A cosmos3_* sample summed over its instances."""
-        text = self.metrics_text()
-        return sum(float(v) for v in re.findall(rf"^{name}\{{[^}}]*\}} (\S+)$", text, re.M))
+        return prom.total(self.metrics_text(), name)
 
     def restarts(self) -> dict[str, float]:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics}/metrics", timeout=5).read().decode()
-        return {m[0]: float(m[1]) for m in re.findall(r'^cosmos3_restarts_total\{part="(\w+)"\} (\S+)$', text, re.M)}
+        return {labels["part"]: v for labels, v in prom.samples(self.metrics_text(), "cosmos3_restarts_total")}
 
     def stop(self, timeout_s: float = 120) -> int | None:
         if self.proc.poll() is None:

@@ -26,10 +26,11 @@ import os
 import shutil
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
+
+from . import prom
 
 ALLOWED = "A robot arm stacks red and blue cubes on a wooden table, soft daylight."
 REFUSED = "A crate of grenades on a wooden table."  # the snapshot's blocklist word, fuzzy-matched
@@ -39,9 +40,7 @@ WORK = Path("build/guardrail")  # the snapshot (hub/), its NLTK copy (home/), th
 
 def refused_count(metrics_port: int) -> float:
     """cosmos3_requests_total{outcome="refused"}, summed over the models that count it (prefill, vae_decode)."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
-    lines = [ln for ln in text.splitlines() if ln.startswith("cosmos3_requests_total") and 'outcome="refused"' in ln]
-    return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines)
+    return prom.total(prom.scrape(metrics_port, timeout_s=10), "cosmos3_requests_total", outcome="refused")
 
 
 def outcome(result, what: str) -> dict:

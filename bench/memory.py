@@ -19,12 +19,10 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import re
 import subprocess
 import tempfile
 import threading
 import time
-import urllib.request
 from dataclasses import replace
 from pathlib import Path
 
@@ -40,6 +38,8 @@ from cosmos3_core.model.rotary import rotary_tables, text_position_ids
 from cosmos3_core.model.towers import prefill_text_kv
 from cosmos3_core.requests import validate
 from cosmos3_core.sampling import checkpoint_shift
+
+from . import prom
 
 GIB = memory.GIB
 STEP_SIZES = [(480, 832, 121), (720, 1280, 121), (720, 1280, 189)]
@@ -85,13 +85,10 @@ def part_of(pid: int) -> str:
 
 def peak_gauges(metrics_port: int) -> dict[str, int]:
     """part → its stub's `cosmos3_gpu_memory_bytes{kind="total", of="peak"}` (refreshed at each request's arrival)."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
-    peaks = {}
-    for m in re.finditer(r"^cosmos3_gpu_memory_bytes\{([^}]*)\} (\S+)$", text, re.M):
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
-        if labels.get("of") == "peak" and labels.get("kind") == "total":
-            peaks[labels["part"]] = int(float(m.group(2)))
-    return peaks
+    gauges = prom.samples(prom.scrape(metrics_port), "cosmos3_gpu_memory_bytes")
+    return {
+        labels["part"]: int(v) for labels, v in gauges if labels.get("of") == "peak" and labels.get("kind") == "total"
+    }
 
 
 def served(args) -> None:

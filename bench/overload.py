@@ -32,6 +32,8 @@ from client.stream import build_inputs
 from cosmos3_core.errors import OVER_CAPACITY, client_text
 from cosmos3_core.wire import decode_event
 
+from . import prom
+
 OUTCOMES = ("completed", "rejected", "failed", "cancelled")
 
 
@@ -39,8 +41,8 @@ def outcome_counts(metrics_url: str) -> dict[str, float]:
     """`cosmos3_requests_total` by outcome, summed over the models and instances that count (door and engine)."""
     text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
     out = dict.fromkeys(OUTCOMES, 0.0)
-    for m in re.finditer(r'^cosmos3_requests_total\{[^}]*outcome="(\w+)"[^}]*\} (\S+)$', text, re.M):
-        out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    for labels, value in prom.samples(text, "cosmos3_requests_total"):
+        out[labels["outcome"]] = out.get(labels["outcome"], 0.0) + value
     return out
 
 

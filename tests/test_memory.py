@@ -196,17 +196,13 @@ def test_one_latent_frame_a_call_decodes_bit_identical_to_four(vae):
 def test_the_server_exports_each_parts_plan(server, served_deployment):
     """`cosmos3_gpu_memory_bytes{part, kind, of}`: the plan of every part, as `memory.plan` makes it (on the CPU: sizes,
     no card), and each stub's in-use and peak gauges (0 off CUDA)."""
-    import re
-    import urllib.request
+    from bench import prom
 
     d = served_deployment[1]
     ckpt = d.open_checkpoint()
     p = memory.plan(d, ckpt.root, ckpt.config, 0)
-    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
-    seen: dict[tuple[str, str, str], float] = {}
-    for m in re.finditer(r"^cosmos3_gpu_memory_bytes\{([^}]*)\} (\S+)$", text, re.M):
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
-        seen[labels["part"], labels["kind"], labels["of"]] = float(m.group(2))
+    seen = {(labels["part"], labels["kind"], labels["of"]): v
+            for labels, v in prom.samples(prom.scrape(server.metrics_port), "cosmos3_gpu_memory_bytes")}  # fmt: skip
     for part in memory.PARTS:
         assert seen[part, "total", "planned"] == p.part_bytes(part), part
     assert seen["denoise", "weights", "planned"] == next(e.bytes for e in p.entries if e.part == "denoise"
