@@ -41,7 +41,10 @@ SERVER_BYTES = 520 * MIB
 # (towers.gen_forward: the residual stream, its normed copy, q/k/v, the attention output, the gathered own K/V), as
 # the default caching allocator reserves it. H100 (bench.memory, Nano, compiled kernels): live peaks 2.02 / 3.52 /
 # 5.01 GiB at 24,180 / 57,040 / 88,320 rows (6.3 copies), reserved 2.33 / 4.63 (graphs included) / 7.88 GiB: the
-# blocks of the chunks' sizes the allocator keeps apart (10 copies fits the largest)
+# blocks of the chunks' sizes the allocator keeps apart (10 copies fits the largest). With expandable segments (the
+# default since) the 88,320-row step reserves 5.15 GiB alone, but a served nano.yaml's denoise part (eager step,
+# captured layouts, workspaces) measured 0.96 of its plan at 10 copies (H100, 2b7ef9d): kept until the served
+# layouts are measured apart
 STEP_HIDDEN_COPIES = 10.0
 MLP_INTERMEDIATE_COPIES = 1.0  # what a chunk's [rows, intermediate] tensors add (the compiled kernels fuse the rest)
 STEP_FIXED_BYTES = 400 * MIB  # FlashInfer's workspace, cuBLAS's, the step's small buffers
