@@ -26,8 +26,9 @@
 #   inprocess [ARGS]   bench.inprocess (default: --preset edge --compile --variants sdpa flashinfer+graphs)
 #   memory [inprocess|served ...] [PRECISION]   (served: carry .whl/pytriton) each part's GPU memory against its plan
 #       (bench.memory): inprocess: Nano's parts loaded alone, the allocator's peaks at several sizes; served:
-#       configs/nano.yaml (random weights, no guardrail) sampled by nvidia-smi through its default 1280x720x189
-#       request (2 steps); PRECISION checkpoint (default) or fp8
+#       $CONFIG (default configs/nano.yaml; random weights at its checkpoint's shapes, no guardrail) sampled by
+#       nvidia-smi through its default request (2 steps; MEMORY_ARGS="--request default largest" adds the largest
+#       the limits admit); PRECISION checkpoint (default) or fp8
 set -uo pipefail
 run=${1:?usage: bash bench/device_run.sh coldstart|lora|guardrail_served|guardrail|timeline|inprocess|memory [ARGS...]}
 shift
@@ -139,8 +140,10 @@ memory() {
       inprocess) timeout 300 $PY -m bench.memory --preset nano --compile --precision $precision ${MEMORY_ARGS:-} \
                    --json "$OUT/memory_nano_$precision.json" 2>&1 | grep -e ratio -e Error | tail -30 ;;
       served) need_pytriton
-              timeout 400 $PY -m bench.memory --served configs/nano.yaml --precision $precision ${MEMORY_ARGS:-} \
-                --json "$OUT/memory_served_nano_$precision.json" 2>&1 | grep -v -e Warning -e float32 -e pow_by | tail -40 ;;
+              local config=${CONFIG:-configs/nano.yaml}; local name; name=$(basename "$config" .yaml)
+              timeout ${MEMORY_TIMEOUT:-400} $PY -m bench.memory --served "$config" --precision $precision \
+                ${MEMORY_ARGS:-} --json "$OUT/memory_served_${name}_$precision.json" 2>&1 \
+                | grep -v -e Warning -e float32 -e pow_by | tail -40 ;;
       *) echo "unknown memory part $part (inprocess, served)"; exit 2 ;;
     esac
   done

@@ -91,6 +91,17 @@ def peak_gauges(metrics_port: int) -> dict[str, int]:
     }
 
 
+def request_size(spec: str, d: Deployment, p: memory.MemoryPlan) -> tuple[int, int, int]:
+    """(width, height, frames) of a `--request`: `default` (the config's), `largest` (the plan's largest admitted
+    request) or WxHxF."""
+    if spec == "default":
+        return d.defaults.width, d.defaults.height, d.defaults.num_frames
+    if spec == "largest":
+        return p.largest.width, p.largest.height, p.largest.frames
+    w, h, f = (int(x) for x in spec.split("x"))
+    return w, h, f
+
+
 def served(args) -> None:
     from client.stream import generate
     from cosmos3_core.tools.plan import checkpoint_root
@@ -129,12 +140,12 @@ def served(args) -> None:
             ready = time.perf_counter() - t0
             print(f"ready in {ready:.0f}s; after load: " + ", ".join(f"{k} {v / GIB:.1f}" for k, v in peaks.items()),
                   flush=True)  # fmt: skip
-            w, h, f = (int(x) for x in args.request.split("x"))
-            for _ in range(args.requests):
-                t = time.perf_counter()
-                generate(f"127.0.0.1:{ports[0]}", "A robot arm stacks red and blue cubes on a wooden table.",
-                         {"width": w, "height": h, "num_frames": f, "steps": args.steps})  # fmt: skip
-                print(f"request {w}x{h}x{f}, {args.steps} steps: {time.perf_counter() - t:.1f}s", flush=True)
+            for w, h, f in (request_size(r, d, p) for r in args.request):
+                for _ in range(args.requests):
+                    t = time.perf_counter()
+                    generate(f"127.0.0.1:{ports[0]}", "A robot arm stacks red and blue cubes on a wooden table.",
+                             {"width": w, "height": h, "num_frames": f, "steps": args.steps})  # fmt: skip
+                    print(f"request {w}x{h}x{f}, {args.steps} steps: {time.perf_counter() - t:.1f}s", flush=True)
             gauges = peak_gauges(ports[2])
         finally:
             stop.set()
@@ -154,8 +165,10 @@ def served(args) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--served", default=None, metavar="CONFIG", help="the whole server on CONFIG, sampled")
-    ap.add_argument("--request", default="1280x720x189", help="--served: WxHxF of its requests")
-    ap.add_argument("--requests", type=int, default=2, help="--served: the gauges are read at the last arrival")
+    ap.add_argument("--request", nargs="+", default=["default"],
+                    help="--served: its requests, each `default` (the config's), `largest` (the largest the limits "
+                    "admit) or WxHxF")  # fmt: skip
+    ap.add_argument("--requests", type=int, default=2, help="--served: of each size; the gauges are read at the last")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--preset", default="nano")
     ap.add_argument("--precision", default="checkpoint", choices=["checkpoint", "fp8"])
