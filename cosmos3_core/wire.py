@@ -5,7 +5,7 @@
   [1, C, 1, h, w] (i2v), [1, C, T_lat, h, w] (v2v and action: `params.clean_frames` encoded, the rest zero) or
   [0,0,0,0,0]; cond_actions FP32 [chunk, action_dim] (forward dynamics: the given actions, padded) or [0, 0]; with it
   `RequestMeta` as JSON (BYTES [1] `request`). A session's continuation with its session's prompt sends no text K/V
-  (text_kv [2, 0, 0, 0, 0], text_lens [0]): the engine reuses the session's.
+  (text_lens [0], text_kv a [2, 1, 1, 1, 1] placeholder): the engine reuses the session's.
 - Events, JSON (BYTES [1] `event`), denoise → decode → client: `ProgressEvent` after each step; `ChunkEvent`
   (type "chunk") per streamed piece of latents; the last piece's type is "done" and carries the resolved
   parameters. The engine fills a chunk's place in the video and its timings; decode adds `frames`,
@@ -158,13 +158,16 @@ class PrefillResult:
     cond_latent: torch.Tensor | None  # [1, C, 1, h, w] fp32 (i2v), [1, C, T_lat, h, w] (v2v, action) or None
     cond_actions: torch.Tensor | None = None  # forward dynamics: [chunk, action_dim] fp32, the clean action tokens
 
-    def to_wire(self) -> dict[str, torch.Tensor | np.ndarray]:
+    def to_wire(self, kv_dtype: torch.dtype, device: str | torch.device) -> dict[str, torch.Tensor | np.ndarray]:
+        """`kv_dtype`, `device`: the deployment's (`text_kv`'s type in the model config, also with no K/V)."""
         import torch
 
         if self.text_k:
             kv = torch.stack([torch.cat(self.text_k, dim=1), torch.cat(self.text_v, dim=1)])
-        else:  # a continuation that reuses its session's text K/V
-            kv = torch.zeros(2, 0, 0, 0, 0)
+        else:  # a continuation that reuses its session's text K/V (no branches: text_lens [0]). One element, not
+            # none: an empty 16-bit tensor cannot leave a Python stub (numpy has no bfloat16, and the backend
+            # refuses an empty tensor's DLPack strides)
+            kv = torch.zeros(2, 1, 1, 1, 1, dtype=kv_dtype, device=device)
         lens = np.array([k.shape[1] for k in self.text_k], dtype=np.int64)
         cond = self.cond_latent if self.cond_latent is not None else torch.zeros(0, 0, 0, 0, 0)
         actions = self.cond_actions if self.cond_actions is not None else torch.zeros(0, 0)

@@ -59,3 +59,22 @@ def test_client_world_goes_on_reprompted_and_writes_the_whole_video(server, tmp_
     assert main(args) == 0
     assert np.load(out).shape[0] == 9 + 8 + 8  # the first stream and two continuations
     assert len(list(tmp_path.glob("world.chunk*.mp4"))) >= 3
+
+
+@pytest.fixture(scope="module")
+def bf16_server(served_deployment, tmp_path_factory):
+    """The served config in bfloat16, as a GPU serves: every tensor between the models has the deployment's type."""
+    import dataclasses
+
+    from tests.conftest import running_server
+
+    d = dataclasses.replace(served_deployment[1], dtype="bfloat16", safety_checker="none")
+    yield from running_server(d, tmp_path_factory.mktemp("serve_bf16"))
+
+
+def test_a_same_prompt_continuation_is_served_in_bfloat16(bf16_server):
+    """Its prefill sends no text K/V: the empty tensor still has the model config's type (BF16, not FP32)."""
+    params = {**WINDOWS["kv"], "num_frames": 9, "seed": 5, "session": {"keep": True}}
+    ident = generate(bf16_server.url, "a red car", params).events[-1]["session_id"]
+    then = generate(bf16_server.url, "a red car", {"num_frames": 8, "session": {"continue": ident}})
+    assert then.video.shape[0] == 8 and then.events[-1]["continues"] == ident

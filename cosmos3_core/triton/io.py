@@ -83,9 +83,10 @@ _COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}  # input_torch's, one 
 
 
 def output(name: str, value: torch.Tensor | np.ndarray) -> Any:
-    """CUDA tensors cross by DLPack (bf16 included); CPU ones as numpy (DLPack rejects empty tensors' strides)."""
+    """CUDA tensors and 16-bit CPU ones cross by DLPack (numpy has no bfloat16); other CPU ones as numpy (the
+    backend refuses an empty tensor's DLPack strides)."""
     if isinstance(value, torch.Tensor):
-        if value.is_cuda:
+        if value.is_cuda or value.dtype == torch.bfloat16:
             return pb_utils.Tensor.from_dlpack(name, to_dlpack(value.contiguous()))
         value = value.numpy()
     return pb_utils.Tensor(name, np.ascontiguousarray(value))

@@ -94,7 +94,7 @@ class PrefillModel:
             p = self.stage.validate(prompt.reshape(-1)[0], params, image, video, raw_actions,
                                     None if kept is None else kept.params)  # fmt: skip
             result = self.stage.run(p, image, video, raw_actions, "" if kept is None else kept.params.text_digest)
-            p, wire = result.params, result.to_wire()
+            p, wire = result.params, result.to_wire(self.stage.dtype, self.stage.device)
             if faults.CHECK_FINITE:
                 faults.report_nonfinite("prefill output", f"{ticket.id} seed {p.seed}", text_kv=wire["text_kv"],
                                         cond_latent=wire["cond_latent"])  # fmt: skip
