@@ -2,13 +2,14 @@
 shapes.
 
   python -m bench.memory --preset nano [--precision fp8] [--compile] [--json out/memory.json]
-  python -m bench.memory --served configs/nano.yaml [--precision fp8] [--request 1280x720x189] [--steps 2]
+  python -m bench.memory --served configs/nano.yaml [--precision fp8] [--request default largest] [--steps 2]
 
 For each part, loaded alone as the server loads it (the plan's weights), then run at several sizes: the allocator's
 own peak (`torch.cuda.max_memory_allocated`) over what was resident before, beside the plan's figure for the same
 size. Rows: the GEN tower, the denoise step (through `DenoiseEngine`'s warmup: the real row builder and step, 2
-steps, CUDA graphs as served), the VAE decoder per call (1 and 4 latent frames a call), the VAE encoder (an i2v
-frame), the UND pass at max_prompt_tokens. Prints one line a row and the ratio measured / planned.
+steps, CUDA graphs as served), the VAE decoder per call (1 and 4 latent frames a call) and over a stream of 4-frame
+pieces as served (each also as the allocator's reserved growth), the VAE encoder (an i2v frame), the UND pass at
+max_prompt_tokens. Prints one line a row and the ratio measured / planned.
 
 `--served`: the whole server on the config (random weights of its model's preset, no guardrail), nvidia-smi sampled
 every 0.2 s per process from launch through one request: each part's peak beside its plan, and the whole card's.
@@ -32,7 +33,7 @@ import torch
 from cosmos3_core import memory
 from cosmos3_core.deployment import Deployment
 from cosmos3_core.engine import DenoiseEngine
-from cosmos3_core.model.conditioning import VaeCodec
+from cosmos3_core.model.conditioning import StreamDecoder, VaeCodec
 from cosmos3_core.model.layers import GEN, UND
 from cosmos3_core.model.rotary import rotary_tables, text_position_ids
 from cosmos3_core.model.towers import prefill_text_kv
@@ -229,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
             codec.decode(torch.zeros(1, cfg.latent_channel, 6, 5, 7, device="cuda"))  # compiles, first use
             s = cfg.vae_scale_spatial
             for h, w in DECODE_SIZES:
-                before = fresh()
+                before, before_reserved = fresh(), torch.cuda.memory_reserved()
                 t = time.perf_counter()
                 codec.decode(torch.zeros(1, cfg.latent_channel, 1 + frames, h // s, w // s, device="cuda"))
                 torch.cuda.synchronize()
@@ -237,6 +238,20 @@ def main(argv: list[str] | None = None) -> None:
                 peak = torch.cuda.max_memory_allocated() - before
                 row(rows, "vae_decode", f"decode {w}x{h}, {frames} latent frames a call ({took:.2f}s)", peak,
                     memory.decode_workspace(h * w, frames))  # fmt: skip
+                row(rows, "vae_decode", "  reserved", torch.cuda.max_memory_reserved() - before_reserved,
+                    memory.decode_workspace(h * w, frames))  # fmt: skip
+        # as served: one stream, its pieces of `decode_chunk_frames` latent frames (the engine's), the budget's call
+        codec = VaeCodec(vae, args.compile)
+        for h, w in DECODE_SIZES[:2]:
+            before, before_reserved = fresh(), torch.cuda.memory_reserved()
+            stream = StreamDecoder(codec)
+            for _ in range(3):
+                stream.decode(torch.zeros(1, cfg.latent_channel, 4, h // s, w // s, device="cuda"))
+            del stream
+            budget = memory.decode_budget(h * w)
+            row(rows, "vae_decode", f"a stream of 3 pieces at {w}x{h}", torch.cuda.max_memory_allocated() - before,
+                budget)  # fmt: skip
+            row(rows, "vae_decode", "  reserved", torch.cuda.max_memory_reserved() - before_reserved, budget)
         del vae, codec
         fresh()
 

@@ -54,6 +54,10 @@ GRAPH_POOL_SHARE = 0.3  # the CUDA graphs' pool beside the eager step, a share o
 # (H100, compiled kernels: 2.78 / 6.39 / 11.35 GiB at 832x480 / 1280x720 / 1280x1280, 2.56x that with 4 frames)
 DECODE_BYTES_PER_PIXEL = 7500
 DECODE_EXTRA_FRAME = 0.52
+# served, a stream of one-latent-frame calls (frames above 832x480) reserves more than one call's live peak above:
+# nano.yaml's vae_decode through 1280x720x189 and 944x976x189 requests reserved 10.04 GiB with its 1.03 GiB of
+# weights (H200, expandable segments, torch's peak-reserved gauge; 10.79 GiB by nvidia-smi), 1.40x the call's 6.44
+DECODE_ONE_FRAME_SERVED_FACTOR = 1.4
 MAX_DECODE_FRAMES_PER_CALL = 4
 # frames up to this size decode 4 latent frames a call (faster there: H100, 832x480, 0.038 s a latent frame against
 # 0.07 s one at a time); larger ones 1 (1280x720: 0.075 s against 0.089 s, and 6.4 GiB against 16.4)
@@ -232,7 +236,10 @@ def decode_budget(largest_pixels: int) -> int:
     """The decoder's largest call for frames up to `largest_pixels`: 4 latent frames at up to FOUR_FRAMES_MAX_PIXELS,
     or 1 at up to BAND_ABOVE_PIXELS (larger frames are banded to that)."""
     four = decode_workspace(min(largest_pixels, FOUR_FRAMES_MAX_PIXELS), MAX_DECODE_FRAMES_PER_CALL)
-    return max(four, decode_workspace(min(largest_pixels, BAND_ABOVE_PIXELS), 1))
+    if largest_pixels <= FOUR_FRAMES_MAX_PIXELS:
+        return four
+    one = decode_workspace(min(largest_pixels, BAND_ABOVE_PIXELS), 1) * DECODE_ONE_FRAME_SERVED_FACTOR
+    return max(four, int(one))
 
 
 def largest_request(cfg: ModelConfig, limits, extra_rows: int = 0) -> Largest:  # limits: requests.Limits
