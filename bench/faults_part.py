@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -40,6 +41,8 @@ from cosmos3_core.triton.launcher import free_port
 from . import prom
 
 PARTS = ("denoise", "vae_decode", "prefill", "admit")
+# the stubs' startup lines (prefill.py, denoise.py, decode.py) and the supervisor's (serve.py): where a reload's time goes
+STARTUP = r"ready in|built in|warmup of \d+ shapes|reloaded in"
 
 
 class Supervised:
@@ -100,6 +103,18 @@ class Supervised:
             except (OSError, IndexError, ValueError):
                 continue
         return None
+
+    def log_size(self) -> int:
+        """Where the server's log (the supervisor's, tritonserver's and its stubs' lines) ends now."""
+        return (self.workdir / "serve.log").stat().st_size
+
+    def startup_lines(self, since: int) -> list[str]:
+        """The stubs' startup timings and the supervisor's reload time logged after byte `since` of the server's log
+        (what a reload spent where)."""
+        with open(self.workdir / "serve.log", "rb") as fh:
+            fh.seek(since)
+            text = fh.read().decode(errors="replace")
+        return [line.split("] ", 1)[-1] for line in text.splitlines() if re.search(STARTUP, line)]
 
     def metrics_text(self) -> str:
         return prom.scrape(self.metrics)
@@ -163,6 +178,7 @@ def kill_part(
                 raise RuntimeError(f"the second request did not wait in the engine's queue: {waiting.error}")
             time.sleep(0.05)
     pid = server.stub(part)
+    log_at = server.log_size()
     t_kill = time.monotonic()
     os.kill(pid, signal.SIGKILL)
     status, body = server.ready()
@@ -197,6 +213,7 @@ def kill_part(
                 out.setdefault("refused_meanwhile", str(e))
         time.sleep(0.1)
     out["restarts_total"] = server.restarts().get(part, 0.0) - before
+    out["startup"] = server.startup_lines(log_at)
     return out
 
 
