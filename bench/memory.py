@@ -241,7 +241,8 @@ def main(argv: list[str] | None = None) -> None:
                 row(rows, "vae_decode", "  reserved", torch.cuda.max_memory_reserved() - before_reserved,
                     memory.decode_workspace(h * w, frames))  # fmt: skip
         # as served: one stream, its pieces of `decode_chunk_frames` latent frames (the engine's), the budget's call
-        codec = VaeCodec(vae, args.compile)
+        codec = VaeCodec(vae, args.compile, frames_per_call=lambda h, w: memory.decode_frames_per_call(h * w * s * s))
+        codec.decode(torch.zeros(1, cfg.latent_channel, 6, 5, 7, device="cuda"))  # compiles, first use
         for h, w in DECODE_SIZES[:2]:
             before, before_reserved = fresh(), torch.cuda.memory_reserved()
             stream = StreamDecoder(codec)

@@ -125,7 +125,7 @@ class MemoryPlan:
     pool_pages: int
     max_step_rows: int
     largest: Largest
-    decode_budget: int  # the decoder's largest call (`decode_budget`)
+    decode_budget: int  # the decoder's workspace at its largest call (`decode_budget`)
     spatial: int  # output pixels per latent pixel, per axis (the VAE's spatial factor)
     notes: tuple[str, ...] = field(default_factory=tuple)
     # decoder streams whose causal state the plan holds on the GPU; the decoder parks the state of the least
@@ -233,8 +233,9 @@ def decode_frames_per_call(pixels: int) -> int:
 
 
 def decode_budget(largest_pixels: int) -> int:
-    """The decoder's largest call for frames up to `largest_pixels`: 4 latent frames at up to FOUR_FRAMES_MAX_PIXELS,
-    or 1 at up to BAND_ABOVE_PIXELS (larger frames are banded to that)."""
+    """The decoder's workspace for frames up to `largest_pixels`: its largest call, 4 latent frames at up to
+    FOUR_FRAMES_MAX_PIXELS, or 1 at up to BAND_ABOVE_PIXELS (larger frames are banded to that), a stream of those
+    reserving DECODE_ONE_FRAME_SERVED_FACTOR of it."""
     four = decode_workspace(min(largest_pixels, FOUR_FRAMES_MAX_PIXELS), MAX_DECODE_FRAMES_PER_CALL)
     if largest_pixels <= FOUR_FRAMES_MAX_PIXELS:
         return four

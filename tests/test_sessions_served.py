@@ -73,7 +73,7 @@ def bf16_server(served_deployment, tmp_path_factory):
 
 
 def test_a_same_prompt_continuation_is_served_in_bfloat16(bf16_server):
-    """Its prefill sends no text K/V: the empty tensor still has the model config's type (BF16, not FP32)."""
+    """Its prefill sends no text K/V: the placeholder still has the model config's type (BF16, not FP32)."""
     params = {**WINDOWS["kv"], "num_frames": 9, "seed": 5, "session": {"keep": True}}
     ident = generate(bf16_server.url, "a red car", params).events[-1]["session_id"]
     then = generate(bf16_server.url, "a red car", {"num_frames": 8, "session": {"continue": ident}})

@@ -83,7 +83,7 @@ _COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}  # input_torch's, one 
 
 
 def output(name: str, value: torch.Tensor | np.ndarray) -> Any:
-    """CUDA tensors and 16-bit CPU ones cross by DLPack (numpy has no bfloat16); other CPU ones as numpy (the
+    """CUDA tensors and bfloat16 CPU ones cross by DLPack (numpy has no bfloat16); other CPU ones as numpy (the
     backend refuses an empty tensor's DLPack strides)."""
     if isinstance(value, torch.Tensor):
         if value.is_cuda or value.dtype == torch.bfloat16:
