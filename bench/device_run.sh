@@ -27,8 +27,9 @@
 #   memory [inprocess|served ...] [PRECISION]   (served: carry .whl/pytriton) each part's GPU memory against its plan
 #       (bench.memory): inprocess: Nano's parts loaded alone, the allocator's peaks at several sizes; served:
 #       $CONFIG (default configs/nano.yaml; random weights at its checkpoint's shapes, no guardrail) sampled by
-#       nvidia-smi through its default request (2 steps; MEMORY_ARGS="--request default largest" adds the largest
-#       the limits admit); PRECISION checkpoint (default) or fp8
+#       NVML (nvidia-smi's count) every 10 ms through its default request (2 steps; MEMORY_ARGS="--request default
+#       largest streams" adds the largest the limits admit, then the plan's live decoder streams at once);
+#       PRECISION checkpoint (default) or fp8
 set -uo pipefail
 run=${1:?usage: bash bench/device_run.sh coldstart|lora|guardrail_served|guardrail|timeline|inprocess|memory [ARGS...]}
 shift

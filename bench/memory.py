@@ -12,12 +12,16 @@ pieces as served (each also as the allocator's reserved growth), the VAE encoder
 max_prompt_tokens. Prints one line a row and the ratio measured / planned.
 
 `--served`: the whole server on the config (random weights of its model's preset, no guardrail), nvidia-smi sampled
-every 0.2 s per process from launch through one request: each part's peak beside its plan, and the whole card's.
+every 10 ms per process (NVML, nvidia-smi's own count) from launch through its requests: each part's peak beside its
+plan, and the whole card's. `--request streams` runs the plan's live decoder streams at once (`MemoryPlan.
+decode_streams`): an AR request at the largest frame beside the others at the default size, their windows decoded in
+turn, so that the decoder holds every stream's causal state together, as the plan counts it.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import subprocess
@@ -65,15 +69,59 @@ def row(rows: list[dict], part: str, what: str, measured: int, planned: int) -> 
 PART_OF = {"cosmos3_prefill": "prefill", "cosmos3_denoise": "denoise", "cosmos3_vae_decode": "vae_decode"}
 
 
-def smi_by_process() -> dict[int, int]:
-    """pid → bytes used on the GPU (nvidia-smi's own count, contexts included)."""
-    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True, check=False).stdout  # fmt: skip
-    used = {}
-    for line in out.strip().splitlines():
-        pid, mib = (x.strip() for x in line.split(","))
-        used[int(pid)] = int(mib) * memory.MIB
-    return used
+class _ProcessInfo(ctypes.Structure):  # NVML's nvmlProcessInfo_t (the _v3 query's)
+    _fields_ = [("pid", ctypes.c_uint), ("usedGpuMemory", ctypes.c_ulonglong), ("gpuInstanceId", ctypes.c_uint),
+                ("computeInstanceId", ctypes.c_uint)]  # fmt: skip
+
+
+class GpuProcesses:
+    """pid → bytes used on GPU 0, nvidia-smi's own count (NVML, contexts included). Read through libnvidia-ml
+    directly: a query takes well under a millisecond where nvidia-smi's takes ~50 ms, so a sampler every 10 ms sees
+    a warmup's peak that lasts a fraction of a second. Falls back to nvidia-smi when NVML's answer does not match
+    nvidia-smi's at the first read."""
+
+    def __init__(self) -> None:
+        self.nvml, self.checked = None, False
+        try:
+            nvml = ctypes.CDLL("libnvidia-ml.so.1")
+            handle = ctypes.c_void_p()
+            if nvml.nvmlInit_v2() == 0 and nvml.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(handle)) == 0:
+                self.nvml, self.handle = nvml, handle
+        except (OSError, AttributeError):
+            pass
+
+    @property
+    def source(self) -> str:
+        return "NVML" if self.nvml is not None else "nvidia-smi"
+
+    def __call__(self) -> dict[int, int]:
+        if self.nvml is None:
+            return self._smi()
+        used = self._nvml()
+        if used and not self.checked:  # the first processes seen: the same ones nvidia-smi sees, at sane sizes
+            self.checked = True
+            if set(used) != set(self._smi()) or not all(0 < v < 1 << 50 for v in used.values()):
+                self.nvml = None
+                return self._smi()
+        return used
+
+    def _nvml(self) -> dict[int, int]:
+        count = ctypes.c_uint(64)
+        infos = (_ProcessInfo * 64)()
+        if self.nvml.nvmlDeviceGetComputeRunningProcesses_v3(self.handle, ctypes.byref(count), infos) != 0:
+            return {}
+        # nvidia-smi reports MiB: rounded alike, the two sources compare equal
+        return {infos[i].pid: infos[i].usedGpuMemory // memory.MIB * memory.MIB for i in range(count.value)}
+
+    @staticmethod
+    def _smi() -> dict[int, int]:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, check=False).stdout  # fmt: skip
+        used = {}
+        for line in out.strip().splitlines():
+            pid, mib = (x.strip() for x in line.split(","))
+            used[int(pid)] = int(mib) * memory.MIB
+        return used
 
 
 def part_of(pid: int) -> str:
@@ -92,19 +140,49 @@ def peak_gauges(metrics_port: int) -> dict[str, int]:
     }
 
 
-def request_size(spec: str, d: Deployment, p: memory.MemoryPlan) -> tuple[int, int, int]:
-    """(width, height, frames) of a `--request`: `default` (the config's), `largest` (the plan's largest admitted
-    request) or WxHxF."""
+# `--request streams`: chained AR windows of 29 frames (8 latent) overlapping by 8, two windows a request
+AR_STREAM = {"window_mode": "chained", "window_frames": 29, "overlap_frames": 8, "num_frames": 53}
+
+
+def requests_of(spec: str, d: Deployment, p: memory.MemoryPlan) -> list[dict]:
+    """The request parameters of a `--request`, sent at once: `default` (the config's size), `largest` (the plan's
+    largest admitted request), WxHxF, or `streams` (the plan's live decoder streams: an AR request at the largest
+    frame and `decode_streams - 1` at the default size)."""
     if spec == "default":
-        return d.defaults.width, d.defaults.height, d.defaults.num_frames
+        return [{"width": d.defaults.width, "height": d.defaults.height, "num_frames": d.defaults.num_frames}]
     if spec == "largest":
-        return p.largest.width, p.largest.height, p.largest.frames
+        return [{"width": p.largest.width, "height": p.largest.height, "num_frames": p.largest.frames}]
+    if spec == "streams":
+        big = {**AR_STREAM, "width": p.largest.frame_width, "height": p.largest.frame_height}
+        return [big] + [{**AR_STREAM, "width": d.defaults.width, "height": d.defaults.height}] * (p.decode_streams - 1)
     w, h, f = (int(x) for x in spec.split("x"))
-    return w, h, f
+    return [{"width": w, "height": h, "num_frames": f}]
+
+
+def send_together(url: str, params: list[dict], steps: int) -> str:
+    """Send the requests at once and wait for all; → a line naming each and the time until the last ended."""
+    from client.stream import generate
+
+    errors: list[str] = []
+
+    def one(q: dict) -> None:
+        try:
+            generate(url, "A robot arm stacks red and blue cubes on a wooden table.", {**q, "steps": steps})
+        except Exception as e:  # noqa: BLE001 - printed with its request, the others go on
+            errors.append(f"{q['width']}x{q['height']}x{q['num_frames']}: {e}")
+
+    t = time.perf_counter()
+    threads = [threading.Thread(target=one, args=(q,)) for q in params]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    sizes = " + ".join(f"{q['width']}x{q['height']}x{q['num_frames']}" + (" AR" if "window_mode" in q else "")
+                       for q in params)  # fmt: skip
+    return f"request {sizes}, {steps} steps: {time.perf_counter() - t:.1f}s" + "".join(f"\n  error {e}" for e in errors)
 
 
 def served(args) -> None:
-    from client.stream import generate
     from cosmos3_core.tools.plan import checkpoint_root
     from cosmos3_core.triton.launcher import stop_server, wait_until_ready
     from cosmos3_core.triton.serve import start
@@ -120,17 +198,19 @@ def served(args) -> None:
     peaks: dict[str, int] = {}
     total_peak = [0]
     stop = threading.Event()
+    gpu_processes = GpuProcesses()
+    parts: dict[int, str] = {}
 
     def sample() -> None:
         while not stop.is_set():
             by_part: dict[str, int] = {}
-            for pid, used in smi_by_process().items():
-                part = part_of(pid)
+            for pid, used in gpu_processes().items():
+                part = parts.get(pid) or parts.setdefault(pid, part_of(pid))
                 by_part[part] = by_part.get(part, 0) + used
             for part, used in by_part.items():
                 peaks[part] = max(peaks.get(part, 0), used)
             total_peak[0] = max(total_peak[0], sum(by_part.values()))
-            stop.wait(0.2)
+            stop.wait(0.01)
 
     threading.Thread(target=sample, daemon=True).start()
     t0 = time.perf_counter()
@@ -139,14 +219,11 @@ def served(args) -> None:
         try:
             wait_until_ready(ports[1], proc=proc, timeout_s=900)
             ready = time.perf_counter() - t0
-            print(f"ready in {ready:.0f}s; after load: " + ", ".join(f"{k} {v / GIB:.1f}" for k, v in peaks.items()),
-                  flush=True)  # fmt: skip
-            for w, h, f in (request_size(r, d, p) for r in args.request):
+            print(f"ready in {ready:.0f}s; after load ({gpu_processes.source}): "
+                  + ", ".join(f"{k} {v / GIB:.1f}" for k, v in peaks.items()), flush=True)  # fmt: skip
+            for spec in args.request:
                 for _ in range(args.requests):
-                    t = time.perf_counter()
-                    generate(f"127.0.0.1:{ports[0]}", "A robot arm stacks red and blue cubes on a wooden table.",
-                             {"width": w, "height": h, "num_frames": f, "steps": args.steps})  # fmt: skip
-                    print(f"request {w}x{h}x{f}, {args.steps} steps: {time.perf_counter() - t:.1f}s", flush=True)
+                    print(send_together(f"127.0.0.1:{ports[0]}", requests_of(spec, d, p), args.steps), flush=True)
             gauges = peak_gauges(ports[2])
         finally:
             stop.set()
@@ -160,6 +237,7 @@ def served(args) -> None:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"config": args.served, "precision": args.precision, "request": args.request,
+                       "sampler": gpu_processes.source,
                        "device": torch.cuda.get_device_name(), "rows": rows}, fh, indent=1)  # fmt: skip
 
 
@@ -168,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--served", default=None, metavar="CONFIG", help="the whole server on CONFIG, sampled")
     ap.add_argument("--request", nargs="+", default=["default"],
                     help="--served: its requests, each `default` (the config's), `largest` (the largest the limits "
-                    "admit) or WxHxF")  # fmt: skip
+                    "admit), WxHxF, or `streams` (the plan's live decoder streams at once, AR)")  # fmt: skip
     ap.add_argument("--requests", type=int, default=2, help="--served: of each size; the gauges are read at the last")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--preset", default="nano")

@@ -283,3 +283,23 @@ def test_expandable_segments_is_a_boolean_named_when_wrong(tmp_path):
         Deployment.load(path)
     path.write_text("expandable_segments: false\n")
     assert Deployment.load(path).expandable_segments is False
+
+
+@pytest.mark.parametrize("config", SHIPPED)
+@pytest.mark.parametrize("spec", ["default", "largest", "streams"])
+def test_the_memory_benchs_requests_are_admitted_by_each_shipped_config(config, spec):
+    """`bench.memory --served` measures each part against its plan through these requests on the GPU: one the
+    limits refuse would cost a device run and measure nothing. `streams` holds the plan's live decoder streams."""
+    from bench.memory import requests_of
+    from cosmos3_core.model.provision import resolve_checkpoint
+    from cosmos3_core.requests import validate
+
+    d = Deployment.load(config, safety_checker="none")
+    ckpt = Checkpoint.open(resolve_checkpoint(f"random:{'edge' if 'edge' in config else 'nano'}"))
+    p = memory.plan(d, ckpt.root, ckpt.config, 80 * memory.GIB)
+    params = requests_of(spec, d, p)
+    assert len(params) == (p.decode_streams if spec == "streams" else 1)
+    for q in params:
+        validate("p", q, None, d.defaults, d.limits, ckpt.config.pixel_alignment, ckpt.config.vae_scale_temporal, 1.0)
+    if spec == "streams":
+        assert (params[0]["width"], params[0]["height"]) == (p.largest.frame_width, p.largest.frame_height)
