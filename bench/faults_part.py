@@ -11,12 +11,13 @@ being denoised, and report
 Then (--drain) one request in flight and SIGINT: how long until readiness answers 503, and how the request ended.
 
   python -m bench.faults_part --part denoise|vae_decode|prefill|admit|all [--config configs/tiny.yaml]
-      [--checkpoint DIR] [--drain]
+      [--checkpoint DIR] [--set KEY=YAML ...] [--drain]
       [--steps 50] [--json out/faults_part.json]
 
 On a GPU (the acceptance "a dead part is served again within 10 s, each part"), Edge with warm caches:
   python -m bench.faults_part --config configs/edge.yaml --checkpoint /models/Cosmos3-Edge --part all --steps 20 \
       --json out/faults_part_edge.json
+(random weights at Edge's shapes, no guardrail: `--checkpoint random:edge --set safety_checker=none`)
 """
 
 from __future__ import annotations
@@ -252,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--part", default="all", choices=(*PARTS, "all"))
     ap.add_argument("--config", default="configs/tiny.yaml")
     ap.add_argument("--checkpoint", default=None, help="override the config's checkpoint")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=YAML", help="override a top-level config key")
     ap.add_argument("--steps", type=int, default=50, help="of the request in flight (long enough to kill mid-way)")
     ap.add_argument("--drain", action="store_true", help="end with a drain (SIGINT) with a request in flight")
     ap.add_argument("--back-timeout", type=float, default=300.0, help="give up waiting for service after this")
@@ -259,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
-    extra = ["--checkpoint", args.checkpoint] if args.checkpoint else []
+    extra = (["--checkpoint", args.checkpoint] if args.checkpoint else []) + [f"--set={item}" for item in args.set]
     server = Supervised(args.config, Path(args.workdir), extra_args=extra)
     rows: list[dict] = []
     try:

@@ -41,10 +41,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import yaml
-
 from client.stream import generate
-from cosmos3_core.deployment import Deployment
+from cosmos3_core.deployment import Deployment, parse_sets
 from cosmos3_core.model.provision import resolve_checkpoint
 from cosmos3_core.tools.make_lora import make_lora
 from cosmos3_core.triton.launcher import stop_server, wait_until_ready
@@ -163,7 +161,7 @@ def main() -> int:
     ap.add_argument("--md", default="", help="append a row (date, GPU, command, figures) to this file")
     args = ap.parse_args()
     t_start = time.perf_counter()
-    overrides = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.set)}
+    overrides = parse_sets(args.set)
     params = json.loads(args.params)
     base = Deployment.load(args.config, **overrides)
     lora_dir = Path(tempfile.mkdtemp(prefix="cosmos3-loras-"))

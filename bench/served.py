@@ -51,10 +51,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import yaml
-
 from client.stream import generate
-from cosmos3_core.deployment import Deployment
+from cosmos3_core.deployment import Deployment, parse_sets
 from cosmos3_core.triton.launcher import stop_server, wait_until_ready
 from cosmos3_core.triton.serve import start
 
@@ -445,7 +443,7 @@ def main() -> int:
     pa_kind = (args.c4_variants or ["t2v"])[-1]
     if args.perf_analyzer and VARIANTS[pa_kind][1] is not None:
         ap.error(f"--perf-analyzer sends a prompt and parameters only: {pa_kind} needs a conditioning input")
-    overrides = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.set)}
+    overrides = parse_sets(args.set)
     # `start` resolves `random:` into a path; side_by_side needs the name
     configured = Deployment.load(args.config, **overrides)
     workdir = Path(tempfile.mkdtemp(prefix="cosmos3-bench-"))

@@ -20,10 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import yaml
-
 from client.stream import generate
-from cosmos3_core.deployment import Deployment
+from cosmos3_core.deployment import Deployment, parse_sets
 from cosmos3_core.triton.launcher import stop_server, wait_until_ready
 from cosmos3_core.triton.serve import start
 
@@ -53,7 +51,7 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3, help="each kind this many times")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
-    overrides = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.set)}
+    overrides = parse_sets(args.set)
     deployment = Deployment.load(args.config, **overrides)
     params = json.loads(args.params)
     proc, ports, _ = start(deployment, Path(tempfile.mkdtemp(prefix="bench_sessions_")))

@@ -34,7 +34,7 @@ def record(args) -> str:
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from cosmos3_core.deployment import Deployment
+    from cosmos3_core.deployment import Deployment, parse_sets
     from cosmos3_core.generate import Generator
 
     from .inprocess import PROMPT
@@ -43,9 +43,7 @@ def record(args) -> str:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
 
-    import yaml
-
-    overrides = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.set)}
+    overrides = parse_sets(args.set)
     gen = Generator(Deployment.load(args.config, **overrides))
     params = json.loads(args.params)
     # --concurrency N: N requests, seeds apart, submitted together (packed as the engine packs them served)

@@ -28,6 +28,18 @@ INSTANCES = {"prefill": 1, "denoise": 1, "vae_decode": 1}  # the default instanc
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
 
 
+def parse_sets(items: list[str]) -> dict[str, Any]:
+    """`--set KEY=YAML` items (the CLI's, the server's and the benchmarks') → top-level config overrides for
+    `Deployment.load`, e.g. `precision=fp8`, `checkpoint=random:edge`. ValueError names an item without `=`."""
+    overrides = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set {item!r}: expected KEY=YAML, e.g. precision=fp8")
+        overrides[key] = yaml.safe_load(value)
+    return overrides
+
+
 def _section(kind: type, raw: Any, where: str, build: bool = True) -> Any:
     """A config section (a mapping) → `kind(**raw)`; a key `kind` has no field for is an error naming it (not a
     TypeError from the constructor). `build` False: only the check."""

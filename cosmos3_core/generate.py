@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from .caches import use_kernel_caches
-from .deployment import DEFAULT_CONFIG, Deployment
+from .deployment import DEFAULT_CONFIG, Deployment, parse_sets
 from .engine import DenoiseEngine
 from .inputs import load_image, load_raw_actions, load_video
 from .media import (
@@ -199,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--then", action="append", default=[], metavar="PROMPT",
                     help='continue the AR stream\'s session with this prompt ("": the same); repeatable')  # fmt: skip
     ap.add_argument("--then-frames", type=int, help="new frames per --then (a multiple of 4; default: one window's)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=YAML",
+                    help="override a top-level config key, e.g. precision=fp8 (as the server takes it)")  # fmt: skip
     ap.add_argument("--device")
     ap.add_argument("--dtype")
     ap.add_argument("--out", required=True, help="output file: " + ", ".join(OUT_SUFFIXES))
@@ -219,9 +221,14 @@ def main(argv: list[str] | None = None) -> int:
         lora_dir = None
         if args.lora:  # a folder save_lora_adapter wrote: served from its parent, by its name
             lora_dir, args.lora = str(Path(args.lora).resolve().parent), Path(args.lora).resolve().name
-        deployment = Deployment.load(
-            args.config, checkpoint=args.checkpoint or None, device=args.device, dtype=args.dtype, lora_dir=lora_dir
-        )
+        flags = {
+            "checkpoint": args.checkpoint or None,
+            "device": args.device,
+            "dtype": args.dtype,
+            "lora_dir": lora_dir,
+        }
+        overrides = {**parse_sets(args.set), **{k: v for k, v in flags.items() if v is not None}}
+        deployment = Deployment.load(args.config, **overrides)
         ckpt = deployment.open_checkpoint()
         image = load_image(args.image) if args.image else None
         video = load_video(args.video) if args.video else None

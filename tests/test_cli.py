@@ -22,6 +22,8 @@ SMALL = ["--height", "32", "--width", "32", "--num-frames", "5", "--steps", "2"]
         (["--guidance", "nan"], "guidance_scale: must be a finite number"),
         (["--image", "/nonexistent.png"], "image: cannot read"),
         (["--out", "x.gif"], "out: suffix must be one of"),
+        (["--set", "precision"], "--set 'precision': expected KEY=YAML"),
+        (["--set", "bogus=1"], "unknown keys ['bogus']"),
     ],
 )
 def test_bad_arguments_exit_2(nano_ckpt, tmp_path, capsys, extra, message):
@@ -67,3 +69,17 @@ def test_cli_and_server_default_to_the_same_deployment():
     defaults = Deployment.load(DEFAULT_CONFIG).defaults
     # the embedded default sets sizes and steps for a CPU, nothing that departs from the reference's sampling
     assert (defaults.fps, defaults.t2v.guidance_scale, defaults.t2v.shift) == (24.0, 6.0, None)
+
+
+def test_the_server_takes_set_as_the_cli_and_the_plan_do(tmp_path, capsys):
+    """`serve --set KEY=YAML` overrides a config key in what the parts load (the rendered deployment); a malformed
+    one is one error line and exit 2."""
+    import yaml
+
+    from cosmos3_core.triton import serve
+
+    assert serve.main(["--render-only", "--workdir", str(tmp_path / "a"), "--set", "max_queue=7"]) == 0
+    assert yaml.safe_load((tmp_path / "a" / "deployment.yaml").read_text())["max_queue"] == 7
+    capsys.readouterr()
+    assert serve.main(["--render-only", "--workdir", str(tmp_path / "b"), "--set", "max_queue"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --set 'max_queue': expected KEY=YAML, e.g. precision=fp8"

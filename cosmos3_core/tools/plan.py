@@ -15,9 +15,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-import yaml
-
-from ..deployment import Deployment
+from ..deployment import Deployment, parse_sets
 from ..memory import GIB, card_bytes, plan
 from ..model.checkpoint import Checkpoint
 from ..model.provision import resolve_checkpoint
@@ -47,12 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
                         help="the card's memory (default: this machine's GPU, if any)")  # fmt: skip
     args = parser.parse_args(argv)
-    overrides = {}
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep:
-            parser.error(f"--set {item!r}: KEY=YAML")
-        overrides[key] = yaml.safe_load(value)
+    try:
+        overrides = parse_sets(args.set)
+    except ValueError as e:
+        parser.error(str(e))
     d = Deployment.load(args.config, **overrides, **({"checkpoint": args.checkpoint} if args.checkpoint else {}))
     if d.device == "auto":  # the plan is of the GPU the config serves on, whatever this machine has
         d = replace(d, device="cuda")

@@ -40,7 +40,7 @@ from string import Template
 import yaml
 
 from .. import errors, memory
-from ..deployment import DEFAULT_CONFIG, Deployment
+from ..deployment import DEFAULT_CONFIG, Deployment, parse_sets
 from ..model.checkpoint import Checkpoint
 from ..model.provision import resolve_checkpoint
 from .front import Front
@@ -126,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m cosmos3_core.triton.serve", description=__doc__.split("\n")[0])
     ap.add_argument("--config", default=str(DEFAULT_CONFIG), help="deployment YAML; default configs/tiny.yaml")
     ap.add_argument("--checkpoint", default=None, help="override the config's checkpoint")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=YAML",
+                    help="override a top-level config key, e.g. precision=fp8 (as `make plan` takes it)")  # fmt: skip
     ap.add_argument("--grpc-port", type=int, default=8001)
     ap.add_argument("--http-port", type=int, default=8000)
     ap.add_argument("--metrics-port", type=int, default=8002)
@@ -152,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)  # fmt: skip
         return 1
     try:
-        deployment = Deployment.load(args.config, checkpoint=args.checkpoint)
+        overrides = {**parse_sets(args.set), **({"checkpoint": args.checkpoint} if args.checkpoint else {})}
+        deployment = Deployment.load(args.config, **overrides)
     except (ValueError, OSError) as e:  # a config error names its field: one line, not a traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
