@@ -182,10 +182,14 @@ class Deployment:
             return torch.bfloat16 if self.torch_device.startswith("cuda") else torch.float32
         return DTYPES[self.dtype]
 
-    def planned(self, ckpt: Checkpoint, card: int | None = None) -> tuple[Deployment, MemoryPlan]:
+    def planned(
+        self, ckpt: Checkpoint, card: int | None = None, peak_warmup: bool = True
+    ) -> tuple[Deployment, MemoryPlan]:
         """This deployment with `pool_pages` and `max_step_rows` resolved by its memory plan on this machine's card
         (`card` bytes: another's), and the plan. On CUDA, `PlanError` when the plan does not fit the card, and the
-        largest admitted request joins `warmup_requests`: each part reaches its peak at load, not at a request."""
+        largest admitted request joins `warmup_requests`: each part reaches its peak at load, not at a request.
+        `peak_warmup` False (a part reloaded after its first load proved that peak: `ServerState.peak_proven`)
+        leaves it out."""
         if self.torch_device.startswith("cuda"):
             memory.use_allocator(self.expandable_segments)
         card = memory.card_bytes(self.torch_device) if card is None else card
@@ -193,7 +197,7 @@ class Deployment:
         memory.check(p)
         warmup, largest = self.warmup_requests, p.largest.warmup_request(self.limits)
         fits = p.largest.rows <= p.max_step_rows  # else the scheduler refuses it: max_step_rows bounds the peak
-        if self.torch_device.startswith("cuda") and fits and largest not in warmup:  # planned() twice: added once
+        if self.torch_device.startswith("cuda") and peak_warmup and fits and largest not in warmup:  # added once
             warmup = [*warmup, largest]
         return replace(self, pool_pages=p.pool_pages, max_step_rows=p.max_step_rows, warmup_requests=warmup), p
 

@@ -86,17 +86,21 @@ class PrefillStage:
 
     @classmethod
     def from_deployment(
-        cls, ckpt: Checkpoint, d: Deployment, device: str, turn: AbstractContextManager | None = None
-    ) -> PrefillStage:
+        cls, ckpt: Checkpoint, d: Deployment, device: str, turn: AbstractContextManager | None = None,
+        peak_warmup: bool = True,
+    ) -> PrefillStage:  # fmt: skip
         """With the deployment's text guardrail (`safety.Unavailable` when it cannot be built here). Refuses a
         deployment whose memory plan does not fit its card (`memory.PlanError`). `turn`: held around the encoder's
-        warmup (a server's parts reach their peaks one at a time: `ServerState.warmup_turn`)."""
+        warmup at the largest frame (a server's parts reach their peaks one at a time: `ServerState.warmup_turn`);
+        `peak_warmup` False skips it (a reload, that peak proven by the part's first load)."""
         _, plan = d.planned(ckpt)
         safety = Guardrail.load(d.safety_checker, device, TEXT)
         stage = cls(ckpt, device, d.torch_dtype, d.defaults, d.limits, d.lora, safety=safety,
                     safety_optional=d.safety_checker_optional)  # fmt: skip
         stage.plan = plan
-        if str(device).startswith("cuda"):  # the encoder's peak at load: a clip's first call at the largest frame
+        if (
+            str(device).startswith("cuda") and peak_warmup
+        ):  # the encoder's peak at load: a clip's first call at the largest frame
             big = plan.largest
             with turn or contextlib.nullcontext(), torch.inference_mode():
                 clip = torch.zeros(1, 3, 5, big.frame_height, big.frame_width, dtype=stage.codec.dtype, device=device)
@@ -247,12 +251,14 @@ class DecodeStage:
         safety: Guardrail | None = None,
         plan: MemoryPlan | None = None,
         turn: AbstractContextManager | None = None,
+        peak_warmup: bool = True,
     ):
         """`group`: decode each chunk split by rows over its decode ranks (parallel/vae.py). `startup`: seconds
         per part of this load (the server logs them). `safety`: the video guardrail every piece of frames passes
         before it is returned (None: no checks). `plan`: the deployment's memory plan (on CUDA): the decoder's
         latent frames per call and its row bands by frame size, and a warmup decode of the largest admitted frame,
-        so its memory is claimed at load (None: the decoder's defaults). `turn`: held around that warmup."""
+        so its memory is claimed at load (None: the decoder's defaults). `turn`: held around that warmup;
+        `peak_warmup` False skips it (a reload, that peak proven by the part's first load)."""
         self.safety = safety
         self.plan = plan
         # stream id → (why the guardrail blocked one of its pieces, when): its later pieces are refused too, never
@@ -301,7 +307,9 @@ class DecodeStage:
         if compile:
             warm_decoder(self.codec, ckpt.config.latent_channel)
             lap("compile warmup")
-        if plan is not None and group is None:  # its largest calls: 1 + 4 latent frames (a first and a full call)
+        if (
+            plan is not None and group is None and peak_warmup
+        ):  # its largest calls: 1 + 4 latent frames (a first and a full call)
             s = ckpt.config.vae_scale_spatial
             with turn or contextlib.nullcontext():
                 for h, w in plan.decode_warmup_sizes():
@@ -312,17 +320,18 @@ class DecodeStage:
     @classmethod
     def from_deployment(
         cls, ckpt: Checkpoint, d: Deployment, device: str, group: Group | None = None,
-        turn: AbstractContextManager | None = None,
+        turn: AbstractContextManager | None = None, peak_warmup: bool = True,
     ) -> DecodeStage:  # fmt: skip
         """`group`: a running group to decode over (the CLI's, shared with its engine); else one of the
-        deployment's `parallel.vae` ranks is started when that is above 1. `turn`: held around the memory warmup."""
+        deployment's `parallel.vae` ranks is started when that is above 1. `turn`: held around the memory warmup;
+        `peak_warmup` False skips it (a reload)."""
         _, plan = d.planned(ckpt)  # refuses a deployment that does not fit its card
         safety = Guardrail.load(d.safety_checker, device, VIDEO)  # first: a missing guardrail fails before the VAE
         if group is None and d.parallel.vae > 1:
             group = Group(d.worker_spec(ckpt.root, ("decode",)))
         cuda = str(device).startswith("cuda")
         stage = cls(ckpt, device, d.torch_dtype, d.compile, group if d.parallel.vae > 1 else None, safety,
-                    plan if cuda else None, turn)  # fmt: skip
+                    plan if cuda else None, turn, peak_warmup)  # fmt: skip
         stage.plan = plan
         return stage
 

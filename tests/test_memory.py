@@ -244,6 +244,9 @@ def test_a_bound_below_the_largest_request_keeps_it_out_of_the_warmup(nano_ckpt)
     roomy, p = dataclasses.replace(d, max_step_rows="auto").planned(ckpt, card=80 * memory.GIB)
     assert roomy.warmup_requests[-1] == p.largest.warmup_request(d.limits)
     assert roomy.planned(ckpt, card=80 * memory.GIB)[0].warmup_requests == roomy.warmup_requests  # added once
+    # a part reloaded in the same server's life: its first load proved that peak on this card (ServerState)
+    reload, _ = dataclasses.replace(d, max_step_rows="auto").planned(ckpt, card=80 * memory.GIB, peak_warmup=False)
+    assert reload.warmup_requests == d.warmup_requests
 
 
 def test_a_graph_bucket_over_max_capture_rows_is_refused_at_load(tmp_path):

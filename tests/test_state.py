@@ -38,3 +38,15 @@ def test_one_part_warms_up_at_a_time(tmp_path):
     done = threading.Event()
     threading.Thread(target=lambda: (ServerState(tmp_path).warmup_turn().__enter__(), done.set())).start()
     assert done.wait(2), "the turn was not given back after a failed warmup"
+
+
+def test_a_parts_proven_peak_lasts_until_the_server_is_new(tmp_path):
+    """A reloaded part skips the warmup at the largest admitted request once its first load in this server's life
+    ran it (denoise keeps the graph buckets it derived then); a whole restart (`reset`) proves it again."""
+    state = ServerState(tmp_path)
+    assert state.proven_peak("denoise") is None
+    ServerState(tmp_path).prove_peak("denoise", "[12096, 24192]")  # the part's own stub
+    ServerState(tmp_path).prove_peak("prefill")
+    assert state.proven_peak("denoise") == "[12096, 24192]" and state.proven_peak("prefill") == ""
+    state.reset()
+    assert state.proven_peak("denoise") is None and state.proven_peak("prefill") is None

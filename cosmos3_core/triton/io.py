@@ -8,6 +8,7 @@ models and to the client is typed in wire.py.
 from __future__ import annotations
 
 import json
+import os
 import queue
 import threading
 import traceback
@@ -40,6 +41,16 @@ def deployment_from_args(args: dict[str, Any]) -> tuple[Deployment, str]:
         device = f"cuda:{args.get('model_instance_device_id', 0) or 0}"
     use_device(device)
     return d, device
+
+
+def process_age_s() -> float:
+    """Seconds since this process started: at `initialize`, the stub's own start and the imports before it (a
+    reload's share that no model work explains). Linux's /proc, where Triton runs."""
+    with open("/proc/self/stat") as fh:
+        started_ticks = int(fh.read().rsplit(")", 1)[1].split()[19])
+    with open("/proc/uptime") as fh:
+        uptime = float(fh.read().split()[0])
+    return uptime - started_ticks / os.sysconf("SC_CLK_TCK")
 
 
 def use_device(device: str | torch.device) -> None:

@@ -22,7 +22,7 @@ from ..stages import PrefillStage
 from ..wire import RequestMeta
 from .admission import Ticket
 from .gpu_memory import GpuMemoryMetric
-from .io import deployment_from_args, error_response, input_array, log_exception, output, text_output
+from .io import deployment_from_args, error_response, input_array, log_exception, output, process_age_s, text_output
 from .outcomes import AT_PREFILL, Outcomes
 from .state import ServerState
 
@@ -45,17 +45,22 @@ class PrefillModel:
     """`cosmos3_prefill`'s model.py, as its `TritonPythonModel` calls it."""
 
     def __init__(self, args):
-        t0 = time.perf_counter()
+        t0, booted = time.perf_counter(), process_age_s()
         d, device = deployment_from_args(args)
         self.state = ServerState(d.state_dir)
         # with its text guardrail; its warmup takes its turn among the parts'
-        self.stage = PrefillStage.from_deployment(d.open_checkpoint(), d, device, self.state.warmup_turn())
+        self.stage = PrefillStage.from_deployment(
+            d.open_checkpoint(), d, device, self.state.warmup_turn(), self.state.proven_peak("prefill") is None
+        )
+        self.state.prove_peak("prefill")
         self.refusals = RefusalMetric({"model": args["model_name"], "instance": args["model_instance_name"]})
         labels = {"model": args["model_name"], "instance": args["model_instance_name"]}
         self.gpu_memory = GpuMemoryMetric(self.stage.plan, ("prefill",), labels)
         # how requests ended here: one count each, the only one (outcomes.py)
         self.outcomes = Outcomes({"model": args["model_name"], "instance": args["model_instance_name"]}, AT_PREFILL)
-        pb_utils.Logger.log_info(f"cosmos3_prefill: ready in {time.perf_counter() - t0:.1f}s")  # startup's parts
+        pb_utils.Logger.log_info(  # startup's parts
+            f"cosmos3_prefill: ready in {time.perf_counter() - t0:.1f}s (process start to initialize {booted:.1f}s)"
+        )
 
     def execute(self, requests):
         responses = [self._one(r) for r in requests]
