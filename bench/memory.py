@@ -11,9 +11,9 @@ steps, CUDA graphs as served), the VAE decoder per call (1 and 4 latent frames a
 pieces as served (each also as the allocator's reserved growth), the VAE encoder (an i2v frame), the UND pass at
 max_prompt_tokens. Prints one line a row and the ratio measured / planned.
 
-`--served`: the whole server on the config (random weights of its model's preset, no guardrail), nvidia-smi sampled
-every 10 ms per process (NVML, nvidia-smi's own count) from launch through its requests: each part's peak beside its
-plan, and the whole card's. `--request streams` runs the plan's live decoder streams at once (`MemoryPlan.
+`--served`: the whole server on the config (random weights of its model's preset, no guardrail), each process's GPU
+memory read every 10 ms through NVML (nvidia-smi's own count; nvidia-smi itself where NVML cannot be read) from
+launch through its requests: each part's peak beside its plan, and the whole card's. `--request streams` runs the plan's live decoder streams at once (`MemoryPlan.
 decode_streams`): an AR request at the largest frame beside the others at the default size, their windows decoded in
 turn, so that the decoder holds every stream's causal state together, as the plan counts it.
 """
@@ -24,6 +24,7 @@ import argparse
 import ctypes
 import gc
 import json
+import os
 import subprocess
 import tempfile
 import threading
@@ -69,24 +70,27 @@ def row(rows: list[dict], part: str, what: str, measured: int, planned: int) -> 
 PART_OF = {"cosmos3_prefill": "prefill", "cosmos3_denoise": "denoise", "cosmos3_vae_decode": "vae_decode"}
 
 
-class _ProcessInfo(ctypes.Structure):  # NVML's nvmlProcessInfo_t (the _v3 query's)
-    _fields_ = [("pid", ctypes.c_uint), ("usedGpuMemory", ctypes.c_ulonglong), ("gpuInstanceId", ctypes.c_uint),
-                ("computeInstanceId", ctypes.c_uint)]  # fmt: skip
-
-
 class GpuProcesses:
-    """pid → bytes used on GPU 0, nvidia-smi's own count (NVML, contexts included). Read through libnvidia-ml
+    """pid → bytes used on the GPUs, nvidia-smi's own count (NVML, contexts included). Read through libnvidia-ml
     directly: a query takes well under a millisecond where nvidia-smi's takes ~50 ms, so a sampler every 10 ms sees
-    a warmup's peak that lasts a fraction of a second. Falls back to nvidia-smi when NVML's answer does not match
-    nvidia-smi's at the first read."""
+    a warmup's peak that lasts a fraction of a second. NVML's per-process record (nvmlProcessInfo_t: pid, used bytes,
+    two instance ids) is 24 bytes, 32 on R535 drivers (one field more, the same function version): the stride is the
+    one whose records all name live processes. Each new set of pids is checked against nvidia-smi's; a disagreement
+    or an NVML error falls back to nvidia-smi for the rest of the run (`source` says which)."""
+
+    RECORDS = 128
+    STRIDES = (24, 32)
 
     def __init__(self) -> None:
-        self.nvml, self.checked = None, False
+        self.nvml, self.known, self.stride = None, frozenset(), 0
         try:
             nvml = ctypes.CDLL("libnvidia-ml.so.1")
-            handle = ctypes.c_void_p()
-            if nvml.nvmlInit_v2() == 0 and nvml.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(handle)) == 0:
-                self.nvml, self.handle = nvml, handle
+            self.query = nvml.nvmlDeviceGetComputeRunningProcesses_v3
+            count = ctypes.c_uint()
+            if nvml.nvmlInit_v2() == 0 and nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) == 0:
+                self.handles = [ctypes.c_void_p() for _ in range(count.value)]
+                if all(nvml.nvmlDeviceGetHandleByIndex_v2(i, ctypes.byref(h)) == 0 for i, h in enumerate(self.handles)):
+                    self.nvml = nvml
         except (OSError, AttributeError):
             pass
 
@@ -95,23 +99,44 @@ class GpuProcesses:
         return "NVML" if self.nvml is not None else "nvidia-smi"
 
     def __call__(self) -> dict[int, int]:
-        if self.nvml is None:
-            return self._smi()
-        used = self._nvml()
-        if used and not self.checked:  # the first processes seen: the same ones nvidia-smi sees, at sane sizes
-            self.checked = True
-            if set(used) != set(self._smi()) or not all(0 < v < 1 << 50 for v in used.values()):
-                self.nvml = None
-                return self._smi()
-        return used
+        if self.nvml is not None:
+            try:
+                used = self._nvml()
+            except (OSError, ValueError, ctypes.ArgumentError):
+                used = None
+            if used is not None and (frozenset(used) == self.known or self._agrees(used)):
+                return used
+            self.nvml = None
+        return self._smi()
 
-    def _nvml(self) -> dict[int, int]:
-        count = ctypes.c_uint(64)
-        infos = (_ProcessInfo * 64)()
-        if self.nvml.nvmlDeviceGetComputeRunningProcesses_v3(self.handle, ctypes.byref(count), infos) != 0:
-            return {}
-        # nvidia-smi reports MiB: rounded alike, the two sources compare equal
-        return {infos[i].pid: infos[i].usedGpuMemory // memory.MIB * memory.MIB for i in range(count.value)}
+    def _agrees(self, used: dict[int, int]) -> bool:
+        if set(used) != set(self._smi()):
+            return False
+        self.known = frozenset(used)
+        return True
+
+    def _nvml(self) -> dict[int, int] | None:
+        """Every GPU's processes (a pid on several GPUs: summed), None on an NVML error or records no stride reads."""
+        used: dict[int, int] = {}
+        for handle in self.handles:
+            count = ctypes.c_uint(self.RECORDS)
+            raw = (ctypes.c_ubyte * (self.RECORDS * max(self.STRIDES)))()
+            if self.query(handle, ctypes.byref(count), raw) != 0:
+                return None
+            data = bytes(raw)
+            for stride in (self.stride,) if self.stride else self.STRIDES:
+                records = [(int.from_bytes(data[i * stride : i * stride + 4], "little"),
+                            int.from_bytes(data[i * stride + 8 : i * stride + 16], "little")) for i in range(count.value)]  # fmt: skip
+                if all(os.path.exists(f"/proc/{pid}") and 0 < b < 1 << 50 for pid, b in records):
+                    if count.value > 1:  # one record reads alike at either stride
+                        self.stride = stride
+                    break
+            else:
+                return None
+            for pid, b in records:
+                # nvidia-smi reports MiB: rounded alike, the two sources compare equal
+                used[pid] = used.get(pid, 0) + b // memory.MIB * memory.MIB
+        return used
 
     @staticmethod
     def _smi() -> dict[int, int]:

@@ -30,13 +30,16 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml
 
 def parse_sets(items: list[str]) -> dict[str, Any]:
     """`--set KEY=YAML` items (the CLI's, the server's and the benchmarks') → top-level config overrides for
-    `Deployment.load`, e.g. `precision=fp8`, `checkpoint=random:edge`. ValueError names an item without `=`."""
+    `Deployment.load`, e.g. `precision=fp8`, `checkpoint=random:edge`. ValueError names an item without `=`, or
+    with a null value (`Deployment.load` takes None as "not given": such a key is set in the config file)."""
     overrides = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ValueError(f"--set {item!r}: expected KEY=YAML, e.g. precision=fp8")
         overrides[key] = yaml.safe_load(value)
+        if overrides[key] is None:
+            raise ValueError(f"--set {item!r}: a null value cannot override a key; set it in the config file")
     return overrides
 
 
@@ -188,7 +191,7 @@ class Deployment:
         """This deployment with `pool_pages` and `max_step_rows` resolved by its memory plan on this machine's card
         (`card` bytes: another's), and the plan. On CUDA, `PlanError` when the plan does not fit the card, and the
         largest admitted request joins `warmup_requests`: each part reaches its peak at load, not at a request.
-        `peak_warmup` False (a part reloaded after its first load proved that peak: `ServerState.peak_proven`)
+        `peak_warmup` False (a part reloaded after its first load proved that peak: `ServerState.proven_peak`)
         leaves it out."""
         if self.torch_device.startswith("cuda"):
             memory.use_allocator(self.expandable_segments)

@@ -24,6 +24,7 @@ SMALL = ["--height", "32", "--width", "32", "--num-frames", "5", "--steps", "2"]
         (["--out", "x.gif"], "out: suffix must be one of"),
         (["--set", "precision"], "--set 'precision': expected KEY=YAML"),
         (["--set", "bogus=1"], "unknown keys ['bogus']"),
+        (["--set", "graph_buckets=null"], "a null value cannot override a key"),
     ],
 )
 def test_bad_arguments_exit_2(nano_ckpt, tmp_path, capsys, extra, message):

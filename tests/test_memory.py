@@ -306,3 +306,26 @@ def test_the_memory_benchs_requests_are_admitted_by_each_shipped_config(config, 
         validate("p", q, None, d.defaults, d.limits, ckpt.config.pixel_alignment, ckpt.config.vae_scale_temporal, 1.0)
     if spec == "streams":
         assert (params[0]["width"], params[0]["height"]) == (p.largest.frame_width, p.largest.frame_height)
+
+
+@pytest.mark.parametrize("stride", [24, 32])
+def test_the_memory_bench_reads_nvmls_process_records_at_either_driver_stride(stride):
+    """NVML's per-process record is 24 bytes on most drivers and 32 on R535 (the same function version): the sampler
+    must find which from the records themselves, or every process after the first reads as garbage."""
+    import ctypes
+    import os
+
+    from bench.memory import GpuProcesses
+
+    records = [(os.getpid(), 3 * memory.GIB), (os.getppid(), 5 * memory.GIB + 123)]
+
+    def query(handle, count_ref, raw):
+        count_ref._obj.value = len(records)
+        for i, (pid, used) in enumerate(records):
+            entry = pid.to_bytes(4, "little") + bytes(4) + used.to_bytes(8, "little") + bytes(stride - 16)
+            ctypes.memmove(ctypes.addressof(raw) + i * stride, entry, stride)
+        return 0
+
+    g = GpuProcesses()
+    g.nvml, g.query, g.handles = object(), query, [None]
+    assert g._nvml() == {os.getpid(): 3 * memory.GIB, os.getppid(): 5 * memory.GIB} and g.stride == stride

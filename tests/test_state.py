@@ -40,13 +40,15 @@ def test_one_part_warms_up_at_a_time(tmp_path):
     assert done.wait(2), "the turn was not given back after a failed warmup"
 
 
-def test_a_parts_proven_peak_lasts_until_the_server_is_new(tmp_path):
-    """A reloaded part skips the warmup at the largest admitted request once its first load in this server's life
-    ran it (denoise keeps the graph buckets it derived then); a whole restart (`reset`) proves it again."""
+def test_an_instances_proven_peak_lasts_until_the_server_is_new(tmp_path):
+    """A reloaded instance skips the warmup at the largest admitted request once its first load in this server's life
+    ran it (denoise keeps the step layouts it settled on then); another instance proves its own; a whole restart
+    (`reset`) proves them again."""
     state = ServerState(tmp_path)
-    assert state.proven_peak("denoise") is None
-    ServerState(tmp_path).prove_peak("denoise", "[12096, 24192]")  # the part's own stub
-    ServerState(tmp_path).prove_peak("prefill")
-    assert state.proven_peak("denoise") == "[12096, 24192]" and state.proven_peak("prefill") == ""
+    assert state.proven_peak("cosmos3_denoise_0_0") is None
+    ServerState(tmp_path).prove_peak("cosmos3_denoise_0_0", '{"buckets": [12096], "pad_limit": 0.1}')  # its stub
+    ServerState(tmp_path).prove_peak("cosmos3_prefill_0_0")
+    assert state.proven_peak("cosmos3_denoise_0_0") == '{"buckets": [12096], "pad_limit": 0.1}'
+    assert state.proven_peak("cosmos3_prefill_0_0") == "" and state.proven_peak("cosmos3_denoise_1_0") is None
     state.reset()
-    assert state.proven_peak("denoise") is None and state.proven_peak("prefill") is None
+    assert state.proven_peak("cosmos3_denoise_0_0") is None and state.proven_peak("cosmos3_prefill_0_0") is None

@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         overrides = parse_sets(args.set)
     except ValueError as e:
         parser.error(str(e))
-    d = Deployment.load(args.config, **overrides, **({"checkpoint": args.checkpoint} if args.checkpoint else {}))
+    d = Deployment.load(args.config, **{**overrides, **({"checkpoint": args.checkpoint} if args.checkpoint else {})})
     if d.device == "auto":  # the plan is of the GPU the config serves on, whatever this machine has
         d = replace(d, device="cuda")
     root, note = checkpoint_root(d.checkpoint)

@@ -33,7 +33,7 @@ import torch
 
 from ..attention import flashinfer_backend, flashinfer_module_specs
 from ..caches import cuda_arch, flashinfer_aot_dir, use_kernel_caches
-from ..deployment import DEFAULT_CONFIG, DTYPES, Deployment
+from ..deployment import DEFAULT_CONFIG, DTYPES, Deployment, parse_sets
 
 
 def flashinfer_kernels(d: Deployment, head_dim: int, arch: str) -> list[tuple[str, torch.dtype, int, bool]]:
@@ -110,17 +110,23 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=None, help="deployment YAML (default: the CLI's and server's default)")
     ap.add_argument("--checkpoint", default=None)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=YAML",
+                    help="override a top-level config key, as the server takes it (warm what it will serve)")  # fmt: skip
     ap.add_argument("--kernels-only", action="store_true", help="only FlashInfer's modules: no GPU needed (nvcc)")
     ap.add_argument("--cuda-arch", default=None, help='GPU archs to build FlashInfer for, e.g. "9.0a" (H100/H200); '
                     "default $FLASHINFER_CUDA_ARCH_LIST, else this machine's GPUs")  # fmt: skip
     ap.add_argument("--verbose", action="store_true", help="show the compiler's commands")
     args = ap.parse_args(argv)
+    try:
+        overrides = {**parse_sets(args.set), **({"checkpoint": args.checkpoint} if args.checkpoint else {})}
+    except ValueError as e:
+        ap.error(str(e))
     folders = use_kernel_caches()  # before anything imports flashinfer
     if args.cuda_arch:
         os.environ["FLASHINFER_CUDA_ARCH_LIST"] = args.cuda_arch  # flashinfer reads it at import too
     from ..generate import Generator
 
-    d = Deployment.load(args.config or DEFAULT_CONFIG, checkpoint=args.checkpoint)
+    d = Deployment.load(args.config or DEFAULT_CONFIG, **overrides)
     t0 = time.perf_counter()
     ckpt = d.open_checkpoint()  # with its precision (fp8: quantized at load); configs only, weights at load
     archs = gpu_archs()

@@ -243,18 +243,19 @@ class DecodeModel:
     def __init__(self, args):
         t0, booted = time.perf_counter(), process_age_s()
         d, device = deployment_from_args(args)
-        state = ServerState(d.state_dir)
+        state, instance = ServerState(d.state_dir), args["model_instance_name"]
         # parallel.vae: over a group; its memory warmup takes its turn among the parts'
         stage = DecodeStage.from_deployment(Checkpoint.open(d.checkpoint), d, device, turn=state.warmup_turn(),
-                                            peak_warmup=state.proven_peak("vae_decode") is None)  # fmt: skip
-        state.prove_peak("vae_decode")
+                                            peak_warmup=state.proven_peak(instance) is None)  # fmt: skip
+        state.prove_peak(instance)  # this instance's reloads skip the decoder's peak warmup
         stage.session_live = lambda ident: record_live(state.session(ident))  # an ended session's decoder goes
         metrics = DecodeMetrics({"model": args["model_name"], "instance": args["model_instance_name"]})
         labels = {"model": args["model_name"], "instance": args["model_instance_name"]}
         self.gpu_memory = GpuMemoryMetric(stage.plan, ("vae_decode",), labels)
         self.loop = DecodeLoop(stage, ServerState(d.state_dir), metrics, device)
-        parts = ", ".join(f"{k} {v:.1f}s" for k, v in {"process start to initialize": booted, **stage.startup}.items())
-        pb_utils.Logger.log_info(f"cosmos3_vae_decode: ready in {time.perf_counter() - t0:.1f}s ({parts})")
+        parts = ", ".join(f"{k} {v:.1f}s" for k, v in stage.startup.items())
+        pb_utils.Logger.log_info(f"cosmos3_vae_decode: ready in {time.perf_counter() - t0:.1f}s ({parts}; "
+                                 f"process start to initialize {booted:.1f}s)")  # fmt: skip
 
     def execute(self, requests):
         for request in requests:

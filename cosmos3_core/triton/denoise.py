@@ -26,6 +26,7 @@ from ..engine import DenoiseEngine, EngineBroken, QueueFull
 from ..errors import drain_timeout, part_died, part_stopped
 from ..requests import RequestError, validate, warmup_inputs
 from ..sampling import checkpoint_shift
+from ..step import DenoiseStep
 from ..wire import AcceptedEvent, ChunkInfo, ErrorEvent, PrefillResult, RequestMeta
 from . import lifecycle
 from .gpu_memory import GpuMemoryMetric
@@ -385,14 +386,20 @@ class DenoiseModel:
         d, device = deployment_from_args(args)
         state = ServerState(d.state_dir)
         ckpt = d.open_checkpoint()
-        # a reload: this server's first load reached the largest admitted request's peak on this card, so the warmup
-        # leaves that request out; its graph buckets (derived then from the warmup's packs) are captured again
-        proven = state.proven_peak("denoise")
-        if proven:
-            d = dataclasses.replace(d, graph_buckets=json.loads(proven))
+        # a reload: this instance's first load in this server's life reached the largest admitted request's peak on
+        # this card, so the warmup leaves that request out, and the engine takes the step layouts it settled on then
+        # (its graph buckets, derived from the warmup's packs, and how far a pack may be padded into one)
+        instance = args["model_instance_name"]
+        proven = state.proven_peak(instance)
+        layouts = json.loads(proven) if proven else None
+        if layouts is not None:
+            d = dataclasses.replace(d, graph_buckets=layouts["buckets"])
         d, plan = d.planned(ckpt, peak_warmup=proven is None)  # refused here when it does not fit the card
         pb_utils.Logger.log_info(f"cosmos3: GPU memory plan\n{plan.table()}\n{plan.verdict()}")
         self.engine = DenoiseEngine.from_deployment(ckpt, d, device)
+        step = self.engine.step if isinstance(self.engine.step, DenoiseStep) else None
+        if layouts is not None and step is not None:
+            step.pad_limit = layouts["pad_limit"]
         pb_utils.Logger.log_info(  # startup's parts
             f"cosmos3_denoise: engine built in {time.perf_counter() - t0:.1f}s (process start to initialize {booted:.1f}s)"
         )
@@ -404,8 +411,8 @@ class DenoiseModel:
             warmup.append(validate("warmup", r, image, *sizes, video, raw))
         with state.warmup_turn():  # the parts reach their peaks one at a time
             took = self.engine.warmup(warmup)
-        buckets = getattr(self.engine.step, "buckets", None)
-        state.prove_peak("denoise", json.dumps(list(buckets)) if buckets is not None else "")
+        settled = {"buckets": list(step.buckets), "pad_limit": step.pad_limit} if step is not None else None
+        state.prove_peak(instance, json.dumps(settled) if settled else "")
         parts = ", ".join(f"{k} {v:.1f}s" for k, v in self.engine.warmup_parts.items())
         pb_utils.Logger.log_info(f"cosmos3_denoise: warmup of {len(warmup)} shapes took {took:.1f}s ({parts})")
         self.metrics = EngineMetrics(

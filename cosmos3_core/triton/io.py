@@ -45,12 +45,16 @@ def deployment_from_args(args: dict[str, Any]) -> tuple[Deployment, str]:
 
 def process_age_s() -> float:
     """Seconds since this process started: at `initialize`, the stub's own start and the imports before it (a
-    reload's share that no model work explains). Linux's /proc, where Triton runs."""
-    with open("/proc/self/stat") as fh:
-        started_ticks = int(fh.read().rsplit(")", 1)[1].split()[19])
-    with open("/proc/uptime") as fh:
-        uptime = float(fh.read().split()[0])
-    return uptime - started_ticks / os.sysconf("SC_CLK_TCK")
+    reload's share that no model work explains), from Linux's /proc; NaN where that cannot be read (a log figure
+    never stops a part from loading)."""
+    try:
+        with open("/proc/self/stat") as fh:
+            started_ticks = int(fh.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as fh:
+            uptime = float(fh.read().split()[0])
+        return uptime - started_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return float("nan")
 
 
 def use_device(device: str | torch.device) -> None:

@@ -47,12 +47,12 @@ class PrefillModel:
     def __init__(self, args):
         t0, booted = time.perf_counter(), process_age_s()
         d, device = deployment_from_args(args)
-        self.state = ServerState(d.state_dir)
+        self.state, instance = ServerState(d.state_dir), args["model_instance_name"]
         # with its text guardrail; its warmup takes its turn among the parts'
         self.stage = PrefillStage.from_deployment(
-            d.open_checkpoint(), d, device, self.state.warmup_turn(), self.state.proven_peak("prefill") is None
+            d.open_checkpoint(), d, device, self.state.warmup_turn(), self.state.proven_peak(instance) is None
         )
-        self.state.prove_peak("prefill")
+        self.state.prove_peak(instance)  # this instance's reloads skip the encoder's peak warmup
         self.refusals = RefusalMetric({"model": args["model_name"], "instance": args["model_instance_name"]})
         labels = {"model": args["model_name"], "instance": args["model_instance_name"]}
         self.gpu_memory = GpuMemoryMetric(self.stage.plan, ("prefill",), labels)

@@ -13,7 +13,7 @@ under `<workdir>/state` (per server: `serve.render` gives each its own and wipes
 | the server drains: `drain` / `undrain` | `DRAINING` | the supervisor (SIGINT / SIGTERM) | the door and the engine (admit nothing new) |
 | an engine is busy: `set_busy(instance, busy)` | `busy/<instance>` | each denoise instance, on change | the supervisor's drain (`idle`) |
 | admission tickets: `take`, `claim`, `release`, `held` | `tickets/<id>.door`, `.engine` | the door (take), prefill (release on its error), denoise (claim, release at the first event) | the door (`held`): admission.py |
-| a part reached its peak at load in this server's life: `prove_peak(part, note)` / `proven_peak(part)` | `proven/<part>` (the note: denoise's graph buckets, JSON) | prefill, denoise and vae_decode, once loaded with their warmup at the largest admitted request | the same part reloaded after a death: the plan and the card are unchanged, so it skips that warmup (its compile warmup and graph captures still run, denoise's of the same buckets) |
+| an instance's first load in this server's life is done: `prove_peak(instance, note)` / `proven_peak(instance)` | `proven/<instance>` (the note: a denoise instance's step layouts, JSON) | each prefill, denoise and vae_decode instance, once loaded (on the GPU, after its warmup at the largest admitted request) | the same instance reloaded after a death: the plan and the card are unchanged, so it skips that warmup; a denoise instance takes the graph buckets and padding limit it settled on then |
 | one part warms up at a time: `warmup_turn()` | `warmup.lock` (an exclusive lock) | prefill, denoise and vae_decode, around their warmups (each reaches its peak, then gives its cached memory back) | the same |
 | an AR session's record: `set_session(id, record)` (idle with its parameters, busy, ended and why; None: forgotten) | `sessions/<id>` (sessions.record) | the denoise engine's session table, on each change | prefill (checks a continuation: sessions.kept_params), vae_decode (lets go of an ended session's decoder) |
 
@@ -78,7 +78,7 @@ class ServerState:
         _write(self.dir / "proven" / _name(part), note)
 
     def proven_peak(self, part: str) -> str | None:
-        """The note of `part`'s first load in this server's life ("" without one), or None before it loaded."""
+        """The note of instance `part`'s first load in this server's life ("" without one), or None before it."""
         try:
             return (self.dir / "proven" / _name(part)).read_text()
         except FileNotFoundError:
