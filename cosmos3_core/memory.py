@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from .model.checkpoint import stored_fp8_linears, weight_files
 from .model.config import ModelConfig
 from .model.fp8 import layer_linear_names
 from .model.layers import GEN, UND, Cosmos3Transformer
@@ -284,16 +285,23 @@ def extra_rows_per_branch(ckpt_root: Path, cfg: ModelConfig, limits) -> int:
     return rows
 
 
-def tower_bytes(cfg: ModelConfig, tower: str, dtype: torch.dtype, fp8: bool) -> int:
-    """Bytes of one tower's parameters as loaded (counted on the meta device): 16-bit, or FP8 layer linears (one
-    byte a weight and their scales) beside 16-bit rest; the timestep embedder in fp32."""
+def tower_bytes(
+    cfg: ModelConfig, tower: str, dtype: torch.dtype, quantized: bool, stored_fp8: frozenset[str] = frozenset()
+) -> int:
+    """Bytes of one tower's parameters as loaded (counted on the meta device): its layer linears the checkpoint
+    stores in E4M3 (`stored_fp8`, `stored_fp8_linears`: one byte a weight, a tensorwise weight and input scale), the
+    other layer linears quantized at load when `quantized` (`precision: fp8`: one byte a weight and an fp32 scale per
+    output channel) or 16-bit, the rest 16-bit but the timestep embedder, fp32."""
     with torch.device("meta"):
         model = Cosmos3Transformer(cfg, frozenset({tower}))
-    fp8_weights = {n + ".weight" for n in layer_linear_names(model)} if fp8 else set()
+    linears = set(layer_linear_names(model))
     total = 0
     for name, p in model.named_parameters():
-        if name in fp8_weights:
-            total += p.numel() + p.shape[0] * 4  # E4M3, and an fp32 scale per output channel
+        module = name.removesuffix(".weight")
+        if module in linears and module in stored_fp8:
+            total += p.numel() + 2 * 4
+        elif module in linears and quantized:
+            total += p.numel() + p.shape[0] * 4
         elif name.startswith("time_embedder."):
             total += p.numel() * 4
         else:
@@ -343,8 +351,10 @@ def card_bytes(device: str = "cuda") -> int:
 def plan(d, ckpt_root: str | Path, cfg: ModelConfig, card: int) -> MemoryPlan:  # d: deployment.Deployment
     """The deployment's plan on a card of `card` bytes (0: size only, no verdict)."""
     dtype = d.torch_dtype
-    fp8 = d.precision == "fp8" or _fp8_checkpoint(Path(ckpt_root))
-    label = f"{'fp8 linears, ' if fp8 else ''}{str(dtype).removeprefix('torch.')}"
+    quantized = d.precision == "fp8"  # the 16-bit layer linears are quantized at load
+    stored = stored_fp8_linears(weight_files(Path(ckpt_root))) if _fp8_checkpoint(Path(ckpt_root)) else frozenset()
+    fp8 = "fp8 linears, " if quantized or stored else ""
+    label = f"{fp8}{str(dtype).removeprefix('torch.')}"
     vae_config = json.loads((Path(ckpt_root) / "vae" / "config.json").read_text())
     encoder, decoder = vae_bytes(vae_config, dtype)
     largest = largest_request(cfg, d.limits, extra_rows_per_branch(Path(ckpt_root), cfg, d.limits))
@@ -358,7 +368,13 @@ def plan(d, ckpt_root: str | Path, cfg: ModelConfig, card: int) -> MemoryPlan:  
 
     guard = d.safety_checker != "none"
     # prefill: the UND tower, the VAE's encoder, the text guardrail; activations: its largest conditioning encode
-    add("prefill", "weights", tower_bytes(cfg, UND, dtype, fp8) + encoder, f"UND tower ({label}) + VAE encoder", n_pre)
+    add(
+        "prefill",
+        "weights",
+        tower_bytes(cfg, UND, dtype, quantized, stored) + encoder,
+        f"UND tower ({label}) + VAE encoder",
+        n_pre,
+    )
     enc_pixels = largest.frame_pixels  # conditioning frames are resized to the request's size
     add("prefill", "workspace", max(ENCODE_BYTES_PER_PIXEL * ENCODE_CLIP_FACTOR * enc_pixels, UND_PASS_BYTES),
         f"VAE encode of a {largest.frame_width}x{largest.frame_height} clip's first 1 + 4 frames", n_pre)  # fmt: skip
@@ -371,7 +387,7 @@ def plan(d, ckpt_root: str | Path, cfg: ModelConfig, card: int) -> MemoryPlan:  
     if rows < largest.rows:
         notes.append(f"max_step_rows {rows} is below the largest admitted request's {largest.rows} rows: "
                      "such a request is refused at submit")  # fmt: skip
-    add("denoise", "weights", tower_bytes(cfg, GEN, dtype, fp8), f"GEN tower ({label})", n_den)
+    add("denoise", "weights", tower_bytes(cfg, GEN, dtype, quantized, stored), f"GEN tower ({label})", n_den)
     step = step_bytes(cfg, rows, dtype) * eager
     if d.lora_dir:  # a pack with adapters runs each layer's MLP whole (model/towers.py): its [rows, intermediate] three
         step += 3 * max(rows - MLP_CHUNK_ROWS, 0) * cfg.intermediate_size * dtype.itemsize

@@ -6,6 +6,7 @@ residual in row chunks against the whole. The activation coefficients are checke
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ from cosmos3_core.deployment import Deployment
 from cosmos3_core.engine import DenoiseEngine
 from cosmos3_core.model import towers
 from cosmos3_core.model.checkpoint import Checkpoint
-from cosmos3_core.model.layers import UND
+from cosmos3_core.model.layers import GEN, UND
 from cosmos3_core.model.wan_decoder import WanDecoder
 from cosmos3_core.requests import RequestError
 from cosmos3_core.stages import PrefillStage
@@ -329,3 +330,43 @@ def test_the_memory_bench_reads_nvmls_process_records_at_either_driver_stride(st
     g = GpuProcesses()
     g.nvml, g.query, g.handles = object(), query, [None]
     assert g._nvml() == {os.getpid(): 3 * memory.GIB, os.getppid(): 5 * memory.GIB} and g.stride == stride
+
+
+@pytest.fixture(scope="module")
+def fp8_stored(nano_ckpt, tmp_path_factory) -> dict[str, Path]:
+    """The tiny Nano as a ModelOpt FP8 checkpoint (`all`), and the same with its first layer's linears kept 16-bit
+    (`partial`, as an FP8 revision may keep some)."""
+    from safetensors.torch import load_file, save_file
+
+    from cosmos3_core.tools.make_fp8 import make_fp8
+
+    root = tmp_path_factory.mktemp("fp8_stored")
+    full = make_fp8(nano_ckpt, root / "all")
+    partial = make_fp8(nano_ckpt, root / "partial")
+    src = load_file(nano_ckpt / "transformer" / "diffusion_pytorch_model.safetensors")
+    path = partial / "transformer" / "diffusion_pytorch_model.safetensors"
+    state = load_file(path)
+    kept = [k.removesuffix(".weight") for k, v in state.items() if v.dtype == torch.float8_e4m3fn and ".0." in k]
+    assert kept, "no FP8 linear in the first layer"
+    for name in kept:
+        for key in [k for k in state if k.startswith(name + ".")]:
+            del state[key]
+        state |= {k: v for k, v in src.items() if k.startswith(name + ".")}
+    save_file(state, path)
+    return {"all": full, "partial": partial}
+
+
+@pytest.mark.parametrize("stored, precision", [("all", "checkpoint"), ("partial", "checkpoint"), ("partial", "fp8")])
+def test_the_plan_counts_an_fp8_checkpoints_towers_as_loaded(fp8_stored, stored, precision):
+    """A ModelOpt FP8 checkpoint's towers as they load: its E4M3 linears with tensorwise scales, the linears it keeps
+    16-bit as such (or, served `precision: fp8`, quantized at load with a scale per output channel). Sized all FP8,
+    a partially FP8 checkpoint was planned below what it holds."""
+    d = Deployment(checkpoint=str(fp8_stored[stored]), device="cpu", dtype="float32", pool_pages=64,
+                   precision=precision)  # fmt: skip
+    ckpt = d.open_checkpoint()
+    entry = {(e.part, e.kind): e.bytes for e in memory.plan(d, ckpt.root, ckpt.config, 0).entries}
+    gen = ckpt.load_transformer({GEN}, "cpu", torch.float32)
+    und = ckpt.load_transformer({UND}, "cpu", torch.float32)
+    assert entry["denoise", "weights"] == _bytes([*gen.parameters(), *gen.buffers()])
+    encoder = ckpt.load_vae("cpu", torch.float32, ("encoder",))
+    assert entry["prefill", "weights"] == _bytes([*und.parameters(), *und.buffers()]) + _bytes(encoder.parameters())

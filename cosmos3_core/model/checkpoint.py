@@ -130,16 +130,7 @@ class Checkpoint:
 
     def weight_files(self) -> dict[str, Path]:
         """Map every stored key to the safetensors file holding it."""
-        tdir = self.root / "transformer"
-        if (tdir / INDEX).is_file():
-            weight_map = read_json(tdir / INDEX).get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise CheckpointError(f"{tdir / INDEX}: missing key 'weight_map'")
-            return {k: tdir / f for k, f in weight_map.items()}
-        if not (tdir / WEIGHTS).is_file():
-            raise CheckpointError(f"{tdir / WEIGHTS}: file not found (nor {INDEX})")
-        with safe_open(tdir / WEIGHTS, framework="pt") as f:
-            return {k: tdir / WEIGHTS for k in f.keys()}
+        return weight_files(self.root)
 
     def load_transformer(
         self, parts: set[str] | frozenset[str], device: str | torch.device, dtype: torch.dtype
@@ -158,12 +149,8 @@ class Checkpoint:
 
     def _fp8_linears(self, model: Cosmos3Transformer, files: dict[str, Path], dtype: torch.dtype) -> set[str]:
         """Swap, in the meta model, each layer linear stored in E4M3 for an `Fp8Linear` → their names."""
-        names = [n for n in layer_linear_names(model) if n + ".weight" in files]
-        stored: dict[str, str] = {}
-        for path in {files[n + ".weight"] for n in names}:
-            with safe_open(path, framework="pt", device="cpu") as f:
-                stored |= {n: f.get_slice(n + ".weight").get_dtype() for n in names if files[n + ".weight"] == path}
-        fp8 = {n for n in names if stored[n] == "F8_E4M3"}
+        stored = stored_fp8_linears(files)
+        fp8 = {n for n in layer_linear_names(model) if n in stored}
         _swap_to_fp8(model, fp8, dtype, rowwise=False)  # tensorwise scales, as ModelOpt stores them
         return fp8
 
@@ -296,6 +283,36 @@ class Checkpoint:
             return AutoTokenizer.from_pretrained(self.root / "text_tokenizer")
         except (OSError, ValueError, json.JSONDecodeError) as e:
             raise CheckpointError(f"{self.root / 'text_tokenizer'}: cannot load tokenizer ({e})") from e
+
+
+def weight_files(root: Path) -> dict[str, Path]:
+    """Map every key the transformer of the checkpoint at `root` stores to the safetensors file holding it."""
+    tdir = Path(root) / "transformer"
+    if (tdir / INDEX).is_file():
+        weight_map = read_json(tdir / INDEX).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{tdir / INDEX}: missing key 'weight_map'")
+        return {k: tdir / f for k, f in weight_map.items()}
+    if not (tdir / WEIGHTS).is_file():
+        raise CheckpointError(f"{tdir / WEIGHTS}: file not found (nor {INDEX})")
+    with safe_open(tdir / WEIGHTS, framework="pt") as f:
+        return {k: tdir / WEIGHTS for k in f.keys()}
+
+
+def stored_fp8_linears(files: dict[str, Path]) -> frozenset[str]:
+    """The modules whose `weight` the checkpoint stores in E4M3 (a ModelOpt FP8 checkpoint's layer linears; its
+    FP8 revision may keep some 16-bit), read from the safetensors headers of `files` (`weight_files`): no weight is
+    loaded."""
+    weights = [k for k in files if k.endswith(".weight")]
+    fp8: set[str] = set()
+    for path in {files[k] for k in weights}:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            fp8 |= {
+                k.removesuffix(".weight")
+                for k in weights
+                if files[k] == path and f.get_slice(k).get_dtype() == "F8_E4M3"
+            }
+    return frozenset(fp8)
 
 
 def _swap_to_fp8(model: Cosmos3Transformer, names: set[str], dtype: torch.dtype, rowwise: bool) -> None:
