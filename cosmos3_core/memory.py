@@ -129,9 +129,16 @@ class MemoryPlan:
     decode_budget: int  # the decoder's workspace at its largest call (`decode_budget`)
     spatial: int  # output pixels per latent pixel, per axis (the VAE's spatial factor)
     notes: tuple[str, ...] = field(default_factory=tuple)
-    # decoder streams whose causal state the plan holds on the GPU; the decoder parks the state of the least
-    # recently decoded ones beyond it in host memory until their next piece (stages.DecodeStage)
+    # decoder streams whose causal state the plan holds on the GPU (one at the largest frame, the rest at the default
+    # size), and those streams' state in bytes: the decoder parks the state of the least recently decoded streams
+    # beyond those bytes in host memory until their next piece (stages.DecodeStage)
     decode_streams: int = MAX_STREAMS_PLANNED
+    decode_state_bytes: int = 0
+    state_itemsize: int = 2  # the decoder's dtype
+
+    def decoder_state_bytes(self, h: int, w: int) -> int:
+        """One decoder stream's causal state at latent grid (h, w) (`stream_state_bytes`)."""
+        return stream_state_bytes(h, w, self.spatial, self.state_itemsize)
 
     def part_bytes(self, part: str) -> int:
         return sum(e.bytes for e in self.entries if e.part == part)
@@ -220,6 +227,15 @@ def plan_band_rows(h: int, w: int, spatial: int) -> int:
     if h * row <= BAND_ABOVE_PIXELS:
         return h
     return max(1, min(h, BAND_ABOVE_PIXELS // row - 2 * BAND_HALO_ROWS))
+
+
+def stream_state_bytes(h: int, w: int, spatial: int, itemsize: int) -> int:
+    """The causal state one decoder stream keeps between its pieces at latent grid (h, w): every causal conv's last
+    2 input frames (STREAM_STATE_BYTES_PER_PIXEL an output pixel in bf16), over each band of a banded frame with its
+    halos."""
+    band = plan_band_rows(h, w, spatial)
+    rows = h if band >= h else -(-h // band) * (band + 2 * BAND_HALO_ROWS)
+    return STREAM_STATE_BYTES_PER_PIXEL * itemsize // 2 * rows * w * spatial * spatial
 
 
 def decode_workspace(pixels: int, frames: int) -> int:
@@ -416,10 +432,9 @@ def plan(d, ckpt_root: str | Path, cfg: ModelConfig, card: int) -> MemoryPlan:  
     s = cfg.vae_scale_spatial
     h, w = largest.frame_height // s, largest.frame_width // s
     band = plan_band_rows(h, w, s)
-    bands = -(-h // band)
-    call_rows = min(h, band + 2 * BAND_HALO_ROWS) if bands > 1 else h
-    decoded_rows = h if bands == 1 else bands * call_rows  # each band with its halo
-    largest_state = state * (decoded_rows - call_rows) * w * s * s
+    call_rows = min(h, band + 2 * BAND_HALO_ROWS) if band < h else h
+    largest_whole = stream_state_bytes(h, w, s, dtype.itemsize)  # each band with its halo
+    largest_state = largest_whole - state * call_rows * w * s * s
     default_px = d.defaults.height * d.defaults.width
     gh, gw = cfg.token_grid(d.defaults.height, d.defaults.width)
     default_rows = 2 * gh * gw * latent_frames(d.defaults.num_frames, cfg.vae_scale_temporal)
@@ -450,8 +465,9 @@ def plan(d, ckpt_root: str | Path, cfg: ModelConfig, card: int) -> MemoryPlan:  
         [i for i, e in enumerate(entries) if e.part == "denoise"][-1],
         Entry("denoise", "kv_pool", page * pages * n_den, f"{pages} pages of {d.page_size} tokens ({how})"),
     )
+    state_on_gpu = largest_whole + state * default_px * (streams - 1)
     return MemoryPlan(tuple(entries), card, d.gpu_memory_utilization, pages, rows, largest, budget,
-                      cfg.vae_scale_spatial, tuple(notes), streams)  # fmt: skip
+                      cfg.vae_scale_spatial, tuple(notes), streams, state_on_gpu, dtype.itemsize)  # fmt: skip
 
 
 def max_prompt_pages(cfg: ModelConfig, d) -> int:

@@ -293,11 +293,13 @@ class DecodeStage:
         # stream id → (its decoder, last chunk's time); decoder None: a chunk of it failed, and its later chunks
         # fail too rather than decode as a new stream's start
         self.streams: dict[str, tuple[StreamDecoder | None, float]] = {}
-        # streams whose state waits in host memory between pieces: beyond the plan's live streams on the GPU, the
-        # least recently decoded ones (its memory plan holds `decode_streams` streams' state)
+        # streams whose state waits in host memory between pieces: the least recently decoded ones, beyond the
+        # decoder state the plan holds on the GPU (`decode_state_bytes`: its live streams, one at the largest frame)
         self.parked: set[str] = set()
         # None: no bound (the CPU; a group's streams keep their state on its workers)
-        self.gpu_streams: int | None = plan.decode_streams if plan is not None and group is None else None
+        self.gpu_state_bytes: int | None = plan.decode_state_bytes if plan is not None and group is None else None
+        # a stream's state bytes by latent grid (h, w), as its first piece left it: a new stream's, before it has any
+        self.state_seen: dict[tuple[int, int], int] = {}
         # session id → the decoder its kept stream ended with, and when: its continuation's first piece goes on from it
         self.sessions: dict[str, tuple[StreamDecoder, float]] = {}
         # whether a session is still live (the server's record of it); those that are not are let go at each keep
@@ -384,11 +386,12 @@ class DecodeStage:
             restore = stream_id in self.parked
         self.parked.discard(stream_id)
         try:
-            if self.gpu_streams is not None:  # this stream's state joins the others' on the device: room for it first
-                self._park_beyond(self.gpu_streams - 1)
+            if self.gpu_state_bytes is not None:  # this stream's state joins the others' on the device: room first
+                self._park_beyond(self.gpu_state_bytes - self._state_of(decoder, latents))
             if restore:
                 decoder.move_state(self.codec.device)
             pending = decoder.start(latents)
+            self.state_seen[tuple(latents.shape[-2:])] = decoder.state_bytes()
         except Exception:  # its state is gone or partial: its later chunks fail rather than start a new stream
             if not last:
                 self.streams[stream_id] = (None, now)
@@ -436,13 +439,28 @@ class DecodeStage:
 
         return finish
 
-    def _park_beyond(self, most: int) -> None:
-        """Move the causal state of the least recently decoded live streams beyond `most` to host memory (a copy
-        that waits for their pieces' kernels); each comes back at its next piece. Streams are counted, not bytes:
-        the plan holds one at the largest frame and the rest at the default size."""
-        on_gpu = [(t, sid) for sid, (dec, t) in self.streams.items() if dec is not None and sid not in self.parked]
-        for _, sid in sorted(on_gpu)[: max(0, len(on_gpu) - most)]:
-            self.streams[sid][0].move_state("cpu")  # type: ignore[union-attr]
+    def _state_of(self, decoder: StreamDecoder, latents: torch.Tensor) -> int:
+        """The bytes of `decoder`'s stream's state once this piece (latents [1, C, T, h, w]) has decoded: what it
+        holds, or a new stream's at its size (as seen, or as the plan counts it)."""
+        h, w = latents.shape[-2:]
+        seen = self.state_seen.get((h, w)) or (self.plan.decoder_state_bytes(h, w) if self.plan is not None else 0)
+        return max(decoder.state_bytes(), seen)  # a stream's first piece may leave less than its later ones
+
+    def _park_beyond(self, room: int) -> None:
+        """Move the causal state of the least recently decoded live streams to host memory (a copy that waits for
+        their pieces' kernels) until the state left on the device is at most `room` bytes; each comes back at its
+        next piece. Bytes, not streams: two live streams at the largest frame hold more than one there and one at the
+        default size, as the plan counts them."""
+        on_gpu = sorted(
+            (t, sid) for sid, (dec, t) in self.streams.items() if dec is not None and sid not in self.parked
+        )
+        held = sum(self.streams[sid][0].state_bytes() for _, sid in on_gpu)  # type: ignore[union-attr]
+        for _, sid in on_gpu:
+            if held <= room:
+                break
+            decoder = self.streams[sid][0]
+            held -= decoder.state_bytes()  # type: ignore[union-attr]
+            decoder.move_state("cpu")  # type: ignore[union-attr]
             self.parked.add(sid)
 
     def drop(self, stream_id: str) -> None:

@@ -222,10 +222,10 @@ def test_stream_decode_joins_like_one_decode(setup):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="CUDA: parked state really moves to host memory"))])  # fmt: skip
 def test_streams_beyond_the_plans_live_ones_park_their_state_and_decode_the_same(setup, device, monkeypatch):
-    """Three streams interleaved piece by piece, the decoder holding 2 streams' state on its device: while a piece
-    decodes, its stream's state is on the device and at most 2 are; the least recently decoded wait in host memory
-    and come back at their next piece; a stream whose state failed to come back fails its later pieces; and every
-    stream's frames equal its decode alone."""
+    """Three streams interleaved piece by piece, the decoder holding 2 streams' state on its device (in bytes): while
+    a piece decodes, its stream's state is on the device and at most 2 streams' bytes are; the least recently decoded
+    wait in host memory and come back at their next piece; a stream whose state failed to come back fails its later
+    pieces; and every stream's frames equal its decode alone."""
     from cosmos3_core.model.conditioning import StreamDecoder
 
     ckpt, _, _ = setup
@@ -234,6 +234,8 @@ def test_streams_beyond_the_plans_live_ones_park_their_state_and_decode_the_same
     streams = {s: torch.randn(1, ckpt.config.latent_channel, 3, H // 16, W // 16, generator=g) for s in "abc"}
     alone = {s: [decode.start_chunk(s, z[:, :, i : i + 1], last=i == 2)().numpy() for i in range(3)]
              for s, z in streams.items()}  # fmt: skip
+    one = decode.state_seen[(H // 16, W // 16)]  # a stream's state after its pieces
+    assert one > 0
     where: dict[int, str] = {}  # id(decoder) → where its state is (as move_state was last told)
     move, start = StreamDecoder.move_state, StreamDecoder.start
 
@@ -244,12 +246,13 @@ def test_streams_beyond_the_plans_live_ones_park_their_state_and_decode_the_same
     def start_piece(self, latents):
         live = [dec for dec, _ in decode.streams.values() if dec is not None]
         assert where.get(id(self), "device") == "device"
-        assert sum(where.get(id(d), "device") == "device" for d in [*live, self]) <= decode.gpu_streams
+        on_device = sum(d.state_bytes() for d in live if where.get(id(d), "device") == "device")
+        assert on_device + max(self.state_bytes(), one) <= decode.gpu_state_bytes
         return start(self, latents)
 
     monkeypatch.setattr(StreamDecoder, "move_state", move_state)
     monkeypatch.setattr(StreamDecoder, "start", start_piece)
-    decode.gpu_streams = 2
+    decode.gpu_state_bytes = 2 * one
     mixed: dict[str, list] = {s: [] for s in streams}
     for i in range(3):
         for s, z in streams.items():
@@ -268,7 +271,7 @@ def test_streams_beyond_the_plans_live_ones_park_their_state_and_decode_the_same
 
     for s in "ab":  # "a" parked by "b"'s and the new "c"'s pieces, with room for 1
         decode.start_chunk(s, streams[s][:, :, :1], last=False)().numpy()
-    decode.gpu_streams = 1
+    decode.gpu_state_bytes = one
     decode.start_chunk("c", streams["c"][:, :, :1], last=False)().numpy()
     assert decode.parked == {"a", "b"}
     monkeypatch.setattr(StreamDecoder, "move_state", failed_restore)
@@ -276,6 +279,28 @@ def test_streams_beyond_the_plans_live_ones_park_their_state_and_decode_the_same
         decode.start_chunk("a", streams["a"][:, :, 1:2], last=False)
     with pytest.raises(RuntimeError, match="an earlier chunk of stream a failed"):
         decode.start_chunk("a", streams["a"][:, :, 2:], last=True)
+
+
+def test_parked_streams_are_counted_in_bytes_not_streams(setup):
+    """The plan holds one stream's state at the largest frame and the rest at the default size: a second live stream
+    at the largest frame takes more than the room of two small ones, so it parks the first, where counting streams
+    (3 fit) would have parked none; a small third then fits beside it."""
+    ckpt, _, _ = setup
+    decode = DecodeStage(ckpt, "cpu", torch.float32)
+    g = torch.Generator().manual_seed(2)
+    small = torch.randn(1, ckpt.config.latent_channel, 1, H // 16, W // 16, generator=g)
+    large = torch.randn(1, ckpt.config.latent_channel, 1, 2 * H // 16, 2 * W // 16, generator=g)
+    for sid, z in (("s", small), ("l", large)):  # each size's state, as its pieces leave it
+        decode.start_chunk(sid, z, last=False)()
+        decode.start_chunk(sid, z, last=True)()
+    small_bytes, large_bytes = decode.state_seen[small.shape[-2:]], decode.state_seen[large.shape[-2:]]
+    assert large_bytes > small_bytes > 0
+    decode.gpu_state_bytes = large_bytes + 2 * small_bytes  # three live streams, one at the largest frame
+    decode.start_chunk("a", large, last=False)()
+    decode.start_chunk("b", large, last=False)()
+    assert decode.parked == {"a"}
+    decode.start_chunk("c", small, last=False)()
+    assert decode.parked == {"a"}
 
 
 @pytest.mark.parametrize(

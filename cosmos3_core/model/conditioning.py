@@ -104,16 +104,29 @@ class StreamDecoder:
         """The next latent frames [1, C, T, h, w] of this stream → uint8 [T', H, W, 3] (CPU)."""
         return self.start(latents)()
 
+    def _streams(self) -> list:
+        bands = getattr(self.stream, "bands", None)
+        return [b[2] for b in bands] if bands else [self.stream]
+
     def move_state(self, device: str | torch.device) -> None:
         """Move the stream's causal state (every conv's context frames) to `device`: a kept session's idle state
         waits in host memory ("cpu"), not on the GPU, and comes back unchanged when it continues. A stream split
         over decode ranks keeps its state on the workers."""
-        streams = getattr(self.stream, "bands", None)
-        for stream in [b[2] for b in streams] if streams else [self.stream]:
+        for stream in self._streams():
             if isinstance(getattr(stream, "state", None), dict):  # our decoder's
                 stream.state = {k: v.to(device) for k, v in stream.state.items()}
             elif isinstance(getattr(stream, "cache", None), list):  # diffusers' fallback's feat cache
                 stream.cache = [v.to(device) if isinstance(v, torch.Tensor) else v for v in stream.cache]
+
+    def state_bytes(self) -> int:
+        """The bytes of the stream's causal state, wherever it is (0 before its first piece)."""
+        total = 0
+        for stream in self._streams():
+            if isinstance(getattr(stream, "state", None), dict):
+                total += sum(v.nbytes for v in stream.state.values())
+            elif isinstance(getattr(stream, "cache", None), list):
+                total += sum(v.nbytes for v in stream.cache if isinstance(v, torch.Tensor))
+        return total
 
     @torch.inference_mode()
     def start(self, latents: torch.Tensor) -> HostFrames:
