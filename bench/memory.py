@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> None:
     p = memory.plan(d, ckpt.root, cfg, memory.card_bytes())
     print(p.table(), flush=True)
     rows: list[dict] = []
-    fp8 = ckpt.fp8 is not None
+    fp8 = ckpt.fp8 is not None and ckpt.fp8.quantize_at_load  # random weights: no linear is stored in E4M3
 
     if "denoise" not in args.skip:
         base = fresh()

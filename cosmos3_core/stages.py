@@ -298,7 +298,7 @@ class DecodeStage:
         self.parked: set[str] = set()
         # None: no bound (the CPU; a group's streams keep their state on its workers)
         self.gpu_state_bytes: int | None = plan.decode_state_bytes if plan is not None and group is None else None
-        # a stream's state bytes by latent grid (h, w), as its first piece left it: a new stream's, before it has any
+        # the most state a stream at latent grid (h, w) has held after a piece: a new stream's, before it has any
         self.state_seen: dict[tuple[int, int], int] = {}
         # session id → the decoder its kept stream ended with, and when: its continuation's first piece goes on from it
         self.sessions: dict[str, tuple[StreamDecoder, float]] = {}
@@ -391,7 +391,8 @@ class DecodeStage:
             if restore:
                 decoder.move_state(self.codec.device)
             pending = decoder.start(latents)
-            self.state_seen[tuple(latents.shape[-2:])] = decoder.state_bytes()
+            size = tuple(latents.shape[-2:])  # a first piece leaves less state than the later ones: keep the most
+            self.state_seen[size] = max(self.state_seen.get(size, 0), decoder.state_bytes())
         except Exception:  # its state is gone or partial: its later chunks fail rather than start a new stream
             if not last:
                 self.streams[stream_id] = (None, now)

@@ -301,6 +301,7 @@ def test_parked_streams_are_counted_in_bytes_not_streams(setup):
     assert decode.parked == {"a"}
     decode.start_chunk("c", small, last=False)()
     assert decode.parked == {"a"}
+    assert decode.state_seen[small.shape[-2:]] == small_bytes  # a first piece's smaller state does not lower it
 
 
 @pytest.mark.parametrize(

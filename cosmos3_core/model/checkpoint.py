@@ -306,6 +306,8 @@ def stored_fp8_linears(files: dict[str, Path]) -> frozenset[str]:
     weights = [k for k in files if k.endswith(".weight")]
     fp8: set[str] = set()
     for path in {files[k] for k in weights}:
+        if not path.is_file():
+            raise CheckpointError(f"{path}: file not found (named by the index for weights)")
         with safe_open(path, framework="pt", device="cpu") as f:
             fp8 |= {
                 k.removesuffix(".weight")
