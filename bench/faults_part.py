@@ -5,7 +5,8 @@ being denoised, and report
 - readiness: how long until the front's `/v2/health/ready` answers 503, and its text;
 - the request in flight: its error text (as the client prints it) and how long after the kill it came, or that it
   finished (prefill's death: the request is past it);
-- service back: how long after the kill a new request was served (readiness polled, then one small request);
+- service back: how long after the kill readiness answered 200 again (`ready_again_s`), and when a new request
+  was served (`served_again_s`: readiness polled, then one 2-step request, whose own time is `probe_s`);
 - `cosmos3_restarts_total{part}` after it.
 
 Then (--drain) one request in flight and SIGINT: how long until readiness answers 503, and how the request ended.
@@ -206,9 +207,12 @@ def kill_part(
             out["served_again_s"] = None
             break
         if server.ready()[0] == 200:
+            out.setdefault("ready_again_s", round(elapsed, 2))
             try:
+                t_probe = time.monotonic()
                 generate(server.url, "after the fault", {"steps": 2, "seed": seed + 1}, timeout_s=120)
                 out["served_again_s"] = round(time.monotonic() - t_kill, 2)
+                out["probe_s"] = round(time.monotonic() - t_probe, 2)  # the 2-step request's own time
                 break
             except ServerError as e:
                 out.setdefault("refused_meanwhile", str(e))
@@ -238,12 +242,15 @@ def drain(server: Supervised, steps: int, seed: int) -> dict:
 
 
 def markdown(rows: list[dict]) -> str:
-    head = "| killed | readiness 503 after | readiness says | request in flight | its end after kill | served again after | restarts_total |"
-    lines = [head, "|" + "---|" * 7]
+    head = ("| killed | readiness 503 after | readiness says | request in flight | its end after kill | ready again after "
+            "| served again after (its 2-step request) | restarts_total |")  # fmt: skip
+    lines = [head, "|" + "---|" * 8]
     for r in rows:
-        back = f"{r['served_again_s']} s" if r.get("served_again_s") else f"exit code {r.get('exit_code', '-')}"
+        back = (f"{r['served_again_s']} s ({r['probe_s']} s)" if r.get("served_again_s")
+                else f"exit code {r.get('exit_code', '-')}")  # fmt: skip
+        ready = f"{r['ready_again_s']} s" if r.get("ready_again_s") else "-"
         cells = [r["part"], f"{r['readiness_false_s']} s", r["readiness"], r["in_flight"],
-                 f"{r['in_flight_end_s']} s", back, r.get("restarts_total", "-")]  # fmt: skip
+                 f"{r['in_flight_end_s']} s", ready, back, r.get("restarts_total", "-")]  # fmt: skip
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 

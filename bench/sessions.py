@@ -6,8 +6,10 @@
 Starts the real server on the deployment, runs one untimed stream (warm), then `--repeat` times: a fresh stream of
 `--params` that keeps its session (its TTFC is a fresh stream's: prefill, window 0, its decode), a continuation with
 the same prompt (no prefill at all: its TTFC should be one window's denoise and decode), and one re-prompted (the
-new prompt's text tower only), each `--new-frames` new frames (default: two windows' worth, so a window time shows
-as the chunk gap). Prints per kind the client's TTFC and chunk gap p50, and the server's prefill_s p50; `--json`.
+new prompt's text tower only), each `--new-frames` new frames (default: one window's worth, so that, like the
+one-window fresh stream, no next window's denoise shares the GPU with its first chunk's decode). Prints per kind
+the client's TTFC and chunk gap p50 (pieces of a window, not windows), and the server's window_s and prefill_s
+p50; `--json`.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ def one(url: str, prompt: str, params: dict) -> dict:
     done = next(e for e in out.events if e["type"] == "done")
     gaps = [b - a for a, b in zip(out.chunk_times, out.chunk_times[1:])]
     return {"ttfc_s": out.ttfc_s, "gap_s": statistics.median(gaps) if gaps else None, "e2e_s": out.e2e_s,
-            "prefill_s": done["timings"].get("prefill_s", 0.0), "session_id": done.get("session_id")}  # fmt: skip
+            "window_s": done["timings"].get("window_s"), "prefill_s": done["timings"].get("prefill_s", 0.0),
+            "session_id": done.get("session_id")}  # fmt: skip
 
 
 def p50(rows: list[dict], key: str) -> float | None:
@@ -47,7 +50,7 @@ def main() -> int:
     ap.add_argument("--config", default="configs/bench_nano_ar.yaml")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=YAML", help="override a deployment key")
     ap.add_argument("--params", default='{"window_mode": "chained", "num_frames": 29}', help="the fresh stream's")
-    ap.add_argument("--new-frames", type=int, default=0, help="a continuation's new frames (default: two windows')")
+    ap.add_argument("--new-frames", type=int, default=0, help="a continuation's new frames (default: one window's)")
     ap.add_argument("--repeat", type=int, default=3, help="each kind this many times")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
@@ -66,22 +69,26 @@ def main() -> int:
             for kind, prompt in (("continue", PROMPT), ("reprompt", REPROMPT)):
                 fresh = one(url, PROMPT, {**params, "session": {"keep": True}})
                 rows["fresh"].append(fresh)
-                if not more:  # two windows' new frames: chained (window - overlap), kv a window, in latent frames
+                if not more:  # one window's new frames: chained (window - overlap), kv a window, in latent frames
                     t = 4
                     window = 1 + (params.get("window_frames", deployment.defaults.window_frames) - 1) // t
                     overlap = params.get("overlap_frames", deployment.defaults.overlap_frames) // t
                     step = window - overlap if params.get("window_mode") == "chained" else window
-                    more = {"num_frames": 2 * t * step}
+                    more = {"num_frames": t * step}
                 rows[kind].append(one(url, prompt, {**more, "session": {"continue": fresh["session_id"]}}))
                 time.sleep(0.1)
     finally:
         stop_server(proc)
-    result = {kind: {k: p50(r, k) for k in ("ttfc_s", "gap_s", "e2e_s", "prefill_s")} for kind, r in rows.items()}
+    keys = ("ttfc_s", "window_s", "gap_s", "e2e_s", "prefill_s")
+    result = {kind: {k: p50(r, k) for k in keys} for kind, r in rows.items()}
     result["command"] = " ".join(sys.argv)
     for kind in ("fresh", "continue", "reprompt"):
         r = result[kind]
-        gap = "-" if r["gap_s"] is None else f"{r['gap_s']:.2f} s"
-        print(f"{kind:9s} TTFC p50 {r['ttfc_s']:.2f} s  window (chunk gap) p50 {gap}  prefill {r['prefill_s']:.3f} s")
+        gap, window = ("-" if r[k] is None else f"{r[k]:.2f} s" for k in ("gap_s", "window_s"))
+        print(
+            f"{kind:9s} TTFC p50 {r['ttfc_s']:.2f} s  window (server) p50 {window}  chunk gap p50 {gap}  "
+            f"prefill {r['prefill_s']:.3f} s  e2e {r['e2e_s']:.2f} s"
+        )
     print(f"continuation TTFC / fresh: {result['continue']['ttfc_s'] / result['fresh']['ttfc_s']:.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))

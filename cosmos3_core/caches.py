@@ -1,6 +1,7 @@
 """Where generated files persist between processes: one root, `$COSMOS3_CACHE` (default `~/.cache/cosmos3`).
 
   <root>/tiny-nano, random-<preset>       generated checkpoints (model/provision.py)
+  <root>/plan/vae-<config hash>.json      a VAE config's parameter counts, for the memory plan (memory.py)
   <root>/kernels/inductor                 torch.compile's FX-graph / AOT caches (TORCHINDUCTOR_CACHE_DIR)
   <root>/kernels/triton                   Triton's compiled kernels (TRITON_CACHE_DIR)
   <root>/kernels/flashinfer               FlashInfer's JIT-built kernels (FLASHINFER_WORKSPACE_BASE)

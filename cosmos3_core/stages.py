@@ -71,6 +71,7 @@ class PrefillStage:
         self.device, self.dtype = device, dtype
         self.defaults, self.limits = defaults, limits
         self.plan: MemoryPlan | None = None  # the deployment's memory plan (from_deployment)
+        self.startup: dict[str, float] = {}  # seconds per part of a load through from_deployment (the server logs them)
         self.shift = checkpoint_shift(ckpt.scheduler_config)
         self.model = ckpt.load_transformer({UND}, device, dtype)
         self.loras = open_store(lora, ckpt, self.model)
@@ -93,11 +94,14 @@ class PrefillStage:
         deployment whose memory plan does not fit its card (`memory.PlanError`). `turn`: held around the encoder's
         warmup at the largest frame (a server's parts reach their peaks one at a time: `ServerState.warmup_turn`);
         `peak_warmup` False skips it (a reload, that peak proven by the part's first load)."""
+        t0 = time.perf_counter()
         _, plan = d.planned(ckpt)
+        t1 = time.perf_counter()
         safety = Guardrail.load(d.safety_checker, device, TEXT)
         stage = cls(ckpt, device, d.torch_dtype, d.defaults, d.limits, d.lora, safety=safety,
                     safety_optional=d.safety_checker_optional)  # fmt: skip
         stage.plan = plan
+        t2 = time.perf_counter()
         if (
             str(device).startswith("cuda") and peak_warmup
         ):  # the encoder's peak at load: a clip's first call at the largest frame
@@ -107,6 +111,7 @@ class PrefillStage:
                 stage.codec.vae.encode(clip)
                 del clip
                 memory.release_cached()
+        stage.startup = {"plan": t1 - t0, "towers and guardrail": t2 - t1, "memory warmup": time.perf_counter() - t2}
         return stage
 
     def validate(
@@ -327,7 +332,9 @@ class DecodeStage:
         """`group`: a running group to decode over (the CLI's, shared with its engine); else one of the
         deployment's `parallel.vae` ranks is started when that is above 1. `turn`: held around the memory warmup;
         `peak_warmup` False skips it (a reload)."""
+        t0 = time.perf_counter()
         _, plan = d.planned(ckpt)  # refuses a deployment that does not fit its card
+        planned_s = time.perf_counter() - t0
         safety = Guardrail.load(d.safety_checker, device, VIDEO)  # first: a missing guardrail fails before the VAE
         if group is None and d.parallel.vae > 1:
             group = Group(d.worker_spec(ckpt.root, ("decode",)))
@@ -335,6 +342,7 @@ class DecodeStage:
         stage = cls(ckpt, device, d.torch_dtype, d.compile, group if d.parallel.vae > 1 else None, safety,
                     plan if cuda else None, turn, peak_warmup)  # fmt: skip
         stage.plan = plan
+        stage.startup = {"plan": planned_s, **stage.startup}
         return stage
 
     def run(self, latents: torch.Tensor, safety_check: bool = True) -> np.ndarray:

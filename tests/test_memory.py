@@ -6,6 +6,7 @@ residual in row chunks against the whole. The activation coefficients are checke
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import numpy as np
@@ -84,6 +85,23 @@ def test_the_plan_counts_what_the_loaders_and_engine_hold(nano_ckpt, precision):
     decoder = ckpt.load_vae("cpu", torch.float32, ("decoder",))
     assert entry["vae_decode", "weights"] == _bytes(decoder.parameters())
     assert _bytes(encoder.decoder.parameters()) == 0 and _bytes(decoder.encoder.parameters()) == 0  # halves
+
+
+def test_the_vae_counts_are_kept_per_config_and_recounted_when_unreadable(nano_ckpt, tmp_path, monkeypatch):
+    monkeypatch.setenv("COSMOS3_CACHE", str(tmp_path))
+    config = (Path(nano_ckpt) / "vae" / "config.json").read_text()
+    key = json.dumps(json.loads(config), sort_keys=True)
+    memory._vae_params.cache_clear()
+    counted = memory._vae_params(key)
+    (memo,) = (tmp_path / "plan").glob("vae-*.json")
+    assert json.loads(memo.read_text()) == list(counted)
+    memo.write_text(json.dumps([1, 2]))  # a later process reads it, importing no VAE class
+    memory._vae_params.cache_clear()
+    assert memory._vae_params(key) == (1, 2)
+    memo.write_text("{")  # half a file (or another version's): counted again
+    memory._vae_params.cache_clear()
+    assert memory._vae_params(key) == counted
+    memory._vae_params.cache_clear()
 
 
 def test_a_deployment_that_cannot_fit_is_refused_at_load_naming_the_keys(nano_ckpt, monkeypatch):

@@ -95,6 +95,22 @@ class VaeCodec:
         return StreamDecoder(self).decode(latents)
 
 
+def _moved(tensor: torch.Tensor, device: str | torch.device) -> torch.Tensor:
+    """`tensor` on `device`, copied in the current stream's order without waiting for it: to the host through
+    pinned memory (a pageable copy of Nano's 1.4 GB state at 832×480 blocks ~1 s; pinned, ~0.03 s on an H100), back
+    from pinned memory asynchronously. Every use of a moved state is a later copy or kernel on the same stream."""
+    device = torch.device(device)
+    if tensor.device == device:
+        return tensor
+    if tensor.is_cuda and device.type == "cpu":
+        try:
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        except RuntimeError:  # no pinned memory left: the blocking copy
+            return tensor.to(device)
+        return host.copy_(tensor, non_blocking=True)
+    return tensor.to(device, non_blocking=tensor.is_pinned())
+
+
 class StreamDecoder:
     def __init__(self, codec: VaeCodec):
         self.codec = codec
@@ -114,9 +130,9 @@ class StreamDecoder:
         over decode ranks keeps its state on the workers."""
         for stream in self._streams():
             if isinstance(getattr(stream, "state", None), dict):  # our decoder's
-                stream.state = {k: v.to(device) for k, v in stream.state.items()}
+                stream.state = {k: _moved(v, device) for k, v in stream.state.items()}
             elif isinstance(getattr(stream, "cache", None), list):  # diffusers' fallback's feat cache
-                stream.cache = [v.to(device) if isinstance(v, torch.Tensor) else v for v in stream.cache]
+                stream.cache = [_moved(v, device) if isinstance(v, torch.Tensor) else v for v in stream.cache]
 
     def state_bytes(self) -> int:
         """The bytes of the stream's causal state, wherever it is (0 before its first piece)."""

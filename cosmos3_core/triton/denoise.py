@@ -394,14 +394,17 @@ class DenoiseModel:
         layouts = json.loads(proven) if proven else None
         if layouts is not None:
             d = dataclasses.replace(d, graph_buckets=layouts["buckets"])
+        t_plan = time.perf_counter()
         d, plan = d.planned(ckpt, peak_warmup=proven is None)  # refused here when it does not fit the card
+        t_plan = time.perf_counter() - t_plan
         pb_utils.Logger.log_info(f"cosmos3: GPU memory plan\n{plan.table()}\n{plan.verdict()}")
         self.engine = DenoiseEngine.from_deployment(ckpt, d, device)
         step = self.engine.step if isinstance(self.engine.step, DenoiseStep) else None
         if layouts is not None and step is not None:
             step.pad_limit = layouts["pad_limit"]
         pb_utils.Logger.log_info(  # startup's parts
-            f"cosmos3_denoise: engine built in {time.perf_counter() - t0:.1f}s (process start to initialize {booted:.1f}s)"
+            f"cosmos3_denoise: engine built in {time.perf_counter() - t0:.1f}s (plan {t_plan:.1f}s; "
+            f"process start to initialize {booted:.1f}s)"
         )
         cfg, shift = ckpt.config, checkpoint_shift(ckpt.scheduler_config)
         sizes = (d.defaults, d.limits, cfg.pixel_alignment, cfg.vae_scale_temporal, shift)

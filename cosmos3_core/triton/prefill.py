@@ -59,7 +59,9 @@ class PrefillModel:
         # how requests ended here: one count each, the only one (outcomes.py)
         self.outcomes = Outcomes({"model": args["model_name"], "instance": args["model_instance_name"]}, AT_PREFILL)
         pb_utils.Logger.log_info(  # startup's parts
-            f"cosmos3_prefill: ready in {time.perf_counter() - t0:.1f}s (process start to initialize {booted:.1f}s)"
+            f"cosmos3_prefill: ready in {time.perf_counter() - t0:.1f}s ("
+            + "".join(f"{k} {v:.1f}s, " for k, v in self.stage.startup.items())
+            + f"process start to initialize {booted:.1f}s)"
         )
 
     def execute(self, requests):
