@@ -163,6 +163,30 @@ def test_chunks_started_back_to_back_on_gpu_equal_the_same_chunks_decoded_one_by
     assert diff.max() <= 1, f"back to back vs one by one: max |diff| {diff.max()}, mean {diff.float().mean():.3f}"
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned, non-blocking state moves: CUDA")
+def test_a_stream_whose_state_waits_on_the_host_between_pieces_decodes_as_one_that_stays(nano_ckpt):
+    """A parked stream's or kept session's decoder state goes to pinned host memory and back without waiting
+    (`StreamDecoder.move_state`): each copy queues behind the piece before it and ahead of the next. Launched back
+    to back with the moves between them, with a large allocation on the same stream in between (the freed device
+    state reused), the frames equal the same pieces with the state kept on the device, bit for bit."""
+    ckpt = Checkpoint.open(nano_ckpt)
+    codec = VaeCodec(ckpt.load_vae("cuda", torch.bfloat16))
+    latents = torch.randn(1, ckpt.config.latent_channel, 9, 4, 6, generator=torch.Generator().manual_seed(7))
+    chunks = [latents[:, :, a:b] for a, b in ((0, 1), (1, 5), (5, 9))]
+    stays = StreamDecoder(codec)
+    reference = torch.cat([stays.decode(c).clone() for c in chunks])
+    moved, pending = StreamDecoder(codec), []
+    for i, c in enumerate(chunks):
+        pending.append(moved.start(c))
+        if i < len(chunks) - 1:
+            moved.move_state("cpu")
+            scribble = torch.full((1 << 26,), 7.0, device="cuda")  # takes the freed blocks if the copy raced
+            del scribble
+            moved.move_state("cuda")
+    joined = torch.cat([wait() for wait in pending])
+    assert torch.equal(joined, reference)
+
+
 def test_our_decoder_refuses_a_vae_other_than_wan22():  # VaeCodec then falls back (test_vae_fallback.py)
     from diffusers import AutoencoderKLWan
 
