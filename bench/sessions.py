@@ -34,9 +34,11 @@ REPROMPT = "The road turns inland and climbs into snowy mountains"
 def one(url: str, prompt: str, params: dict) -> dict:
     out = generate(url, prompt, params)
     done = next(e for e in out.events if e["type"] == "done")
+    # the first window's time on the server (admission or the previous window's last piece to its first piece)
+    first = next((e["timings"] for e in out.events if "window_s" in e.get("timings", {})), {})
     gaps = [b - a for a, b in zip(out.chunk_times, out.chunk_times[1:])]
     return {"ttfc_s": out.ttfc_s, "gap_s": statistics.median(gaps) if gaps else None, "e2e_s": out.e2e_s,
-            "window_s": done["timings"].get("window_s"), "prefill_s": done["timings"].get("prefill_s", 0.0),
+            "window_s": first.get("window_s"), "prefill_s": done["timings"].get("prefill_s", 0.0),
             "session_id": done.get("session_id")}  # fmt: skip
 
 
@@ -60,7 +62,7 @@ def main() -> int:
     proc, ports, _ = start(deployment, Path(tempfile.mkdtemp(prefix="bench_sessions_")))
     rows: dict[str, list[dict]] = {"fresh": [], "continue": [], "reprompt": []}
     try:
-        wait_until_ready(ports[1], proc=proc, timeout_s=1800)
+        print(f"server ready in {wait_until_ready(ports[1], proc=proc, timeout_s=1800):.0f} s", flush=True)
         url = f"127.0.0.1:{ports[0]}"
         more = {"num_frames": args.new_frames} if args.new_frames else {}
         warm = one(url, PROMPT, {**params, "session": {"keep": True}})  # untimed: first use of every layout
@@ -76,6 +78,9 @@ def main() -> int:
                     step = window - overlap if params.get("window_mode") == "chained" else window
                     more = {"num_frames": t * step}
                 rows[kind].append(one(url, prompt, {**more, "session": {"continue": fresh["session_id"]}}))
+                for name, row in (("fresh", fresh), (kind, rows[kind][-1])):  # as they come: a cut-short run says some
+                    print(f"{name:9s} TTFC {row['ttfc_s']:.2f} s  window (server) {row['window_s'] or 0:.2f} s  "
+                          f"e2e {row['e2e_s']:.2f} s", flush=True)  # fmt: skip
                 time.sleep(0.1)
     finally:
         stop_server(proc)
