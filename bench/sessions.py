@@ -34,7 +34,7 @@ REPROMPT = "The road turns inland and climbs into snowy mountains"
 def one(url: str, prompt: str, params: dict) -> dict:
     out = generate(url, prompt, params)
     done = next(e for e in out.events if e["type"] == "done")
-    # the first window's time on the server (admission or the previous window's last piece to its first piece)
+    # the first window's time on the server: from the stream's admission to its first piece
     first = next((e["timings"] for e in out.events if "window_s" in e.get("timings", {})), {})
     gaps = [b - a for a, b in zip(out.chunk_times, out.chunk_times[1:])]
     return {"ttfc_s": out.ttfc_s, "gap_s": statistics.median(gaps) if gaps else None, "e2e_s": out.e2e_s,
@@ -79,7 +79,8 @@ def main() -> int:
                     more = {"num_frames": t * step}
                 rows[kind].append(one(url, prompt, {**more, "session": {"continue": fresh["session_id"]}}))
                 for name, row in (("fresh", fresh), (kind, rows[kind][-1])):  # as they come: a cut-short run says some
-                    print(f"{name:9s} TTFC {row['ttfc_s']:.2f} s  window (server) {row['window_s'] or 0:.2f} s  "
+                    shown = "-" if row["window_s"] is None else f"{row['window_s']:.2f} s"
+                    print(f"{name:9s} TTFC {row['ttfc_s']:.2f} s  window (server) {shown}  "
                           f"e2e {row['e2e_s']:.2f} s", flush=True)  # fmt: skip
                 time.sleep(0.1)
     finally:

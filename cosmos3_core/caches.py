@@ -1,7 +1,8 @@
 """Where generated files persist between processes: one root, `$COSMOS3_CACHE` (default `~/.cache/cosmos3`).
 
   <root>/tiny-nano, random-<preset>       generated checkpoints (model/provision.py)
-  <root>/plan/vae-<config hash>.json      a VAE config's parameter counts, for the memory plan (memory.py)
+  <root>/memo/<name>-<key hash>.json      facts that cost an import of diffusers' model classes to learn (a VAE
+                                          config's parameter counts, the sound tokenizer's defaults): `memo_json`
   <root>/kernels/inductor                 torch.compile's FX-graph / AOT caches (TORCHINDUCTOR_CACHE_DIR)
   <root>/kernels/triton                   Triton's compiled kernels (TRITON_CACHE_DIR)
   <root>/kernels/flashinfer               FlashInfer's JIT-built kernels (FLASHINFER_WORKSPACE_BASE)
@@ -23,8 +24,14 @@ builds goes there; torch.compile's inductor/triton caches need the GPU and stay 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import threading
+from collections.abc import Callable
+from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 KERNEL_CACHE_VARS = {
     "TORCHINDUCTOR_CACHE_DIR": "inductor",
@@ -36,6 +43,34 @@ KERNEL_CACHE_VARS = {
 def cache_root(environ: dict[str, str] | None = None) -> Path:
     env = os.environ if environ is None else environ
     return Path(env.get("COSMOS3_CACHE") or Path.home() / ".cache" / "cosmos3")
+
+
+def memo_json(name: str, key: str, compute: Callable[[], Any]) -> Any:
+    """`compute()`'s JSON value, kept under the cache root per (`name`, `key`, the installed diffusers' version): a
+    fact a part would otherwise import diffusers' model packages for (seconds of each part's start and reload).
+    Written whole, then renamed; an unreadable or unwritable memo only means computing again."""
+    try:
+        version = metadata.version("diffusers")
+    except metadata.PackageNotFoundError:
+        version = "-"
+    digest = hashlib.sha256(f"{key}\0{version}".encode()).hexdigest()[:16]
+    try:
+        path = cache_root() / "memo" / f"{name}-{digest}.json"
+    except RuntimeError:  # no home folder to default to
+        return compute()
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        pass
+    value = compute()
+    partial = path.with_suffix(f".{os.getpid()}-{threading.get_ident()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps(value))
+        partial.replace(path)
+    except OSError:
+        partial.unlink(missing_ok=True)
+    return value
 
 
 def use_kernel_caches(environ: dict[str, str] | None = None) -> dict[str, str]:

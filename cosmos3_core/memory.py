@@ -16,15 +16,13 @@ Sizes are bytes; the table prints GiB.
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from .caches import cache_root
+from .caches import memo_json
 from .model.checkpoint import stored_fp8_linears, weight_files
 from .model.config import ModelConfig
 from .model.fp8 import layer_linear_names
@@ -337,31 +335,20 @@ def vae_bytes(vae_config: dict, dtype: torch.dtype) -> tuple[int, int]:
 
 @functools.lru_cache(maxsize=8)
 def _vae_params(vae_config: str) -> tuple[int, int]:
-    """(encoder, decoder) parameter counts, counted once per config on this machine: diffusers' autoencoders package
-    takes seconds to import, which a part that runs no VAE (denoise) or a reload would pay for the plan alone."""
-    memo = cache_root() / "plan" / f"vae-{hashlib.sha256(vae_config.encode()).hexdigest()[:16]}.json"
-    try:
-        encoder, decoder = json.loads(memo.read_text())
-        return int(encoder), int(decoder)
-    except (OSError, ValueError, TypeError):
-        pass
-    from diffusers import AutoencoderKLWan
+    """(encoder, decoder) parameter counts, counted once per config on this machine (`caches.memo_json`):
+    diffusers' autoencoders package takes seconds to import, which a part that runs no VAE (denoise) or a reload
+    would pay for the plan alone."""
 
-    with torch.device("meta"):  # seconds for Wan2.2's: once per config
-        vae = AutoencoderKLWan.from_config(json.loads(vae_config))
+    def count() -> list[int]:
+        from diffusers import AutoencoderKLWan
 
-    def count(*modules: torch.nn.Module) -> int:
-        return sum(p.numel() for m in modules for p in m.parameters())
+        with torch.device("meta"):  # seconds for Wan2.2's
+            vae = AutoencoderKLWan.from_config(json.loads(vae_config))
+        return [sum(p.numel() for m in halves for p in m.parameters())
+                for halves in ((vae.encoder, vae.quant_conv), (vae.decoder, vae.post_quant_conv))]  # fmt: skip
 
-    counts = count(vae.encoder, vae.quant_conv), count(vae.decoder, vae.post_quant_conv)
-    try:  # written whole then renamed: parts that plan at once never read half a file
-        memo.parent.mkdir(parents=True, exist_ok=True)
-        partial = memo.with_suffix(f".{os.getpid()}.tmp")
-        partial.write_text(json.dumps(counts))
-        partial.replace(memo)
-    except OSError:
-        pass  # a read-only cache: counted again next time
-    return counts
+    encoder, decoder = memo_json("vae-params", vae_config, count)
+    return int(encoder), int(decoder)
 
 
 def page_bytes(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:

@@ -101,17 +101,17 @@ class PrefillStage:
         stage = cls(ckpt, device, d.torch_dtype, d.defaults, d.limits, d.lora, safety=safety,
                     safety_optional=d.safety_checker_optional)  # fmt: skip
         stage.plan = plan
-        t2 = time.perf_counter()
+        stage.startup = {"plan": t1 - t0, "towers and guardrail": time.perf_counter() - t1}
         if (
             str(device).startswith("cuda") and peak_warmup
         ):  # the encoder's peak at load: a clip's first call at the largest frame
-            big = plan.largest
+            t2, big = time.perf_counter(), plan.largest
             with turn or contextlib.nullcontext(), torch.inference_mode():
                 clip = torch.zeros(1, 3, 5, big.frame_height, big.frame_width, dtype=stage.codec.dtype, device=device)
                 stage.codec.vae.encode(clip)
                 del clip
                 memory.release_cached()
-        stage.startup = {"plan": t1 - t0, "towers and guardrail": t2 - t1, "memory warmup": time.perf_counter() - t2}
+            stage.startup["memory warmup"] = time.perf_counter() - t2
         return stage
 
     def validate(

@@ -139,6 +139,20 @@ def test_compiled_decoder_kernels_in_bf16_on_gpu_are_as_close_to_fp32_as_eager(n
     assert compiled.mean() <= 1.5 * eager.mean() + 0.25, (eager.mean(), compiled.mean())
 
 
+def gpu_codec_and_chunks(nano_ckpt, seed: int) -> tuple[VaeCodec, list[torch.Tensor]]:
+    """The tiny VAE in bf16 on the GPU, and 9 random latent frames in a stream's pieces of 1, 4 and 4."""
+    ckpt = Checkpoint.open(nano_ckpt)
+    codec = VaeCodec(ckpt.load_vae("cuda", torch.bfloat16))
+    latents = torch.randn(1, ckpt.config.latent_channel, 9, 4, 6, generator=torch.Generator().manual_seed(seed))
+    return codec, [latents[:, :, a:b] for a, b in ((0, 1), (1, 5), (5, 9))]
+
+
+def decoded_one_by_one(codec: VaeCodec, chunks: list[torch.Tensor]) -> torch.Tensor:
+    """One stream's pieces, each waited on before the next starts: the reference for launches that overlap."""
+    stream = StreamDecoder(codec)
+    return torch.cat([stream.decode(c).clone() for c in chunks])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="asynchronous host copies: CUDA")
 def test_chunks_started_back_to_back_on_gpu_equal_the_same_chunks_decoded_one_by_one(nano_ckpt):
     """`StreamDecoder.start` returns before a chunk's frames reach the host. Chunks launched back to back from
@@ -147,12 +161,8 @@ def test_chunks_started_back_to_back_on_gpu_equal_the_same_chunks_decoded_one_by
     pinned memory. The reference is the same chunking, not one whole decode: in bf16 on the GPU a frame's result
     depends on the frame count of its call (other conv shapes, other kernels); the whole-decode version of this test
     failed on the H200 on 2026-12-01 with its numbers lost, and this one separates a race from that."""
-    ckpt = Checkpoint.open(nano_ckpt)
-    codec = VaeCodec(ckpt.load_vae("cuda", torch.bfloat16))
-    latents = torch.randn(1, ckpt.config.latent_channel, 9, 4, 6, generator=torch.Generator().manual_seed(5))
-    chunks = [latents[:, :, a:b] for a, b in ((0, 1), (1, 5), (5, 9))]
-    sync = StreamDecoder(codec)
-    one_by_one = torch.cat([sync.decode(c).clone() for c in chunks])
+    codec, chunks = gpu_codec_and_chunks(nano_ckpt, seed=5)
+    one_by_one = decoded_one_by_one(codec, chunks)
     stream, pending = StreamDecoder(codec), []
     launch = threading.Thread(target=lambda: pending.extend(stream.start(c) for c in chunks))
     launch.start()
@@ -169,18 +179,17 @@ def test_a_stream_whose_state_waits_on_the_host_between_pieces_decodes_as_one_th
     (`StreamDecoder.move_state`): each copy queues behind the piece before it and ahead of the next. Launched back
     to back with the moves between them, with a large allocation on the same stream in between (the freed device
     state reused), the frames equal the same pieces with the state kept on the device, bit for bit."""
-    ckpt = Checkpoint.open(nano_ckpt)
-    codec = VaeCodec(ckpt.load_vae("cuda", torch.bfloat16))
-    latents = torch.randn(1, ckpt.config.latent_channel, 9, 4, 6, generator=torch.Generator().manual_seed(7))
-    chunks = [latents[:, :, a:b] for a, b in ((0, 1), (1, 5), (5, 9))]
-    stays = StreamDecoder(codec)
-    reference = torch.cat([stays.decode(c).clone() for c in chunks])
+    codec, chunks = gpu_codec_and_chunks(nano_ckpt, seed=7)
+    reference = decoded_one_by_one(codec, chunks)
     moved, pending = StreamDecoder(codec), []
     for i, c in enumerate(chunks):
         pending.append(moved.start(c))
         if i < len(chunks) - 1:
+            shapes = [(v.shape, v.dtype) for st in moved._streams() for v in st.state.values()]
             moved.move_state("cpu")
-            scribble = torch.full((1 << 26,), 7.0, device="cuda")  # takes the freed blocks if the copy raced
+            # the freed state's blocks, taken at once and overwritten: a copy to the host that had not yet read
+            # them would read 7s
+            scribble = [torch.full(shape, 7, dtype=dtype, device="cuda") for shape, dtype in shapes]
             del scribble
             moved.move_state("cuda")
     joined = torch.cat([wait() for wait in pending])

@@ -93,7 +93,7 @@ def test_the_vae_counts_are_kept_per_config_and_recounted_when_unreadable(nano_c
     key = json.dumps(json.loads(config), sort_keys=True)
     memory._vae_params.cache_clear()
     counted = memory._vae_params(key)
-    (memo,) = (tmp_path / "plan").glob("vae-*.json")
+    (memo,) = (tmp_path / "memo").glob("vae-params-*.json")
     assert json.loads(memo.read_text()) == list(counted)
     memo.write_text(json.dumps([1, 2]))  # a later process reads it, importing no VAE class
     memory._vae_params.cache_clear()

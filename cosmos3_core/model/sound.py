@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from ..caches import memo_json
 from ..sampling import initial_noise_bands
 from .config import ModelConfig
 
@@ -40,14 +41,27 @@ __all__ = ["SoundSpec", "decode_sound", "initial_noise", "load_sound_tokenizer",
 SOUND_DIR = "sound_tokenizer"
 # torch's FutureWarning at every tokenizer load: diffusers builds its convs with the deprecated weight_norm
 WEIGHT_NORM_NOTICE = r"`torch\.nn\.utils\.weight_norm` is deprecated"
+SPEC_KEYS = (
+    "hop_size",
+    "dec_strides",
+    "sampling_rate",
+    "dec_out_channels",
+    "vocoder_input_dim",
+)  # what SoundSpec reads
 
 
 def _tokenizer_defaults() -> dict[str, object]:
-    """The tokenizer class's constructor defaults: what diffusers fills in for keys a config.json leaves out."""
-    from diffusers import Cosmos3AVAEAudioTokenizer
+    """The tokenizer class's constructor defaults that `SoundSpec` reads: what diffusers fills in for keys a
+    config.json leaves out (kept per diffusers version: the class's import takes seconds, `caches.memo_json`)."""
 
-    sig = inspect.signature(Cosmos3AVAEAudioTokenizer.__init__)
-    return {k: p.default for k, p in sig.parameters.items() if p.default is not inspect.Parameter.empty}
+    def read() -> dict[str, object]:
+        from diffusers import Cosmos3AVAEAudioTokenizer
+
+        sig = inspect.signature(Cosmos3AVAEAudioTokenizer.__init__)
+        return {k: sig.parameters[k].default for k in SPEC_KEYS if k in sig.parameters
+                and sig.parameters[k].default is not inspect.Parameter.empty}  # fmt: skip
+
+    return memo_json("sound-tokenizer-defaults", ",".join(SPEC_KEYS), read)
 
 
 @dataclass(frozen=True)
