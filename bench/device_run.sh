@@ -24,6 +24,10 @@
 #       video check (ours against the package's, frame for frame) and the text check at 121 frames 480x832
 #   timeline [ARGS]    bench.timeline (default: --config configs/bench_edge.yaml): where the GPU sits idle
 #   inprocess [ARGS]   bench.inprocess (default: --preset edge --compile --variants sdpa flashinfer+graphs)
+#   sessions [ARGS]   (carry .whl/pytriton) bench.sessions (default: configs/bench_nano_ar.yaml, FP8 + SeaCache,
+#       chained 29 frames, --repeat 3): a kept stream's continuation against a fresh stream, each printed as it ends
+#   faults [ARGS]   (carry .whl/pytriton) bench.faults_part (default: configs/edge.yaml on random:edge, no guardrail,
+#       every part, 20 steps): each part killed and served again; the server's log kept in $OUT
 #   memory [inprocess|served ...] [PRECISION]   (served: carry .whl/pytriton) each part's GPU memory against its plan
 #       (bench.memory): inprocess: Nano's parts loaded alone, the allocator's peaks at several sizes; served:
 #       $CONFIG (default configs/nano.yaml; random weights at its checkpoint's shapes, no guardrail) sampled by
@@ -31,7 +35,7 @@
 #       largest streams" adds the largest the limits admit, then the plan's live decoder streams at once);
 #       PRECISION checkpoint (default) or fp8
 set -uo pipefail
-run=${1:?usage: bash bench/device_run.sh coldstart|lora|guardrail_served|guardrail|timeline|inprocess|memory [ARGS...]}
+run=${1:?usage: bash bench/device_run.sh coldstart|lora|guardrail_served|guardrail|timeline|inprocess|sessions|faults|memory [ARGS...]}
 shift
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -156,5 +160,16 @@ case $run in
             timeout 560 $PY -m bench.timeline "$@" 2>&1 | grep -v -e Warning -e float32 | tee "$OUT/timeline.txt" | tail -60 ;;
   inprocess) [ $# -gt 0 ] || set -- --preset edge --compile --variants sdpa flashinfer+graphs
              timeout 560 $PY -m bench.inprocess "$@" --json "$OUT/inprocess.json" 2>&1 | grep -v -e Warning -e float32 | tail -20 ;;
+  sessions) need_pytriton
+            [ $# -gt 0 ] || set -- --config configs/bench_nano_ar.yaml --set precision=fp8 --repeat 3 \
+              --params '{"window_mode": "chained", "num_frames": 29, "cache": {"policy": "sea"}}'
+            timeout 560 $PY -m bench.sessions "$@" --json "$OUT/sessions.json" 2>&1 | grep -v -e Warning -e float32 \
+              | tee "$OUT/sessions.txt" | tail -20 ;;
+  faults) need_pytriton
+          [ $# -gt 0 ] || set -- --config configs/edge.yaml --checkpoint random:edge --set safety_checker=none \
+            --part all --steps 20
+          timeout 560 $PY -m bench.faults_part "$@" --workdir /tmp/faults --json "$OUT/faults.json" 2>&1 \
+            | grep -v -e Warning -e float32 | tee "$OUT/faults.txt" | tail -30
+          cp /tmp/faults/*.log "$OUT/" 2>/dev/null ;;
   *) echo "unknown run $run"; exit 2 ;;
 esac
