@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -361,6 +362,23 @@ def step_bytes(cfg: ModelConfig, rows: int, dtype: torch.dtype) -> int:
     hidden = STEP_HIDDEN_COPIES * rows * cfg.hidden_size
     mlp = MLP_INTERMEDIATE_COPIES * min(rows, MLP_CHUNK_ROWS) * cfg.intermediate_size
     return int((hidden + mlp) * dtype.itemsize) + STEP_FIXED_BYTES
+
+
+# the share of the host's memory that decoder states waiting there (parked streams, kept sessions) may pin; torch
+# keeps freed pinned blocks for reuse and rounds each up to a power of two, so the process pins up to ~2× this
+PINNED_HOST_SHARE = 1 / 8
+
+
+def pinned_host_bytes() -> int:
+    """How many bytes of decoder state may wait in pinned host memory: PINNED_HOST_SHARE of the host's memory, or of
+    this container's limit (cgroup v2 `memory.max`) when that is lower; beyond it, states wait in pageable memory."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        total = min(total, int(limit)) if limit.isdigit() else total
+    except OSError:
+        pass
+    return int(total * PINNED_HOST_SHARE)
 
 
 def card_bytes(device: str = "cuda") -> int:

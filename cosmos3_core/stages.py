@@ -303,6 +303,8 @@ class DecodeStage:
         self.parked: set[str] = set()
         # None: no bound (the CPU; a group's streams keep their state on its workers)
         self.gpu_state_bytes: int | None = plan.decode_state_bytes if plan is not None and group is None else None
+        # the states waiting in host memory are pinned up to this many bytes (memory.pinned_host_bytes), pageable after
+        self.pinned_host_bytes = memory.pinned_host_bytes()
         # the most state a stream at latent grid (h, w) has held after a piece: a new stream's, before it has any
         self.state_seen: dict[tuple[int, int], int] = {}
         # session id → the decoder its kept stream ended with, and when: its continuation's first piece goes on from it
@@ -410,7 +412,7 @@ class DecodeStage:
         elif keep:
             for ident in [i for i in self.sessions if not self.session_live(i)]:
                 del self.sessions[ident]
-            decoder.move_state("cpu")  # after its last chunk's kernels (same stream); idle, it holds no GPU memory
+            self._to_host(decoder)  # after its last chunk's kernels (same stream); idle, it holds no GPU memory
             self.sessions[keep] = (decoder, now)
         return pending
 
@@ -469,8 +471,16 @@ class DecodeStage:
                 break
             decoder = self.streams[sid][0]
             held -= decoder.state_bytes()  # type: ignore[union-attr]
-            decoder.move_state("cpu")  # type: ignore[union-attr]
+            self._to_host(decoder)  # type: ignore[arg-type]
             self.parked.add(sid)
+
+    def _to_host(self, decoder: StreamDecoder) -> None:
+        """Move a stream's state to host memory: pinned while the states already waiting there (kept sessions, parked
+        streams) and this one stay within `pinned_host_bytes`, else pageable."""
+        waiting = [d for d, _ in self.sessions.values()]
+        waiting += [d for sid in self.parked if (d := self.streams.get(sid, (None, 0.0))[0]) is not None]
+        held = sum(d.state_bytes() for d in waiting)
+        decoder.move_state("cpu", pinned=held + decoder.state_bytes() <= self.pinned_host_bytes)
 
     def drop(self, stream_id: str) -> None:
         self.parked.discard(stream_id)

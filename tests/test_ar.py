@@ -239,9 +239,9 @@ def test_streams_beyond_the_plans_live_ones_park_their_state_and_decode_the_same
     where: dict[int, str] = {}  # id(decoder) → where its state is (as move_state was last told)
     move, start = StreamDecoder.move_state, StreamDecoder.start
 
-    def move_state(self, to):  # (on the CPU, host and device are one: told apart by what the stage passes)
+    def move_state(self, to, pinned=True):  # (on the CPU, host and device are one: told apart by what is passed)
         where[id(self)] = "host" if isinstance(to, str) else "device"  # parking passes "cpu", a restore the device
-        move(self, to)
+        move(self, to, pinned)
 
     def start_piece(self, latents):
         live = [dec for dec, _ in decode.streams.values() if dec is not None]
@@ -264,10 +264,10 @@ def test_streams_beyond_the_plans_live_ones_park_their_state_and_decode_the_same
         assert all((x == y).all() for x, y in zip(alone[s], mixed[s], strict=True)), s
     assert not decode.streams and not decode.parked
 
-    def failed_restore(self, to):
+    def failed_restore(self, to, pinned=True):
         if not isinstance(to, str):
             raise torch.cuda.OutOfMemoryError("no room to bring the state back")
-        move_state(self, to)
+        move_state(self, to, pinned)
 
     for s in "ab":  # "a" parked by "b"'s and the new "c"'s pieces, with room for 1
         decode.start_chunk(s, streams[s][:, :, :1], last=False)().numpy()
@@ -279,6 +279,34 @@ def test_streams_beyond_the_plans_live_ones_park_their_state_and_decode_the_same
         decode.start_chunk("a", streams["a"][:, :, 1:2], last=False)
     with pytest.raises(RuntimeError, match="an earlier chunk of stream a failed"):
         decode.start_chunk("a", streams["a"][:, :, 2:], last=True)
+
+
+def test_states_waiting_on_the_host_are_pinned_up_to_the_stages_bound(setup, monkeypatch):
+    """Pinned host memory cannot be swapped out: parked streams' and kept sessions' states are pinned while those
+    waiting stay within `pinned_host_bytes`, and the next goes to pageable memory."""
+    from cosmos3_core.model.conditioning import StreamDecoder
+
+    ckpt, _, _ = setup
+    decode = DecodeStage(ckpt, "cpu", torch.float32)
+    seen: dict[int, bool] = {}  # id(decoder) → whether its move to the host was pinned
+    move = StreamDecoder.move_state
+
+    def move_state(self, to, pinned=True):
+        if isinstance(to, str):
+            seen[id(self)] = pinned
+        move(self, to, pinned)
+
+    monkeypatch.setattr(StreamDecoder, "move_state", move_state)
+    z = torch.randn(1, ckpt.config.latent_channel, 1, H // 16, W // 16, generator=torch.Generator().manual_seed(3))
+    decode.start_chunk("a", z, last=False)()
+    one = decode.streams["a"][0].state_bytes()
+    decode.gpu_state_bytes, decode.pinned_host_bytes = one, one  # one state on the device, one pinned on the host
+    for sid in "bc":  # each parks the one before it
+        decode.start_chunk(sid, z, last=False)()
+    assert decode.parked == {"a", "b"}
+    assert [seen[id(decode.streams[s][0])] for s in "ab"] == [True, False]
+    decode.start_chunk("c", z, last=True, keep="kept")()  # a third waiting state: pageable too
+    assert seen[id(decode.sessions["kept"][0])] is False
 
 
 def test_parked_streams_are_counted_in_bytes_not_streams(setup):

@@ -95,14 +95,14 @@ class VaeCodec:
         return StreamDecoder(self).decode(latents)
 
 
-def _moved(tensor: torch.Tensor, device: str | torch.device) -> torch.Tensor:
-    """`tensor` on `device`, copied in the current stream's order without waiting for it: to the host through
-    pinned memory (a pageable copy of Nano's 1.4 GB state at 832×480 blocks ~1 s; pinned, ~0.03 s on an H100), back
-    from pinned memory asynchronously. Every use of a moved state is a later copy or kernel on the same stream."""
+def _moved(tensor: torch.Tensor, device: str | torch.device, pinned: bool) -> torch.Tensor:
+    """`tensor` on `device`. `pinned`, to the host: copied in the current stream's order without waiting for it,
+    through pinned memory (a pageable copy of Nano's 1.4 GB state at 832×480 blocks ~1 s; pinned, ~0.03 s on an
+    H100), and back from it asynchronously; every use of a moved state is a later copy or kernel on the same stream."""
     device = torch.device(device)
     if tensor.device == device:
         return tensor
-    if tensor.is_cuda and device.type == "cpu":
+    if tensor.is_cuda and device.type == "cpu" and pinned:
         try:
             host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         except RuntimeError:  # no pinned memory left: the blocking copy
@@ -124,15 +124,15 @@ class StreamDecoder:
         bands = getattr(self.stream, "bands", None)
         return [b[2] for b in bands] if bands else [self.stream]
 
-    def move_state(self, device: str | torch.device) -> None:
+    def move_state(self, device: str | torch.device, pinned: bool = True) -> None:
         """Move the stream's causal state (every conv's context frames) to `device`: a kept session's idle state
-        waits in host memory ("cpu"), not on the GPU, and comes back unchanged when it continues. A stream split
-        over decode ranks keeps its state on the workers."""
+        waits in host memory ("cpu"), not on the GPU, and comes back unchanged when it continues; `pinned` False:
+        in pageable host memory, a blocking copy. A stream split over decode ranks keeps its state on the workers."""
         for stream in self._streams():
             if isinstance(getattr(stream, "state", None), dict):  # our decoder's
-                stream.state = {k: _moved(v, device) for k, v in stream.state.items()}
+                stream.state = {k: _moved(v, device, pinned) for k, v in stream.state.items()}
             elif isinstance(getattr(stream, "cache", None), list):  # diffusers' fallback's feat cache
-                stream.cache = [_moved(v, device) if isinstance(v, torch.Tensor) else v for v in stream.cache]
+                stream.cache = [_moved(v, device, pinned) if isinstance(v, torch.Tensor) else v for v in stream.cache]
 
     def state_bytes(self) -> int:
         """The bytes of the stream's causal state, wherever it is (0 before its first piece)."""
