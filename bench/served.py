@@ -414,6 +414,11 @@ def main() -> int:
         "--variants", nargs="+", choices=list(VARIANTS), help="single-shot request kinds, each --c1 requests at c=1"
     )
     ap.add_argument("--diffusers-variants", nargs="+", choices=list(VARIANTS), help="default: all --variants")
+    ap.add_argument(
+        "--no-server", action="store_true",
+        help="only diffusers' runs of --variants (--diffusers N), no server: the other half of a side-by-side run "
+        "whose two halves do not fit one device call (run on the same machine, one after the other)",
+    )  # fmt: skip
     ap.add_argument("--action", default="{}", help=f"JSON over the action variants' `action` (default {ACTION})")
     ap.add_argument("--c4-variants", nargs="+", choices=list(VARIANTS), help="then --c4 requests of each at c=4")
     ap.add_argument("--c8", type=int, default=0, help="then N requests at concurrency 8 of each --c8-variants kind")
@@ -443,9 +448,20 @@ def main() -> int:
     pa_kind = (args.c4_variants or ["t2v"])[-1]
     if args.perf_analyzer and VARIANTS[pa_kind][1] is not None:
         ap.error(f"--perf-analyzer sends a prompt and parameters only: {pa_kind} needs a conditioning input")
+    if args.no_server and not (args.variants and args.diffusers):
+        ap.error("--no-server runs diffusers on --variants kinds: give --variants and --diffusers N")
     overrides = parse_sets(args.set)
     # `start` resolves `random:` into a path; side_by_side needs the name
     configured = Deployment.load(args.config, **overrides)
+    if args.no_server:
+        params = json.loads(args.params)
+        size = (params.get("height", configured.defaults.height), params.get("width", configured.defaults.width))
+        chosen = {v: variant_request(v, params, *size, json.loads(args.action))
+                  for v in args.diffusers_variants or args.variants}  # fmt: skip
+        for name, r in diffusers_variants(configured, chosen, args.diffusers).items():
+            print(f"diffusers {name:10s} e2e p50 {statistics.median(r['e2e']):7.2f}s  (n={len(r['e2e'])}, "
+                  f"{r['steps']} steps)  skipped {100 * r['skipped_fraction']:.0f}%")  # fmt: skip
+        return 0
     workdir = Path(tempfile.mkdtemp(prefix="cosmos3-bench-"))
     proc, ports, deployment = start(configured, workdir)
     url = f"127.0.0.1:{ports[0]}"
