@@ -316,6 +316,9 @@ def server_command(cfg: ServerConfig, tritonserver: Path, backend_dir: Path) -> 
         f"--http-restricted-api=model-repository:{ADMIN_HEADER}={cfg.admin_token}",
         f"--grpc-restricted-protocol=model-repository:{ADMIN_HEADER}={cfg.admin_token}",
         "--metrics-config=histogram_latencies=true",
+        # every config.pbtxt is complete: without this, each Python model's every load (a reload too) first starts
+        # a stub of its own only to ask model.py for a config it does not complete
+        "--disable-auto-complete-config",
     ]
     if cfg.cpu_only:
         cmd += ["--pinned-memory-pool-byte-size=0", "--allow-gpu-metrics=false"]

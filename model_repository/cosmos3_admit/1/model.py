@@ -1,7 +1,7 @@
 """cosmos3_admit: the ensemble's first step; takes a ticket for each request or refuses it at once (load shedding).
 
-A shim over `cosmos3_core.triton.door.AdmitModel` (imported in `initialize`: the auto-complete stub loads this file
-too).
+A shim over `cosmos3_core.triton.door.AdmitModel` (imported in `initialize`: an auto-completing Triton loads this
+file in a stub of its own too).
 """
 
 

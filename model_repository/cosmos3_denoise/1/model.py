@@ -2,15 +2,16 @@
 
 The engine thread packs every live request into one GEN forward per tick; the response thread sends
 progress events and, in the final response, the finished latents. A shim over
-`cosmos3_core.triton.denoise.DenoiseModel`, imported in `initialize`: Triton's Python backend first loads every
-model.py in a stub of its own to auto-complete the model config, then again in the instance's stub; top-level imports
-of torch and the package made that first stub cost ~12 s of every server start.
+`cosmos3_core.triton.denoise.DenoiseModel`, imported in `initialize`: a tritonserver started without
+`--disable-auto-complete-config` (ours passes it) first loads every model.py in a stub of its own to auto-complete
+the model config, then again in the instance's stub; top-level imports of torch and the package made that first stub
+cost ~12 s of every server start.
 """
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        from cosmos3_core.triton.denoise import DenoiseModel  # here: the auto-complete stub loads this file too
+        from cosmos3_core.triton.denoise import DenoiseModel  # here: an auto-completing Triton loads this file too
 
         self.model = DenoiseModel(args)
 

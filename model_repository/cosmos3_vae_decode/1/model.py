@@ -7,7 +7,7 @@ A shim over `cosmos3_core.triton.decode.DecodeModel` (imported in `initialize`: 
 
 class TritonPythonModel:
     def initialize(self, args):
-        from cosmos3_core.triton.decode import DecodeModel  # here: the auto-complete stub loads this file too
+        from cosmos3_core.triton.decode import DecodeModel  # here: an auto-completing Triton loads this file too
 
         self.model = DecodeModel(args)
 
