@@ -38,7 +38,7 @@ from pathlib import Path
 
 from client.stream import ServerError, generate
 from cosmos3_core.errors import model_of
-from cosmos3_core.triton.launcher import free_port
+from cosmos3_core.triton.launcher import free_ports
 
 from . import prom
 
@@ -51,7 +51,7 @@ class Supervised:
     """`python -m cosmos3_core.triton.serve` on free loopback ports, in a session of its own (its log in workdir)."""
 
     def __init__(self, config: str, workdir: Path, env: dict[str, str] | None = None, extra_args: list[str] = ()):
-        self.grpc, self.http, self.metrics = (free_port() for _ in range(3))
+        self.grpc, self.http, self.metrics = free_ports(3)
         self.url, self.workdir = f"127.0.0.1:{self.grpc}", workdir.absolute()
         workdir.mkdir(parents=True, exist_ok=True)
         self.log = open(workdir / "serve.log", "wb")  # noqa: SIM115 - closed by stop()

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from client.stream import ServerError, generate, wait_ready
-from cosmos3_core.triton.launcher import free_port
+from cosmos3_core.triton.launcher import free_ports
 
 pytestmark = pytest.mark.served
 
@@ -22,7 +22,7 @@ LONG = {"steps": 40, "num_frames": 17, "height": 64, "width": 64}
 @pytest.fixture
 def supervised(served_deployment, tmp_path):
     path, _ = served_deployment
-    ports = [free_port() for _ in range(3)]
+    ports = free_ports(3)
     env = {**os.environ, "COSMOS3_FAULTS": "step_delay_s=0.05"}
     cmd = [sys.executable, "-m", "cosmos3_core.triton.serve", "--config", str(path), "--workdir", str(tmp_path / "serve"),
            "--grpc-port", str(ports[0]), "--http-port", str(ports[1]), "--metrics-port", str(ports[2])]  # fmt: skip

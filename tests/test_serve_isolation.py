@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from client.stream import generate, wait_ready
-from cosmos3_core.triton.launcher import free_port
+from cosmos3_core.triton.launcher import free_ports
 
 pytestmark = pytest.mark.served
 
@@ -30,7 +30,7 @@ def serve_cmd(config: Path, ports: list[int], *extra: str) -> list[str]:
 
 class Supervisor:
     def __init__(self, config: Path, cwd: Path):
-        self.ports = [free_port() for _ in range(3)]
+        self.ports = free_ports(3)
         self.url = f"127.0.0.1:{self.ports[0]}"
         self.log = cwd / f"serve-{self.ports[0]}.log"
         with open(self.log, "wb") as log:
@@ -106,7 +106,7 @@ def test_stopping_one_server_leaves_the_other_serving(pair):
 def test_a_workdir_in_use_is_refused(pair, served_deployment):
     _, b = pair
     t0 = time.monotonic()
-    ports = [free_port() for _ in range(3)]
+    ports = free_ports(3)
     cmd = serve_cmd(served_deployment[0], ports, "--workdir", str(b.workdir()))
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "in use" in r.stderr and str(b.workdir()) in r.stderr, r.stderr
@@ -152,7 +152,7 @@ def test_held_port_is_one_clear_error(served_deployment, tmp_path):
         port = held.getsockname()[1]
         t0 = time.monotonic()
         try:
-            r = subprocess.run(serve_cmd(served_deployment[0], [free_port(), port, free_port()]), cwd=tmp_path,
+            r = subprocess.run(serve_cmd(served_deployment[0], [(other := free_ports(2, exclude=[port]))[0], port, other[1]]), cwd=tmp_path,
                                capture_output=True, text=True, timeout=30)  # fmt: skip
         except subprocess.TimeoutExpired:
             pytest.fail("the server did not refuse the held port at start")
@@ -165,7 +165,7 @@ def test_held_port_is_one_clear_error(served_deployment, tmp_path):
 def test_make_stop_with_grpc_port_stops_only_that_server(tmp_path):
     """`make stop GRPC_PORT=…` matches only the supervisor of that port (stand-ins with a supervisor's command
     line: a real `make stop` would also stop servers that other tests run)."""
-    ports = [free_port(), free_port()]
+    ports = free_ports(2)
     sleeper = [sys.executable, "-c", "import time; time.sleep(60)", "-m", "cosmos3_core.triton.serve", "--grpc-port"]
     # SIGINT back to its default in the stand-ins: a run started in the background (`cmd &`) ignores SIGINT, and a
     # Python started with SIGINT ignored keeps ignoring it (the real server installs its own handler)
@@ -188,7 +188,7 @@ def test_a_config_error_is_one_clear_error(tmp_path):
     """A deployment config the server cannot load: one `error:` line naming the key, no traceback, no server."""
     bad = tmp_path / "bad.yaml"
     bad.write_text("defaults: {t2v: {steps: 8, bogus: 1}}\n")
-    r = subprocess.run(serve_cmd(bad, [free_port(), free_port(), free_port()]), cwd=tmp_path, capture_output=True,
+    r = subprocess.run(serve_cmd(bad, free_ports(3)), cwd=tmp_path, capture_output=True,
                        text=True, timeout=60)  # fmt: skip
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error")]
     assert r.returncode == 2 and len(errors) == 1 and "defaults.t2v: unknown keys ['bogus']" in errors[0], r.stderr

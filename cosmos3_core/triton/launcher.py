@@ -333,11 +333,24 @@ def server_command(cfg: ServerConfig, tritonserver: Path, backend_dir: Path) -> 
 # --------------------------------------------------------------------------------------------------
 # Process control
 # --------------------------------------------------------------------------------------------------
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free right now (racy by nature; fine for tests and single launches)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def free_ports(count: int, host: str = "127.0.0.1", exclude: Iterable[int] = ()) -> list[int]:
+    """`count` distinct ports free right now (racy by nature: fine for tests and single launches), none of `exclude`
+    (ports chosen but not yet listened on). Each is held until all are chosen: a port just released can be handed
+    out again (two picks one after the other once gave tritonserver the same port for HTTP and metrics)."""
+    held: list[socket.socket] = []
+    taken = frozenset(exclude)
+    try:
+        ports: list[int] = []
+        while len(ports) < count:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            held.append(s)
+            s.bind((host, 0))
+            if (port := s.getsockname()[1]) not in taken:
+                ports.append(port)
+        return ports
+    finally:
+        for s in held:
+            s.close()
 
 
 def ports_in_use(ports: Mapping[str, int], address: str = "127.0.0.1") -> list[str]:
@@ -649,7 +662,7 @@ __all__ = [
     "preflight",
     "ServerConfig",
     "server_command",
-    "free_port",
+    "free_ports",
     "ports_in_use",
     "launch_server",
     "wait_until_ready",

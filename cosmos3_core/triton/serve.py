@@ -46,7 +46,7 @@ from ..model.provision import resolve_checkpoint
 from .front import Front
 from .launcher import (
     ServerConfig,
-    free_port,
+    free_ports,
     launch_server,
     load_model,
     pid_alive,
@@ -114,7 +114,7 @@ def start(
     """Render and launch on free loopback ports (benchmarks, soak, tests) → (process, [grpc, http, metrics],
     the effective deployment). Not yet ready: `wait_until_ready(ports[1], proc=proc)`."""
     repo, deployment = render(deployment, workdir)
-    ports = [free_port() for _ in range(3)]
+    ports = free_ports(3)
     cpu_only = not deployment.torch_device.startswith("cuda")
     config = ServerConfig(repo, *ports, cpu_only=cpu_only, log_path=Path(workdir) / "tritonserver.log",
                           cuda_pool_bytes=cuda_pool_bytes(deployment))  # fmt: skip
@@ -141,7 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
-    ports = [p or free_port() for p in (args.grpc_port, args.http_port, args.metrics_port)]
+    given = (args.grpc_port, args.http_port, args.metrics_port)
+    auto = iter(free_ports(3, exclude={p for p in given if p}))
+    ports = [p or next(auto) for p in given]
     if not args.render_only:
         busy = ports_in_use(dict(zip(("grpc", "http", "metrics"), ports)), args.address)
         if busy:
@@ -168,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"rendered {repo}", file=sys.stderr)
     if args.render_only:
         return 0
-    private = [free_port(), free_port()]  # tritonserver's HTTP and metrics, on loopback behind the front
+    private = free_ports(2, exclude=ports)  # tritonserver's HTTP and metrics, on loopback behind the front
     # not ready from its first answer: a probe between here and tritonserver's start must not read 200
     front = Front(args.address, ports[1], ports[2], *private, state=ServerState(deployment.state_dir),
                   starting=errors.STARTING)  # fmt: skip
