@@ -201,3 +201,11 @@ def test_a_cpu_servers_log_has_no_cuda_probe_errors(pair):
     text = pair[1].log.read_text()
     assert "successfully loaded 'cosmos3'" in text  # tritonserver's own log comes through
     assert "CudaDriverHelper" not in text and "unable to create stream" not in text, text[-3000:]
+
+
+def test_free_ports_are_distinct_and_avoid_the_ports_already_chosen():
+    """Each of a server's ports is its own (tritonserver once got one port for HTTP and metrics), and its private
+    ports are none of the public ones chosen before them but not yet listened on."""
+    public = free_ports(3)
+    private = free_ports(40, exclude=public)
+    assert len(set(public)) == 3 and len(set(private)) == 40 and not set(public) & set(private)
