@@ -134,15 +134,18 @@ def test_sigkill_of_the_supervisor_takes_tritonserver_down(pair):
     b.proc.kill()
     b.proc.wait()
     deadline = time.monotonic() + 10
-    # a process's sockets close a moment after it is gone (seen on a loaded box): the ports get the same deadline
-    while (any(alive(p) for p in (triton, *stubs)) or not all(port_free(p) for p in ports)) and (
-        time.monotonic() < deadline
-    ):
+    # a process's sockets close a moment after it is gone (seen on a loaded box), and the reaper unlinks the regions
+    # only after the group it killed is gone: the ports and the regions get the same deadline
+    while (
+        any(alive(p) for p in (triton, *stubs))
+        or not all(port_free(p) for p in ports)
+        or any(Path("/dev/shm").glob(regions))
+    ) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not alive(triton), "tritonserver outlived its supervisor"
     assert not any(alive(p) for p in stubs), "Python stubs outlived their server"
     assert all(port_free(p) for p in ports), f"ports {ports} still bound 10 s after the server died"
-    assert not list(Path("/dev/shm").glob(regions))
+    assert not list(Path("/dev/shm").glob(regions)), "shm regions still there 10 s after the server died"
 
 
 def test_held_port_is_one_clear_error(served_deployment, tmp_path):
