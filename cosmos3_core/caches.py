@@ -5,6 +5,8 @@
                                           config's parameter counts, the sound tokenizer's defaults): `memo_json`
   <root>/kernels/inductor                 torch.compile's FX-graph / AOT caches (TORCHINDUCTOR_CACHE_DIR)
   <root>/kernels/triton                   Triton's compiled kernels (TRITON_CACHE_DIR)
+  <root>/kernels/precompiled              functions compiled ahead per input signature (precompiled.py: the
+                                          decoder's kernels), loaded by a restart instead of traced again
   <root>/kernels/flashinfer               FlashInfer's JIT-built kernels (FLASHINFER_WORKSPACE_BASE)
   <root>/kernels/flashinfer/aot/sm<arch>  FlashInfer's modules built ahead for one GPU arch (sm90a: H100/H200),
                                           without a GPU (`tools/warm.py`): <uri>/<uri>.so, loaded as they are
@@ -81,6 +83,11 @@ def use_kernel_caches(environ: dict[str, str] | None = None) -> dict[str, str]:
         if not env.get(var):
             env[var] = str(kernels / sub)
     return {var: env[var] for var in KERNEL_CACHE_VARS}
+
+
+def precompiled_dir(environ: dict[str, str] | None = None) -> Path:
+    """Where `precompiled.Precompiled` keeps its artifacts."""
+    return cache_root(os.environ if environ is None else environ) / "kernels" / "precompiled"
 
 
 def flashinfer_aot_dir(arch: str, environ: dict[str, str] | None = None) -> Path:

@@ -65,14 +65,24 @@ def test_each_latent_frame_decodes_the_same_in_any_chunking(vae):
     assert torch.equal(one, chunked) or (one.int() - chunked.int()).abs().max() <= 1
 
 
-def test_compiled_decoder_kernels_equal_eager_on_cpu(vae):
+def test_compiled_decoder_kernels_equal_eager_on_cpu(vae, tmp_path):
     """The kernels the GPU runs compiled (`compile: true`), compiled here on CPU in fp32, in 4-frame calls as
-    on CUDA, over two sizes: a fusion or a dynamic-shape guard that changes the result fails here."""
-    eager, compiled = WanDecoder(vae, frames_per_call=4), WanDecoder(vae, DecoderKernels.compiled(), frames_per_call=4)
-    for shape in ((6, 4, 6), (9, 3, 5)):
-        x = torch.randn(1, vae.config.z_dim, *shape, generator=torch.Generator().manual_seed(4))
-        diff = (eager.stream()(x).int() - compiled.stream()(x).int()).abs()
-        assert diff.max() <= 1 and diff.float().mean() < 0.01, (shape, diff.max(), diff.float().mean())
+    on CUDA, over two sizes: a fusion or a dynamic-shape guard that changes the result fails here. They are
+    compiled ahead into a store (as served, `precompiled.py`); a second decoder, as a restarted process would,
+    loads them from it for other sizes, a square one included (no guard ties the grid's sides), and compiles none."""
+    eager = WanDecoder(vae, frames_per_call=4)
+
+    def check(decoder: WanDecoder, shapes) -> None:
+        for shape in shapes:
+            x = torch.randn(1, vae.config.z_dim, *shape, generator=torch.Generator().manual_seed(4))
+            diff = (eager.stream()(x).int() - decoder.stream()(x).int()).abs()
+            assert diff.max() <= 1 and diff.float().mean() < 0.01, (shape, diff.max(), diff.float().mean())
+
+    check(WanDecoder(vae, DecoderKernels.compiled(tmp_path), frames_per_call=4), [(6, 4, 6)])
+    artifacts = {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
+    assert artifacts and all(name.endswith(".bin") for name in artifacts), artifacts
+    check(WanDecoder(vae, DecoderKernels.compiled(tmp_path), frames_per_call=4), [(9, 3, 5), (5, 6, 6)])
+    assert {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()} == artifacts
 
 
 def test_a_one_frame_piece_runs_the_compiled_kernels_of_a_four_frame_one():

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..caches import precompiled_dir
 from .wan_decoder import EAGER, DecoderKernels, WanDecoder, unsupported
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ class VaeCodec:
         """Prepared on first use: the prefill stage's codec only encodes."""
         if self._decoder is None:
             if (reason := unsupported(self.vae)) is None:
-                kernels = DecoderKernels.compiled() if self.compile else EAGER
+                kernels = DecoderKernels.compiled(precompiled_dir()) if self.compile else EAGER
                 self._decoder = WanDecoder(self.vae, kernels, self.frames_per_call, self.band_rows)
                 if self.wrap is not None:
                     self._decoder = self.wrap(self._decoder)

@@ -23,7 +23,8 @@ cuDNN, unfused norms) around 40 % convolutions. Here:
 `DecoderKernels.compiled()` fuses the elementwise functions with torch.compile: every axis but the channels is
 dynamic, and a time axis unbacked (a stream's first piece of one latent frame shares the later pieces' graph);
 channels stay static, so loads vectorise along them and the norms reduce over a known length (with symbolic channels
-the kernels ran at a fraction of the memory bandwidth).
+the kernels ran at a fraction of the memory bandwidth). Served, they are compiled ahead per signature and kept
+on disk (`precompiled.py`): a restarted decoder loads its kernels instead of tracing them again.
 """
 
 from __future__ import annotations
@@ -31,10 +32,13 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+from ..precompiled import Precompiled
 
 
 def norm_silu_cat(x: torch.Tensor, bias: torch.Tensor | None, weight: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
@@ -131,7 +135,10 @@ class DecoderKernels:
     to_frames: Callable = to_frames
 
     @classmethod
-    def compiled(cls) -> DecoderKernels:
+    def compiled(cls, store: Path | None = None) -> DecoderKernels:
+        """`store`: the folder of their artifacts compiled ahead (`precompiled.py`; `caches.precompiled_dir()`), so a
+        restart loads them instead of tracing them again; None: traced by every process."""
+
         def c(fn: Callable, time: tuple[tuple[int, int], ...] = ()) -> Callable:
             static = torch.compile(fn, dynamic=False)  # one graph per channel count (and per int argument)
             unbacked = list(time)  # emptied when this torch cannot compile them unbacked: then backed, as before
@@ -170,7 +177,9 @@ class DecoderKernels:
                             return static(*marked(list(args), ()))
                 return static(*marked(list(args), ()))
 
-            return run
+            if store is None:
+                return run
+            return Precompiled(fn, lambda args: marked(args, tuple(unbacked)), store, run)
 
         return cls(
             c(norm_silu_cat), c(rms_norm), c(add_bias),  # rows [T·H·W, C]: 1 only at a 1×1 latent grid

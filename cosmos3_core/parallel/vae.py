@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..caches import precompiled_dir
 from ..model.wan_decoder import EAGER, DecoderKernels, DecoderStream, WanDecoder, _linear, _rows
 from .comm import Comm, all_gather_rows
 from .group import Group, WorkerLost
@@ -138,7 +139,7 @@ class DecodeWorker:
     MAX_STREAMS = 256
 
     def __init__(self, vae: Any, comm: Comm, compile: bool):
-        self.decoder = WanDecoder(vae, DecoderKernels.compiled() if compile else EAGER)
+        self.decoder = WanDecoder(vae, DecoderKernels.compiled(precompiled_dir()) if compile else EAGER)
         self.comm = comm
         self.streams: OrderedDict[int, PatchStream] = OrderedDict()
 

@@ -13,7 +13,8 @@ Two parts, both into the kernel caches of `caches.py`:
   one of the same architecture (`--checkpoint random:edge`: Edge's real shapes, configs only).
 - The rest (a GPU): loads the deployment in-process exactly as a server does (prefill, the denoise engine with its
   `warmup_requests` through the real step, the decode stage with its compiled kernels) and prints what each part
-  took: torch.compile's graphs (inductor and Triton caches) and anything FlashInfer still JIT-builds. These need
+  took: torch.compile's graphs (inductor and Triton caches; the decoder's kernels also compiled ahead,
+  `caches.precompiled_dir()`) and anything FlashInfer still JIT-builds. These need
   the GPU they will run on; a server started afterwards with the same `$COSMOS3_CACHE` (or the `kernels/` folder
   carried to another machine of the same GPU and software) finds them built.
 """

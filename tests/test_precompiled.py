@@ -1,0 +1,72 @@
+"""`precompiled.py`: a function compiled ahead per input signature, saved, and loaded by a later instance (as a
+restarted process would) without compiling again; compiled again when its guards refuse; traced when this torch
+cannot compile it ahead. The decoder's kernels through it: tests/test_decoder.py."""
+
+from __future__ import annotations
+
+import torch
+
+from cosmos3_core.precompiled import Precompiled
+
+
+def scale_add(x: torch.Tensor, bias: torch.Tensor, factor: int) -> torch.Tensor:
+    return x * factor + bias
+
+
+def dynamic_rows(args: list) -> list:
+    """Rows dynamic, channels static (the decoder's marks, without its unbacked time axes)."""
+    out = [a.contiguous().view(a.shape) if isinstance(a, torch.Tensor) else a for a in args]
+    torch._dynamo.maybe_mark_dynamic(out[0], 0)
+    return out
+
+
+def untraced(*args):
+    raise AssertionError("the traced path ran")
+
+
+def test_an_instance_loads_what_another_compiled_and_every_signature_is_its_own(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    x, bias = torch.randn(5, 8, generator=g), torch.randn(8, generator=g)
+    first = Precompiled(scale_add, dynamic_rows, tmp_path, untraced)
+    assert torch.equal(first(x, bias, 3), scale_add(x, bias, 3))
+    (artifact,) = tmp_path.iterdir()
+    mtime = artifact.stat().st_mtime_ns
+    later = Precompiled(scale_add, dynamic_rows, tmp_path, untraced)
+    y = torch.randn(11, 8, generator=g)  # other rows: the same artifact, loaded
+    assert torch.equal(later(y, bias, 3), scale_add(y, bias, 3))
+    assert [p.name for p in tmp_path.iterdir()] == [artifact.name] and artifact.stat().st_mtime_ns == mtime
+    assert torch.equal(later(y, bias, 2), scale_add(y, bias, 2))  # another integer argument: another artifact
+    z = torch.randn(5, 16, generator=g)
+    assert torch.equal(later(z, torch.ones(16), 3), scale_add(z, torch.ones(16), 3))  # other channels: another
+    assert len(list(tmp_path.iterdir())) == 3
+
+
+def test_an_artifact_whose_guards_refuse_is_compiled_again(tmp_path):
+    """Rows left static by `mark`: an artifact for 5 rows refuses 7 (a guard beyond the signature), which are
+    compiled for again and answered right."""
+    static = Precompiled(scale_add, lambda args: args, tmp_path, untraced)
+    x, bias = torch.randn(5, 8), torch.randn(8)
+    assert torch.equal(static(x, bias, 3), scale_add(x, bias, 3))
+    y = torch.randn(7, 8)
+    assert torch.equal(static(y, bias, 3), scale_add(y, bias, 3))
+    assert len(list(tmp_path.iterdir())) == 1  # the signature's artifact, replaced
+
+
+def data_dependent(x: torch.Tensor) -> torch.Tensor:
+    if x.sum() > 0:  # a graph break: no full graph to compile ahead
+        return x + 1
+    return x - 1
+
+
+def test_what_cannot_be_compiled_ahead_is_traced_and_said(tmp_path, capsys):
+    calls = []
+
+    def traced(*args):
+        calls.append(args)
+        return data_dependent(*args)
+
+    fn = Precompiled(data_dependent, lambda args: args, tmp_path, traced)
+    x = torch.ones(3)
+    assert torch.equal(fn(x), x + 1) and torch.equal(fn(-x), -x - 1)
+    assert len(calls) == 2 and not list(tmp_path.glob("*.bin"))
+    assert "data_dependent is traced at every start here" in capsys.readouterr().err
