@@ -303,9 +303,10 @@ class DenoiseEngine:
     def pages_held(self, job_id: int) -> int:
         return self.scheduler.pages_held(job_id)
 
-    def warmup(self, requests: list[GenerationParams], text_tokens: int = 96) -> float:
+    def warmup(self, requests: list[GenerationParams], text_tokens: int = 96, capture_buckets: bool = True) -> float:
         """Capture every `graph_buckets` layout (W8A16, and served in FP8, W8A8 too: `DenoiseStep.capture_buckets`;
-        said on stderr when `max_captures` holds fewer), and run each request shape for two steps through the real
+        said on stderr when `max_captures` holds fewer; `capture_buckets` False: only those the requests' steps
+        capture, the rest at their first steps served, as a reload does), and run each request shape for two steps through the real
         step (rows from the row builder), so compiles, allocator growth and kernel autotuning happen before serving;
         an action request with zero clean latents (forward dynamics: zero actions). Served in FP8, a 1-step request
         (W8A8 by the policy's 1-step rule) runs beside the first one's W8A16 step, then alone: the W8A16, W8A8 and
@@ -320,7 +321,8 @@ class DenoiseEngine:
         t0 = time.perf_counter()
         step = self.step if isinstance(self.step, DenoiseStep) else None  # parallel groups keep exact layouts
         bucketed = step is not None and step.attention.bucketable
-        t_captures = self._capture_buckets() if bucketed and step.buckets else 0.0  # type: ignore[union-attr]
+        capture = bucketed and capture_buckets
+        t_captures = self._capture_buckets() if capture and step.buckets else 0.0  # type: ignore[union-attr]
         if step is not None:
             step.row_shapes = set()
         cfg = self.cfg
@@ -352,7 +354,7 @@ class DenoiseEngine:
                 step.buckets = tuple(b for b in derive_buckets(shapes) if not cap or b <= cap)
                 step.pad_limit = BUCKET_PAD_WARN
                 print(f"cosmos3: graph_buckets derived from warmup_requests: {list(step.buckets)}", file=sys.stderr)
-                t_captures += self._capture_buckets()
+                t_captures += self._capture_buckets() if capture else 0.0
             elif bucketed and step.buckets:
                 for rows, bucket, pad in bucket_padding(step.buckets, shapes):
                     if pad > BUCKET_PAD_WARN:

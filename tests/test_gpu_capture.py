@@ -127,3 +127,59 @@ def test_a_capture_beside_another_threads_stream_work(ckpt):
     permitted when stream is capturing"): on the H200 a served Nano request failed and its layout's capture with it
     (H200, 2026-12-02); captures are thread-local now."""
     assert "captures" in run_case(ckpt, "checkpoint", "auto", busy=True)
+
+
+RELOAD = textwrap.dedent(
+    """
+    import dataclasses, threading
+    import sys
+    import torch
+    from cosmos3_core.deployment import Deployment
+    from cosmos3_core.engine import DenoiseEngine
+    from cosmos3_core.generate import _CollectSink
+    from cosmos3_core.stages import PrefillStage
+
+    warm = {"height": 64, "width": 96, "num_frames": 9, "steps": 2}
+    d = Deployment(checkpoint=sys.argv[1], device="cuda", dtype="bfloat16", attention="auto", warmup_requests=[warm])
+    checkpoint = d.open_checkpoint()
+    prefill = PrefillStage(checkpoint, "cuda", d.torch_dtype, d.defaults, d.limits)
+    first = DenoiseEngine.from_deployment(checkpoint, d)  # a first load: buckets derived and captured
+    first.warmup([prefill.validate("warmup", warm, None)])
+    buckets = first.step.buckets
+    reloaded = DenoiseEngine.from_deployment(checkpoint, dataclasses.replace(d, graph_buckets=list(buckets)))
+    reloaded.warmup([prefill.validate("warmup", warm, None)], capture_buckets=False)
+    held = lambda e: sum(v.graph is not None for v in e.step.layouts.values())  # noqa: E731
+    at_load = (held(first), held(reloaded))
+    # served from another thread, as the engine thread serves: the warmup's shape and one of another bucket
+    params = [{**warm, "steps": 4, "seed": 1}, {"height": 96, "width": 128, "num_frames": 9, "steps": 4, "seed": 2}]
+    prefilled = [prefill.run(prefill.validate("a red fox", p, None), None) for p in params]
+    out = {}
+
+    def serve(name, engine):
+        out[name] = []
+        for pre in prefilled:
+            sink = _CollectSink(pre.params.steps, False)
+            engine.submit(pre, sink)
+            engine.run_until_idle()
+            assert sink.failure is None, sink.failure
+            out[name].append(sink.latents)
+
+    for name, engine in (("first", first), ("reloaded", reloaded)):
+        t = threading.Thread(target=serve, args=(name, engine))
+        t.start()
+        t.join()
+    assert len(buckets) > 1 and at_load[1] < at_load[0], (buckets, at_load)
+    assert held(reloaded) > at_load[1], (held(reloaded), at_load)  # the other bucket captured at its first steps
+    assert all(torch.equal(a, b) for a, b in zip(out["first"], out["reloaded"], strict=True))
+    print("held at load", at_load, "after serving", held(first), held(reloaded))
+    """
+)
+
+
+def test_a_reload_captures_only_its_warmups_layouts_and_the_rest_at_first_use(ckpt):
+    """A reloaded denoise (`warmup(capture_buckets=False)`, the buckets its first load derived) captures at load
+    only the layouts its warmup requests run, and another bucket at that bucket's first steps served, on the serving
+    thread; its latents equal those of an engine that captured every bucket at load."""
+    p = subprocess.run([sys.executable, "-c", RELOAD, str(ckpt)], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert "held at load" in p.stdout

@@ -387,7 +387,8 @@ class DenoiseModel:
         state = ServerState(d.state_dir)
         ckpt = d.open_checkpoint()
         # a reload: this instance's first load in this server's life reached the largest admitted request's peak on
-        # this card, so the warmup leaves that request out, and the engine takes the step layouts it settled on then
+        # this card, so the warmup leaves that request out and captures only its requests' layouts (the other
+        # buckets capture at their first steps served), and the engine takes the step layouts it settled on then
         # (its graph buckets, derived from the warmup's packs, and how far a pack may be padded into one)
         instance = args["model_instance_name"]
         proven = state.proven_peak(instance)
@@ -413,7 +414,7 @@ class DenoiseModel:
             image, video, raw = warmup_inputs(r, d.defaults)
             warmup.append(validate("warmup", r, image, *sizes, video, raw))
         with state.warmup_turn():  # the parts reach their peaks one at a time
-            took = self.engine.warmup(warmup)
+            took = self.engine.warmup(warmup, capture_buckets=proven is None)
         settled = {"buckets": list(step.buckets), "pad_limit": step.pad_limit} if step is not None else None
         state.prove_peak(instance, json.dumps(settled) if settled else "")
         parts = ", ".join(f"{k} {v:.1f}s" for k, v in self.engine.warmup_parts.items())
