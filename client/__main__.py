@@ -26,7 +26,7 @@ from .stream import ServerError, generate, wait_ready
 
 
 def add_request_args(p: argparse.ArgumentParser, windows: bool = False) -> None:
-    p.add_argument("--url", default="127.0.0.1:8001")
+    p.add_argument("--url", default="127.0.0.1:8001", help="the server's gRPC address (default: %(default)s)")
     p.add_argument("--wait-ready", type=float, default=0.0, help="wait up to this many seconds for the server")
     add_request_arguments(p, windows)
 
@@ -135,10 +135,9 @@ def main(argv: list[str] | None = None) -> int:
             path = out.with_name(f"{out.stem}.chunk{len(chunks_written):03d}.mp4")
             write_frames(path, frames, event["fps"])  # the server's resolved rate (its default unless sent)
             chunks_written.append(str(path))
-            tqdm.write(
-                f"window {event['window'] + 1}/{event['windows']}: frames {event['frame_offset']}.. ({frames.shape[0]}) → {path}",
-                file=sys.stderr,
-            )
+            first = event["frame_offset"]  # a window's frames may come in several pieces, each decoded as it can be
+            tqdm.write(f"frames {first}-{first + frames.shape[0] - 1} (window {event['window'] + 1}/{event['windows']})"
+                       f" → {path}", file=sys.stderr)  # fmt: skip
 
     # main() may run inside another program (tests call it): its own SIGINT handler comes back after the request
     previous = (

@@ -64,8 +64,8 @@ def drain_timeout(seconds: float) -> str:
 
 def unreachable(url: str) -> str:
     return (
-        f"cannot reach the server at {url} (connection refused or closed): it is stopped or restarting; "
-        f"retry in about {RETRY_SERVER_S} s"
+        f"cannot reach the server at {url} (connection refused or closed): none is running there (start one: "
+        f"make serve), or it is restarting (retry in about {RETRY_SERVER_S} s)"
     )
 
 

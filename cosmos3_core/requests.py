@@ -839,12 +839,35 @@ CLI_WINDOW_PARAMS: dict[str, type] = {
 }
 
 
+# each flag's help (docs/requests.md has the whole story); unset flags take the deployment's defaults
+CLI_HELP = {
+    "negative_prompt": "what the video should not show",
+    "height": "frame height in pixels (a multiple of 16)",
+    "width": "frame width in pixels (a multiple of 16)",
+    "num_frames": "frames, 1 mod 4 (1: an image)",
+    "fps": "the video's frame rate",
+    "steps": "denoising steps",
+    "guidance_scale": "classifier-free guidance scale (1: no unconditional branch)",
+    "shift": "the flow-matching schedule's shift",
+    "seed": "the noise seed: the same seed and parameters give the same video",
+    "chunk_size": "actions per chunk",
+    "domain": "the embodiment (the checkpoint's action domains, e.g. av, bridge_orig_lerobot)",
+    "resolution_tier": "the action canvas: 256, 480, 704 or 720",
+    "view_point": "the action caption's camera: ego_view, third_person_view, wrist_view or concat_view",
+    "window_frames": "frames per AR window",
+    "overlap_frames": "chained: frames each window takes from the last (at least 8)",
+    "context_frames": "kv: frames of committed context each window attends to (0: all)",
+    "max_windows": "the most windows the stream may take",
+}
+
+
 def add_request_arguments(ap, windows: bool = False) -> None:
     """--prompt, --image and every request parameter as a flag (`--guidance` for guidance_scale)."""
     ap.add_argument("--prompt", required=True)
     ap.add_argument("--image", help="conditioning image for i2v (png/jpg)")
     for name, typ in CLI_PARAMS.items():
-        ap.add_argument({"guidance_scale": "--guidance"}.get(name, "--" + name.replace("_", "-")), dest=name, type=typ)
+        flag = {"guidance_scale": "--guidance"}.get(name, "--" + name.replace("_", "-"))
+        ap.add_argument(flag, dest=name, type=typ, help=CLI_HELP[name])
     ap.add_argument("--no-system-prompt", dest="use_system_prompt", action="store_const", const=False)
     ap.add_argument("--no-templates", dest="add_templates", action="store_const", const=False)
     ap.add_argument("--no-safety-check", dest="enable_safety_check", action="store_const", const=False,
@@ -862,7 +885,7 @@ def add_request_arguments(ap, windows: bool = False) -> None:
     ap.add_argument("--lora-scale", dest="lora_scale", type=float, help="the adapter's scale (default 1.0)")
     ap.add_argument("--action-mode", choices=MODES, help="robot actions from --image or --video (parameters.action)")
     for name, typ in CLI_ACTION_PARAMS.items():
-        ap.add_argument("--" + name.replace("_", "-"), dest=name, type=typ)
+        ap.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, help=CLI_HELP[name])
     ap.add_argument("--raw-actions", help="forward_dynamics: the actions, .npy float32 [T, D]")
     ap.add_argument("--actions-out", help="policy / inverse_dynamics: the actions float32 [chunk, D], .npy (CLI: or "
                     ".pt, the pipeline's out.action[0]; client: or .json)")  # fmt: skip
@@ -870,7 +893,7 @@ def add_request_arguments(ap, windows: bool = False) -> None:
         ap.add_argument("--window-mode", dest="window_mode", choices=("chained", "kv"),
                         help="AR windows (the client's stream: chained unless given)")  # fmt: skip
         for name, typ in CLI_WINDOW_PARAMS.items():
-            ap.add_argument("--" + name.replace("_", "-"), dest=name, type=typ)
+            ap.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, help=CLI_HELP[name])
 
 
 def params_from_arguments(args) -> dict[str, Any]:

@@ -147,7 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.render_only:
         busy = ports_in_use(dict(zip(("grpc", "http", "metrics"), ports)), args.address)
         if busy:
-            print(f"error: cannot listen on {args.address}: {', '.join(busy)}", file=sys.stderr)
+            print(f"error: cannot listen on {args.address}: {', '.join(busy)}: stop what listens there (a server of "
+                  f"ours: make stop GRPC_PORT={ports[0]}), or choose other ports (make serve GRPC_PORT=9001 "
+                  "HTTP_PORT=9000 METRICS_PORT=9002)", file=sys.stderr)  # fmt: skip
             return 1
     workdir = Path(args.workdir or f"build/serve/{ports[0]}")
     if lock_workdir(workdir) is None:
