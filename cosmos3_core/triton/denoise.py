@@ -398,7 +398,8 @@ class DenoiseModel:
         t_plan = time.perf_counter()
         d, plan = d.planned(ckpt, peak_warmup=proven is None)  # refused here when it does not fit the card
         t_plan = time.perf_counter() - t_plan
-        pb_utils.Logger.log_info(f"cosmos3: GPU memory plan\n{plan.table()}\n{plan.verdict()}")
+        if plan.card_bytes:  # on the CPU no card to plan for (`make plan GPU_MEMORY=GIB` sizes one)
+            pb_utils.Logger.log_info(f"cosmos3: GPU memory plan\n{plan.table()}\n{plan.verdict()}")
         self.engine = DenoiseEngine.from_deployment(ckpt, d, device)
         step = self.engine.step if isinstance(self.engine.step, DenoiseStep) else None
         if layouts is not None and step is not None:
