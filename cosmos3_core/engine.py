@@ -305,8 +305,7 @@ class DenoiseEngine:
 
     def warmup(self, requests: list[GenerationParams], text_tokens: int = 96, capture_buckets: bool = True) -> float:
         """Capture every `graph_buckets` layout (W8A16, and served in FP8, W8A8 too: `DenoiseStep.capture_buckets`;
-        said on stderr when `max_captures` holds fewer; `capture_buckets` False: only those the requests' steps
-        capture, the rest at their first steps served, as a reload does), and run each request shape for two steps through the real
+        said on stderr when `max_captures` holds fewer), and run each request shape for two steps through the real
         step (rows from the row builder), so compiles, allocator growth and kernel autotuning happen before serving;
         an action request with zero clean latents (forward dynamics: zero actions). Served in FP8, a 1-step request
         (W8A8 by the policy's 1-step rule) runs beside the first one's W8A16 step, then alone: the W8A16, W8A8 and
@@ -317,6 +316,9 @@ class DenoiseEngine:
         `max_captures`, and each is checked against the requests' packs (a warning when one pads a pack by more than
         BUCKET_PAD_WARN); none given (`graph_buckets` None) derives them from the rows the requests' steps packed
         (`step.derive_buckets`: each shape alone, with each count of its CFG branches running), then captures them.
+        `capture_buckets` False (a reload): only the buckets the requests' steps run are captured; each other one at
+        its second step served, on the serving thread.
+
         Returns seconds spent; `warmup_parts`: the bucket captures' and the requests'."""
         t0 = time.perf_counter()
         step = self.step if isinstance(self.step, DenoiseStep) else None  # parallel groups keep exact layouts

@@ -839,12 +839,12 @@ CLI_WINDOW_PARAMS: dict[str, type] = {
 }
 
 
-# each flag's help (docs/requests.md has the whole story); unset flags take the deployment's defaults
+# each flag's help, the factors Cosmos3's Wan2.2 VAE's (docs/requests.md); unset flags take the deployment's defaults
 CLI_HELP = {
     "negative_prompt": "what the video should not show",
-    "height": "frame height in pixels (a multiple of 16)",
-    "width": "frame width in pixels (a multiple of 16)",
-    "num_frames": "frames, 1 mod 4 (1: an image)",
+    "height": "frame height in pixels, a multiple of the VAE's spatial factor (16)",
+    "width": "frame width in pixels, a multiple of 16",
+    "num_frames": "frames, 1 mod the VAE's temporal factor (4) (1: an image)",
     "fps": "the video's frame rate",
     "steps": "denoising steps",
     "guidance_scale": "classifier-free guidance scale (1: no unconditional branch)",
@@ -854,9 +854,9 @@ CLI_HELP = {
     "domain": "the embodiment (the checkpoint's action domains, e.g. av, bridge_orig_lerobot)",
     "resolution_tier": "the action canvas: 256, 480, 704 or 720",
     "view_point": "the action caption's camera: ego_view, third_person_view, wrist_view or concat_view",
-    "window_frames": "frames per AR window",
-    "overlap_frames": "chained: frames each window takes from the last (at least 8)",
-    "context_frames": "kv: frames of committed context each window attends to (0: all)",
+    "window_frames": "frames per AR window, 1 mod 4",
+    "overlap_frames": "chained: frames each window takes from the last, a multiple of 4 (at least 2 latent frames)",
+    "context_frames": "kv: frames of committed context each window attends to, 1 mod 4 (0: all)",
     "max_windows": "the most windows the stream may take",
 }
 

@@ -1,6 +1,6 @@
 """`precompiled.py`: a function compiled ahead per input signature, saved, and loaded by a later instance (as a
-restarted process would) without compiling again; compiled again when its guards refuse; traced when this torch
-cannot compile it ahead. The decoder's kernels through it: tests/test_decoder.py."""
+restarted process would) without compiling again; arguments its guards refuse, and what this torch cannot compile
+ahead, go the traced way. The decoder's kernels through it: tests/test_decoder.py."""
 
 from __future__ import annotations
 
@@ -27,11 +27,11 @@ def untraced(*args):
 def test_an_instance_loads_what_another_compiled_and_every_signature_is_its_own(tmp_path):
     g = torch.Generator().manual_seed(0)
     x, bias = torch.randn(5, 8, generator=g), torch.randn(8, generator=g)
-    first = Precompiled(scale_add, dynamic_rows, tmp_path, untraced)
+    first = Precompiled(scale_add, [dynamic_rows], tmp_path, untraced)
     assert torch.equal(first(x, bias, 3), scale_add(x, bias, 3))
     (artifact,) = tmp_path.iterdir()
     mtime = artifact.stat().st_mtime_ns
-    later = Precompiled(scale_add, dynamic_rows, tmp_path, untraced)
+    later = Precompiled(scale_add, [dynamic_rows], tmp_path, untraced)
     y = torch.randn(11, 8, generator=g)  # other rows: the same artifact, loaded
     assert torch.equal(later(y, bias, 3), scale_add(y, bias, 3))
     assert [p.name for p in tmp_path.iterdir()] == [artifact.name] and artifact.stat().st_mtime_ns == mtime
@@ -41,15 +41,31 @@ def test_an_instance_loads_what_another_compiled_and_every_signature_is_its_own(
     assert len(list(tmp_path.iterdir())) == 3
 
 
-def test_an_artifact_whose_guards_refuse_is_compiled_again(tmp_path):
-    """Rows left static by `mark`: an artifact for 5 rows refuses 7 (a guard beyond the signature), which are
-    compiled for again and answered right."""
-    static = Precompiled(scale_add, lambda args: args, tmp_path, untraced)
+def test_arguments_an_artifacts_guards_refuse_go_the_traced_way_and_it_is_said(tmp_path, capsys):
+    """Rows left static by the mark: the artifact for 5 rows refuses 7 (a guard beyond the signature); those are
+    answered by the traced path, every time, and the artifact stays."""
+    traced = []
+
+    def counted(*args):
+        traced.append(args)
+        return scale_add(*args)
+
+    static = Precompiled(scale_add, [lambda args: args], tmp_path, counted)
+    x, y, bias = torch.randn(5, 8), torch.randn(7, 8), torch.randn(8)
+    for _ in range(2):
+        assert torch.equal(static(x, bias, 3), scale_add(x, bias, 3))
+        assert torch.equal(static(y, bias, 3), scale_add(y, bias, 3))
+    assert len(traced) == 2 and len(list(tmp_path.iterdir())) == 1
+    assert capsys.readouterr().err.count("guards refuse") == 1
+
+
+def test_the_next_mark_is_tried_when_one_does_not_compile(tmp_path):
+    def refused(args: list) -> list:
+        raise RuntimeError("this torch cannot mark that")
+
+    fn = Precompiled(scale_add, [refused, dynamic_rows], tmp_path, untraced)
     x, bias = torch.randn(5, 8), torch.randn(8)
-    assert torch.equal(static(x, bias, 3), scale_add(x, bias, 3))
-    y = torch.randn(7, 8)
-    assert torch.equal(static(y, bias, 3), scale_add(y, bias, 3))
-    assert len(list(tmp_path.iterdir())) == 1  # the signature's artifact, replaced
+    assert torch.equal(fn(x, bias, 3), scale_add(x, bias, 3)) and len(list(tmp_path.iterdir())) == 1
 
 
 def data_dependent(x: torch.Tensor) -> torch.Tensor:
@@ -65,8 +81,8 @@ def test_what_cannot_be_compiled_ahead_is_traced_and_said(tmp_path, capsys):
         calls.append(args)
         return data_dependent(*args)
 
-    fn = Precompiled(data_dependent, lambda args: args, tmp_path, traced)
+    fn = Precompiled(data_dependent, [lambda args: args], tmp_path, traced)
     x = torch.ones(3)
     assert torch.equal(fn(x), x + 1) and torch.equal(fn(-x), -x - 1)
     assert len(calls) == 2 and not list(tmp_path.glob("*.bin"))
-    assert "data_dependent is traced at every start here" in capsys.readouterr().err
+    assert "data_dependent is traced in this process" in capsys.readouterr().err

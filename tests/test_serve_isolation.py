@@ -134,7 +134,7 @@ def test_sigkill_of_the_supervisor_takes_tritonserver_down(pair):
     b.proc.kill()
     b.proc.wait()
     deadline = time.monotonic() + 10
-    # a process's sockets close a moment after it is gone (seen on a loaded box), and the reaper unlinks the regions
+    # a process's sockets can close a moment after it is gone (on a loaded machine), and the reaper unlinks the regions
     # only after the group it killed is gone: the ports and the regions get the same deadline
     while (
         any(alive(p) for p in (triton, *stubs))

@@ -24,7 +24,8 @@ cuDNN, unfused norms) around 40 % convolutions. Here:
 dynamic, and a time axis unbacked (a stream's first piece of one latent frame shares the later pieces' graph);
 channels stay static, so loads vectorise along them and the norms reduce over a known length (with symbolic channels
 the kernels ran at a fraction of the memory bandwidth). Served, they are compiled ahead per signature and kept
-on disk (`precompiled.py`): a restarted decoder loads its kernels instead of tracing them again.
+on disk (`precompiled.py`; a first piece's one latent frame is a signature of its own there): a restarted decoder
+loads its kernels instead of tracing them again.
 """
 
 from __future__ import annotations
@@ -179,7 +180,8 @@ class DecoderKernels:
 
             if store is None:
                 return run
-            return Precompiled(fn, lambda args: marked(args, tuple(unbacked)), store, run)
+            marks = [lambda args: marked(args, time)] + ([lambda args: marked(args, ())] if time else [])
+            return Precompiled(fn, marks, store, run)  # time axes unbacked, else backed, as above
 
         return cls(
             c(norm_silu_cat), c(rms_norm), c(add_bias),  # rows [T·H·W, C]: 1 only at a 1×1 latent grid

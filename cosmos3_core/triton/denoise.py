@@ -388,7 +388,7 @@ class DenoiseModel:
         ckpt = d.open_checkpoint()
         # a reload: this instance's first load in this server's life reached the largest admitted request's peak on
         # this card, so the warmup leaves that request out and captures only its requests' layouts (the other
-        # buckets capture at their first steps served), and the engine takes the step layouts it settled on then
+        # buckets capture when first served), and the engine takes the step layouts it settled on then
         # (its graph buckets, derived from the warmup's packs, and how far a pack may be padded into one)
         instance = args["model_instance_name"]
         proven = state.proven_peak(instance)
