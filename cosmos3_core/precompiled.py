@@ -11,8 +11,9 @@ otherwise costs every process each graph again even when Inductor's caches are w
 stay on disk unused.
 
 `traced` is the plain `torch.compile` path. It answers, for good, when this torch cannot compile ahead (no
-`aot_compile` or guard API, or every mark refused), and for arguments whose artifact's guards refuse them (a guard
-beyond the signature); both are said once on stderr. Tensor arguments are passed as contiguous plain tensors: an
+`aot_compile` or guard API, or every mark refused), for arguments whose artifact's guards refuse them (a guard
+beyond the signature), and for a signature whose artifact failed its first run (a kernel that does not load here;
+an error of the run itself raises again from there); each is said on stderr. Tensor arguments are passed as contiguous plain tensors: an
 artifact's guards hold its example's strides and types.
 """
 
@@ -73,6 +74,8 @@ class Precompiled:
         self.loaded: dict[tuple, Any] = {}
         self.unsupported = False
         self.refusal_said = False
+        self.proven: set[tuple] = set()  # signatures whose artifact has run once
+        self.dropped: set[tuple] = set()  # signatures whose artifact failed its first run: traced
         self.lock = threading.Lock()
 
     def __call__(self, *args):
@@ -87,13 +90,25 @@ class Precompiled:
                 compiled = self.loaded.get(key) or self._load(key, args)
             if compiled is None:
                 return self.traced(*args)
-        if compiled.guard_check(*args):
+        if key in self.dropped:
+            return self.traced(*args)
+        if not compiled.guard_check(*args):
+            if not self.refusal_said:
+                self.refusal_said = True
+                print(f"cosmos3: {self.fn.__name__}: an artifact's guards refuse arguments of its signature; those "
+                      "are traced", file=sys.stderr)  # fmt: skip
+            return self.traced(*args)
+        if key in self.proven:
             return compiled(*args)
-        if not self.refusal_said:
-            self.refusal_said = True
-            print(f"cosmos3: {self.fn.__name__}: an artifact's guards refuse arguments of its signature; those are "
-                  "traced", file=sys.stderr)  # fmt: skip
-        return self.traced(*args)
+        try:  # an artifact's first run: one that cannot run here (a kernel that does not load) is dropped
+            out = compiled(*args)
+        except Exception as e:  # noqa: BLE001 - a real error raises again from the traced path
+            self.dropped.add(key)
+            print(f"cosmos3: {self.fn.__name__}: an artifact failed its first run ({type(e).__name__}: "
+                  f"{str(e)[:200]}); that signature is traced", file=sys.stderr)  # fmt: skip
+            return self.traced(*args)
+        self.proven.add(key)
+        return out
 
     def path(self, key: tuple) -> Path:
         system_of = system(key[0])

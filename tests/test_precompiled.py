@@ -86,3 +86,29 @@ def test_what_cannot_be_compiled_ahead_is_traced_and_said(tmp_path, capsys):
     assert torch.equal(fn(x), x + 1) and torch.equal(fn(-x), -x - 1)
     assert len(calls) == 2 and not list(tmp_path.glob("*.bin"))
     assert "data_dependent is traced in this process" in capsys.readouterr().err
+
+
+def test_an_artifact_that_fails_its_first_run_is_dropped_for_the_traced_way(tmp_path, capsys):
+    """An artifact that loads but cannot run here (a kernel built for another machine, say) fails only its first
+    call's artifact run: that call and every later one of its signature are traced."""
+    from cosmos3_core.precompiled import signature
+
+    class Unrunnable:
+        def guard_check(self, *args) -> bool:
+            return True
+
+        def __call__(self, *args):
+            raise RuntimeError("no kernel image is available for execution on the device")
+
+    traced = []
+
+    def counted(*args):
+        traced.append(args)
+        return scale_add(*args)
+
+    fn = Precompiled(scale_add, [dynamic_rows], tmp_path, counted)
+    x, bias = torch.randn(5, 8), torch.randn(8)
+    fn.loaded[signature((x, bias, 3))] = Unrunnable()
+    for _ in range(2):
+        assert torch.equal(fn(x, bias, 3), scale_add(x, bias, 3))
+    assert len(traced) == 2 and capsys.readouterr().err.count("failed its first run") == 1
