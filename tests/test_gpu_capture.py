@@ -25,12 +25,29 @@ HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-SCRIPT = textwrap.dedent(
+# both scripts' serving loop: each prefilled request submitted and run to its end, its latents kept under `key`;
+# the first failure ends it, kept as out["error"] (an assert in a thread would only be printed)
+SERVE_ALL = textwrap.dedent(
+    """
+    def serve_all(engine, prefilled, out, key):
+        from cosmos3_core.generate import _CollectSink
+
+        for pre in prefilled:
+            sink = _CollectSink(pre.params.steps, False)
+            engine.submit(pre, sink)
+            engine.run_until_idle()
+            if sink.failure is not None:
+                out["error"] = sink.failure[:2000]
+                return
+            out[key].append(sink.latents)
+    """
+)
+
+SCRIPT = SERVE_ALL + textwrap.dedent(
     """
     import sys, threading
     from cosmos3_core.deployment import Deployment
     from cosmos3_core.engine import DenoiseEngine
-    from cosmos3_core.generate import _CollectSink
     from cosmos3_core.stages import PrefillStage
 
     ckpt, precision, attention, expect_failed, busy = *sys.argv[1:4], int(sys.argv[4]), int(sys.argv[5])
@@ -52,14 +69,7 @@ SCRIPT = textwrap.dedent(
     out = {"latents": []}
 
     def serve():  # the engine thread: only the engine's ticks, as served
-        for pre in prefilled:
-            sink = _CollectSink(pre.params.steps, False)
-            engine.submit(pre, sink)
-            engine.run_until_idle()
-            if sink.failure is not None:
-                out["error"] = sink.failure[:2000]
-                return
-            out["latents"].append(sink.latents)
+        serve_all(engine, prefilled, out, "latents")
 
     import torch
     done, copy_errors = threading.Event(), []
@@ -132,13 +142,12 @@ def test_a_capture_beside_another_threads_stream_work(ckpt):
     assert "captures" in run_case(ckpt, "checkpoint", "auto", busy=True)
 
 
-RELOAD = textwrap.dedent(
+RELOAD = SERVE_ALL + textwrap.dedent(
     """
     import dataclasses, sys, threading
     import torch
     from cosmos3_core.deployment import Deployment
     from cosmos3_core.engine import DenoiseEngine
-    from cosmos3_core.generate import _CollectSink
     from cosmos3_core.stages import PrefillStage
 
     warm = {"height": 64, "width": 96, "num_frames": 9, "steps": 2}
@@ -162,21 +171,9 @@ RELOAD = textwrap.dedent(
     # with one branch, a pack of half the rows: another bucket
     params = [{**warm, "steps": 4, "seed": 1}, {**warm, "steps": 4, "seed": 2, "guidance_scale": 1.0}]
     prefilled = [prefill.run(prefill.validate("a red fox", p, None), None) for p in params]
-    out = {}
-
-    def serve(name, engine):
-        out[name] = []
-        for pre in prefilled:
-            sink = _CollectSink(pre.params.steps, False)
-            engine.submit(pre, sink)
-            engine.run_until_idle()
-            if sink.failure is not None:
-                out["error"] = sink.failure[:2000]
-                return
-            out[name].append(sink.latents)
-
+    out = {"first": [], "reloaded": []}
     for name, engine in (("first", first), ("reloaded", reloaded)):
-        t = threading.Thread(target=serve, args=(name, engine))
+        t = threading.Thread(target=serve_all, args=(engine, prefilled, out, name))
         t.start()
         t.join()
     assert "error" not in out, out["error"]
