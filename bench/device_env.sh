@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# On the GPU machine (H100 or H200): a venv whose python3 the Triton Python stub will use (numpy<2 first, the base env's torch after,
-# via a .pth — the recipe in shared/docs/triton.md), with the carried wheels installed into it: .whl/env
+# On the GPU machine (H100 or H200): a venv whose python3 the Triton Python stub will use (numpy<2 first, the base
+# env's torch after, via a .pth — the recipe in shared/docs/triton.md), with the carried wheels installed into it: .whl/env
 # (numpy 1.26, tritonclient 2.73, python-rapidjson) in the venv; .whl/parity (diffusers 0.42.1, flashinfer-python
 # 0.6.1 + deps) in /tmp/site unless an earlier call on this warm machine (bench/device_parity.sh) put it there.
 # FlashInfer's JIT cache stays in /tmp/fiws while the machine is warm. .whl/perf_analyzer (bench/perf_analyzer/
