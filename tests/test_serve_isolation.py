@@ -206,9 +206,32 @@ def test_a_cpu_servers_log_has_no_cuda_probe_errors(pair):
     assert "CudaDriverHelper" not in text and "unable to create stream" not in text, text[-3000:]
 
 
-def test_free_ports_are_distinct_and_avoid_the_ports_already_chosen():
+def test_free_ports_are_distinct_and_avoid_the_ports_already_chosen(monkeypatch):
     """Each of a server's ports is its own (tritonserver once got one port for HTTP and metrics), and its private
     ports are none of the public ones chosen before them but not yet listened on."""
     public = free_ports(3)
     private = free_ports(40, exclude=public)
     assert len(set(public)) == 3 and len(set(private)) == 40 and not set(public) & set(private)
+    # the kernel handing out an excluded port again (rare for real, so scripted here): it is skipped, and every
+    # socket is closed once the ports are chosen
+    from cosmos3_core.triton import launcher
+
+    handed, opened = iter([5001, 5000, 5001, 5002]), []
+
+    class Scripted:
+        def __init__(self, *args):
+            self.port, self.closed = None, False
+            opened.append(self)
+
+        def bind(self, address):
+            self.port = next(handed)
+
+        def getsockname(self):
+            return ("127.0.0.1", self.port)
+
+        def close(self):
+            self.closed = True
+
+    monkeypatch.setattr(launcher.socket, "socket", Scripted)
+    assert launcher.free_ports(2, exclude={5001}) == [5000, 5002]
+    assert len(opened) == 4 and all(s.closed for s in opened)
