@@ -19,6 +19,7 @@ artifact's guards hold its example's strides and types.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import inspect
@@ -62,6 +63,14 @@ def system(device: str) -> tuple:
     if device.startswith("cuda"):
         gpu = (torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device), torch.version.cuda)
     return platform.python_version(), torch.__version__, triton, gpu
+
+
+def aot_enabled() -> contextlib.AbstractContextManager:
+    """Dynamo's switch for `torch.compile(...).aot_compile`, on for the compile it wraps: torch 2.13 has it on by
+    default, 2.11 (the GPU image's) off, so the compiled function lacks `aot_compile` there. Absent: nothing to set."""
+    if hasattr(torch._dynamo.config, "enable_aot_compile"):
+        return torch._dynamo.config.patch(enable_aot_compile=True)
+    return contextlib.nullcontext()
 
 
 class Precompiled:
@@ -137,7 +146,7 @@ class Precompiled:
         for mark in self.marks:
             try:
                 # sizes equal by chance in the example (h == w) stay separate symbols, so no guard ties them
-                with torch.fx.experimental._config.patch(use_duck_shape=False):
+                with torch.fx.experimental._config.patch(use_duck_shape=False), aot_enabled():
                     front = torch.compile(self.fn, dynamic=False, fullgraph=True)
                     compiled = front.aot_compile((tuple(mark(list(args))), {}))
                 compiled.disable_guard_check()
