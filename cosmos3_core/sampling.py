@@ -9,11 +9,11 @@ six per step, each leaving the GPU idle while the host catches up.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
 import torch
-from diffusers import UniPCMultistepScheduler
 from torch.overrides import TorchFunctionMode
 
 
@@ -27,15 +27,21 @@ class _SolveWithoutHostCheck(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-class Scheduler(UniPCMultistepScheduler):
+@functools.cache
+def scheduler_class() -> type:
     """diffusers' UniPC with its corrector's solve made sync-free: `torch.linalg.solve` reads its error flag back
     to the host, a sync that leaves the GPU idle while the host launches the rest of the step. The corrector's
     matrix has distinct nodes, so it is never singular. The swap is a torch function mode, local to the calling
-    thread and to this call: nothing process-wide changes."""
+    thread and to this call: nothing process-wide changes. Made at first use: diffusers' import takes seconds,
+    and the stubs that never sample (vae_decode) never pay it."""
+    from diffusers import UniPCMultistepScheduler
 
-    def multistep_uni_c_bh_update(self, *args, **kwargs) -> torch.Tensor:
-        with _SolveWithoutHostCheck():
-            return super().multistep_uni_c_bh_update(*args, **kwargs)
+    class Scheduler(UniPCMultistepScheduler):
+        def multistep_uni_c_bh_update(self, *args, **kwargs) -> torch.Tensor:
+            with _SolveWithoutHostCheck():
+                return super().multistep_uni_c_bh_update(*args, **kwargs)
+
+    return Scheduler
 
 
 def initial_noise(shape: tuple[int, ...], seed: int, device: torch.device | str) -> torch.Tensor:
@@ -51,14 +57,14 @@ def initial_noise_bands(shapes: list[tuple[int, ...]], seed: int, device: torch.
 
 def checkpoint_shift(base_config: dict[str, Any]) -> float:
     """The flow_shift the reference pipeline samples with: the scheduler config's (or the class default)."""
-    return float(Scheduler.from_config(base_config).config.flow_shift)
+    return float(scheduler_class().from_config(base_config).config.flow_shift)
 
 
 def make_scheduler(
     base_config: dict[str, Any], steps: int, shift: float | None, native_flow_schedule: bool, device: torch.device | str
-) -> Scheduler:
+) -> Any:  # the scheduler_class() instance
     overrides = {} if shift is None else {"flow_shift": float(shift)}
-    sched = Scheduler.from_config(base_config, **overrides)
+    sched = scheduler_class().from_config(base_config, **overrides)
     if native_flow_schedule:
         # sigmas linspaced from 1 - 1/T to 0, as the Edge checkpoints are sampled
         sigmas = np.linspace(1.0 - 1.0 / sched.config.num_train_timesteps, 0.0, steps + 1)[:-1]

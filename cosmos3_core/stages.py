@@ -287,7 +287,7 @@ class DecodeStage:
         wrap = None if group is None else (lambda decoder: PatchDecoder(decoder, group))
         # a group's workers choose their own calls: the plan's (from rank 0's rows) would desynchronise them
         calls = (plan.decode_frames_per_call, plan.decode_band_rows) if plan and group is None else (None, None)
-        self.codec = VaeCodec(ckpt.load_vae(device, dtype, ("decoder",)), compile, wrap, *calls)
+        self.codec = VaeCodec(ckpt.load_vae_decoder(device, dtype), compile, wrap, *calls)
         lap("vae")
         try:  # the sound tokenizer in the deployment's dtype, as the pipeline loads its components
             self.sound_tokenizer = load_sound_tokenizer(ckpt.root, device, dtype)

@@ -4,6 +4,8 @@ are ones, which would hide a norm applied over the wrong axis)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -13,6 +15,7 @@ import torch
 from cosmos3_core.model.checkpoint import Checkpoint
 from cosmos3_core.model.conditioning import StreamDecoder, VaeCodec
 from cosmos3_core.model.wan_decoder import EAGER, DecoderKernels, WanDecoder
+from cosmos3_core.model.wan_weights import WanDecoderWeights
 
 
 @pytest.fixture(scope="module")
@@ -204,6 +207,39 @@ def test_a_stream_whose_state_waits_on_the_host_between_pieces_decodes_as_one_th
             moved.move_state("cuda")
     joined = torch.cat([wait() for wait in pending])
     assert torch.equal(joined, reference)
+
+
+def test_our_decoder_weights_are_diffusers_decoder_half_and_decode_alike(nano_ckpt, vae):
+    """`load_vae_decoder` reads the checkpoint's decoder keys into our container: the same names, shapes and
+    values as diffusers' `AutoencoderKLWan` decoder half, and our forward over it decodes as over diffusers' (here
+    with the fixture's non-trivial norms and biases copied in)."""
+    ours = Checkpoint.open(nano_ckpt).load_vae_decoder("cpu", torch.float32)
+    assert isinstance(ours, WanDecoderWeights)
+    theirs = Checkpoint.open(nano_ckpt).load_vae("cpu", torch.float32, ("decoder",))
+    half = {k: v for k, v in theirs.state_dict().items() if k.startswith(("decoder.", "post_quant_conv."))}
+    mine = ours.state_dict()
+    assert {k: tuple(v.shape) for k, v in mine.items()} == {k: tuple(v.shape) for k, v in half.items()}
+    assert all(torch.equal(mine[k], half[k]) for k in half)
+    ours.load_state_dict({k: v for k, v in vae.state_dict().items() if k in mine})
+    latents = torch.randn(1, vae.config.z_dim, 6, 4, 5, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(VaeCodec(ours).decode(latents), VaeCodec(vae).decode(latents))
+
+
+def test_the_decode_stage_loads_a_wan22_vae_without_importing_diffusers(nano_ckpt):
+    """A vae_decode reload imports no diffusers (seconds of its start): the stage module, the decoder's weights and a
+    decode. In a fresh process, as a stub's."""
+    script = (
+        "import sys, torch\n"
+        "from cosmos3_core.stages import DecodeStage\n"
+        "from cosmos3_core.model.checkpoint import Checkpoint\n"
+        f"codec = Checkpoint.open({str(nano_ckpt)!r}).load_vae_decoder('cpu', torch.float32)\n"
+        "from cosmos3_core.model.conditioning import VaeCodec\n"
+        "VaeCodec(codec).decode(torch.zeros(1, codec.config.z_dim, 2, 2, 2))\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('diffusers', 'transformers', 'scipy')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout[:500]
 
 
 def test_our_decoder_refuses_a_vae_other_than_wan22():  # VaeCodec then falls back (test_vae_fallback.py)

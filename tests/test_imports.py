@@ -11,7 +11,7 @@ PKG = Path(__file__).resolve().parent.parent / "cosmos3_core"
 # low → high: model maths and plain data; rows; the packed step; the scheduler; the engine; stages and Triton glue
 LAYERS: list[set[str]] = [
     {"__init__", "faults", "precompiled", "media", "inputs", "windows", "requests", "sessions", "sampling", "cache", "kv_pool", "model.__init__", "model.config",
-     "model.prompts", "model.embodiments", "model.wan_decoder", "model.fp8", "model.attend", "model.tiny",
+     "model.prompts", "model.embodiments", "model.wan_decoder", "model.wan_weights", "model.fp8", "model.attend", "model.tiny",
      "model.random_checkpoint", "model.provision", "tools.__init__", "tools.make_fp8", "caches", "parallel.__init__", "parallel.config",
      "parallel.comm", "parallel.group", "errors", "safety", "model.lora", "tools.guardrail_snapshot"},
     {"model.layers", "model.rotary", "model.conditioning", "model.sound", "model.video_input", "model.action", "rows",

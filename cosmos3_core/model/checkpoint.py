@@ -276,6 +276,20 @@ class Checkpoint:
             torch.cuda.empty_cache()  # the random draw's fp32 copies, the unused half
         return vae
 
+    def load_vae_decoder(
+        self, device: str | torch.device, dtype: torch.dtype
+    ):  # -> WanDecoderWeights | AutoencoderKLWan
+        """The VAE's decoder half for the decode stage: Wan2.2's as our own weight container (`wan_weights`, no
+        diffusers import), any other VAE as diffusers' class (`load_vae` with the decoder half only)."""
+        from .wan_weights import WanDecoderWeights, unsupported
+
+        if unsupported(self.root / "vae", self.random_weights) is not None:
+            return self.load_vae(device, dtype, ("decoder",))
+        try:
+            return WanDecoderWeights.load(self.root / "vae", device, dtype, self.random_weights)
+        except (OSError, ValueError, KeyError, RuntimeError) as e:
+            raise CheckpointError(f"{self.root / 'vae'}: cannot load the VAE's decoder ({e})") from e
+
     def load_tokenizer(self):  # -> transformers.PreTrainedTokenizerBase
         from transformers import AutoTokenizer
 

@@ -53,9 +53,7 @@ def main(argv: list[str]) -> int:
         denoise = DenoiseWorker(model, comm, spec.pool_pages, spec.page_size, kernels, spec.attention,
                                 spec.cuda_graphs, device, spec.max_captures)  # fmt: skip
     if "decode" in spec.roles and comm.decodes:
-        decode = DecodeWorker(
-            ckpt.load_vae(device, dtype, ("decoder",)), comm, spec.compile and device.startswith("cuda")
-        )
+        decode = DecodeWorker(ckpt.load_vae_decoder(device, dtype), comm, spec.compile and device.startswith("cuda"))
     dist.barrier()  # loaded: rank 0 starts sending
     with torch.inference_mode():
         while True:
