@@ -2,8 +2,9 @@
 compiled, graphs, the configured attention; each chunk's decode as the decode stage starts it) under the profiler,
 after a warm one. Per phase it prints the wall time, the GPU's busy time (union of kernel, copy and memset
 intervals), the idle time, the largest idle gaps with the host op that was running when each began and ended, and
-the host calls that waited on the GPU (synchronise, blocking copies), by the op that made them; then the engine's
-ticks by kind (a forward ran / every branch reused the cache / a chunk decoded inside it) with their GPU idle.
+the host calls that waited on the GPU (synchronise, blocking copies), by the op that made them; per denoise phase,
+its kernel time by class (GEMMs, attention, Inductor's fused kernels, copies and indexing, other: what a step is
+made of beyond the floor's FLOPs); then the engine's ticks by kind (a forward ran / every branch reused the cache / a chunk decoded inside it) with their GPU idle.
 
   python -m bench.timeline --config configs/bench_edge.yaml [--set KEY=YAML] [--params JSON] [--trace OUT.json]
       [--analyze OUT.json] [--syncs] [--concurrency N]
@@ -234,7 +235,40 @@ def analyze(path: str, top: int) -> None:
     print(f"{'phase':14s} {'wall ms':>9s} {'busy ms':>9s} {'idle ms':>9s}")
     for name, wall, busy in rows:
         print(f"{name:14s} {wall:9.1f} {busy:9.1f} {wall - busy:9.1f}")
+    kernels_by_class(events, phases, top)
     ticks_by_kind(events, gpu, phases, path)
+
+
+# a kernel's class by its name (lower-cased), first match wins: what a step's time is made of
+KERNEL_CLASSES = (
+    ("attention", ("flash", "fmha", "attention", "prefill", "sdpa")),
+    ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "matmul", "sm90_", "sm80_")),
+    ("fused (inductor)", ("triton_",)),
+    ("copy, index, cat", ("copy", "index", "gather", "scatter", "cat", "memcpy", "memset")),
+)
+
+
+def kernel_class(name: str) -> str:
+    low = name.lower()
+    return next((cls for cls, keys in KERNEL_CLASSES if any(k in low for k in keys)), "other")
+
+
+def kernels_by_class(events: list[dict], phases: list, top: int) -> None:
+    """Per denoise phase, the GPU time of its kernels (and copies) by class, each class's largest kernels: how much
+    of a step is the GEMMs and the attention (the floor's FLOPs) and how much the work between them."""
+    for t0, t1, name in phases:
+        if name.split()[-2:-1] != ["denoise"]:
+            continue
+        by: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        for e in events:
+            if e.get("cat") in GPU_CATS and t0 <= e["ts"] < t1:
+                by[kernel_class(e["name"])][e["name"]] += e.get("dur", 0) / 1e3
+        total = sum(sum(k.values()) for k in by.values()) or 1.0
+        print(f"== {name}: kernels by class ({total:.1f} ms of kernel time)")
+        for cls, kernels in sorted(by.items(), key=lambda kv: -sum(kv[1].values())):
+            ms = sum(kernels.values())
+            largest = ", ".join(f"{n[:60]} {t:.1f}" for n, t in sorted(kernels.items(), key=lambda kv: -kv[1])[:3])
+            print(f"  {cls:18s} {ms:9.1f} ms {ms / total:6.1%}  largest: {largest}")
 
 
 def ticks_by_kind(events: list[dict], gpu: list[tuple[float, float]], phases: list, path: str) -> None:
