@@ -1,6 +1,6 @@
 """A large denoise step's kernels against this card's ceiling: what the floor's 790 TF/s asks of them.
 
-At Nano's 480p×189 step (2 CFG branches of 18,720 tokens) attention is ~44 % of the step's FLOPs and the layer
+At Nano's 480p×189 step (2 CFG branches of 18,720 tokens) attention is 45 % of the step's FLOPs and the layer
 linears the rest, so the step can run no faster than those two kernels do. Per size, one GEN layer's work:
 
 - attention: q `[2·tokens, heads, d]` over each branch's `[text | own]` keys — ours (`FlashInferAttention`'s plan,

@@ -4,6 +4,7 @@ are ones, which would hide a norm applied over the wrong axis)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -226,20 +227,67 @@ def test_our_decoder_weights_are_diffusers_decoder_half_and_decode_alike(nano_ck
 
 
 def test_the_decode_stage_loads_a_wan22_vae_without_importing_diffusers(nano_ckpt):
-    """A vae_decode reload imports no diffusers (seconds of its start): the stage module, the decoder's weights and a
-    decode. In a fresh process, as a stub's."""
+    """A vae_decode start imports no diffusers for a checkpoint without sound (seconds of a reload): the stage built
+    as the stub builds it, and a stream's chunks decoded. In a fresh process, as a stub's."""
     script = (
         "import sys, torch\n"
-        "from cosmos3_core.stages import DecodeStage\n"
         "from cosmos3_core.model.checkpoint import Checkpoint\n"
-        f"codec = Checkpoint.open({str(nano_ckpt)!r}).load_vae_decoder('cpu', torch.float32)\n"
-        "from cosmos3_core.model.conditioning import VaeCodec\n"
-        "VaeCodec(codec).decode(torch.zeros(1, codec.config.z_dim, 2, 2, 2))\n"
+        "from cosmos3_core.stages import DecodeStage\n"
+        f"stage = DecodeStage(Checkpoint.open({str(nano_ckpt)!r}), 'cpu', torch.float32)\n"
+        "assert stage.sound_tokenizer is None, 'a checkpoint with sound: its tokenizer is diffusers class'\n"
+        "z = torch.zeros(1, stage.codec.vae.config.z_dim, 2, 2, 2)\n"
+        "stage.start_chunk('s', z[:, :, :1], False)()\n"
+        "stage.start_chunk('s', z[:, :, 1:], True)()\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('diffusers', 'transformers', 'scipy')))\n"
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]", out.stdout[:500]
+
+
+@pytest.mark.parametrize(
+    "over",
+    [
+        {},
+        {"decoder_base_dim": None},
+        {"num_res_blocks": 0},
+        {"num_res_blocks": 3},
+        {"dim_mult": [1, 1, 2, 4, 4], "temperal_downsample": [False, False, True, True]},
+        {"temperal_downsample": [True, False, True]},
+    ],
+)
+def test_our_decoder_weights_have_diffusers_names_and_shapes_for_any_wan22_config(tmp_path, over):
+    """Built from config.json alone, on the meta device: every decoder tensor of diffusers' `AutoencoderKLWan` and
+    none more, of its shape, and the attributes `WanDecoder` reads (causal padding, norm scale, upsample modes,
+    the duplicate-upsample shortcut's factors)."""
+    from diffusers import AutoencoderKLWan
+
+    from cosmos3_core.model.wan_weights import read_config
+
+    cfg = {"base_dim": 16, "decoder_base_dim": 24, "z_dim": 8, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2,
+           "temperal_downsample": [False, True, True], "is_residual": True, "in_channels": 12, "out_channels": 12,
+           "patch_size": 2, **over}  # fmt: skip
+    cfg |= {"latents_mean": [0.0] * cfg["z_dim"], "latents_std": [1.0] * cfg["z_dim"]}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with torch.device("meta"):
+        theirs, ours = AutoencoderKLWan(**cfg), WanDecoderWeights(read_config(tmp_path))
+    half = {k: tuple(v.shape) for k, v in theirs.state_dict().items() if k.startswith(("decoder.", "post_quant_conv."))}
+    assert {k: tuple(v.shape) for k, v in ours.state_dict().items()} == half
+
+    def attrs(vae) -> dict:
+        out = {}
+        for name, m in vae.decoder.named_modules():
+            for attr in ("_padding", "scale"):
+                if hasattr(m, attr):
+                    out[(name, attr)] = getattr(m, attr)
+            if hasattr(m, "resample"):  # WanResample: its mode (upsample2d / upsample3d)
+                out[(name, "mode")] = m.mode
+        for i, block in enumerate(vae.decoder.up_blocks):
+            s = block.avg_shortcut
+            out[(i, "shortcut")] = s and (s.in_channels, s.out_channels, s.factor_t, s.factor_s)
+        return out
+
+    assert attrs(ours) == attrs(theirs)
 
 
 def test_our_decoder_refuses_a_vae_other_than_wan22():  # VaeCodec then falls back (test_vae_fallback.py)

@@ -112,3 +112,14 @@ def test_an_artifact_that_fails_its_first_run_is_dropped_for_the_traced_way(tmp_
     for _ in range(2):
         assert torch.equal(fn(x, bias, 3), scale_add(x, bias, 3))
     assert len(traced) == 2 and capsys.readouterr().err.count("failed its first run") == 1
+
+
+def test_it_compiles_ahead_where_dynamo_has_that_switched_off_by_default(tmp_path):
+    """torch 2.11 (the GPU image's) leaves `enable_aot_compile` off, and its compiled functions then have no
+    `aot_compile`: the store turns it on for its own compile, so an artifact is still written."""
+    x, bias = torch.randn(5, 8), torch.randn(8)
+    with torch._dynamo.config.patch(enable_aot_compile=False):
+        assert torch.equal(
+            Precompiled(scale_add, [dynamic_rows], tmp_path, untraced)(x, bias, 3), scale_add(x, bias, 3)
+        )
+    assert len(list(tmp_path.iterdir())) == 1

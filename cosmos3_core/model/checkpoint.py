@@ -281,14 +281,20 @@ class Checkpoint:
     ):  # -> WanDecoderWeights | AutoencoderKLWan
         """The VAE's decoder half for the decode stage: Wan2.2's as our own weight container (`wan_weights`, no
         diffusers import), any other VAE as diffusers' class (`load_vae` with the decoder half only)."""
+        from safetensors import SafetensorError
+
+        from . import wan_decoder
         from .wan_weights import WanDecoderWeights, unsupported
 
         if unsupported(self.root / "vae", self.random_weights) is not None:
             return self.load_vae(device, dtype, ("decoder",))
         try:
-            return WanDecoderWeights.load(self.root / "vae", device, dtype, self.random_weights)
-        except (OSError, ValueError, KeyError, RuntimeError) as e:
+            weights = WanDecoderWeights.load(self.root / "vae", device, dtype, self.random_weights)
+        except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:
             raise CheckpointError(f"{self.root / 'vae'}: cannot load the VAE's decoder ({e})") from e
+        if wan_decoder.unsupported(weights) is not None:  # a shape our forward does not take: diffusers' runs it
+            return self.load_vae(device, dtype, ("decoder",))
+        return weights
 
     def load_tokenizer(self):  # -> transformers.PreTrainedTokenizerBase
         from transformers import AutoTokenizer

@@ -148,10 +148,11 @@ def load_sound_tokenizer(
     `fold`: compute each weight-normed conv's ``g·v/‖v‖`` once here instead of on every forward. The same
     `torch._weight_norm` call makes the same weight, so decode is unchanged to the bit (tested), and 1.3-1.8x
     faster on CPU at dec_dim 64."""
+    SoundSpec.open(root)  # the same errors as the pipeline's check before anything is loaded (or imported: a
+    # checkpoint without sound never imports diffusers' autoencoders here, seconds of a vae_decode start)
     from diffusers import Cosmos3AVAEAudioTokenizer
     from torch.nn.utils import remove_weight_norm
 
-    SoundSpec.open(root)  # the same errors as the pipeline's check before anything is loaded
     with warnings.catch_warnings():  # WEIGHT_NORM_NOTICE: diffusers' to act on, noise in a server's log
         warnings.filterwarnings("ignore", WEIGHT_NORM_NOTICE, FutureWarning)
         tok = Cosmos3AVAEAudioTokenizer.from_pretrained(Path(root) / SOUND_DIR, torch_dtype=dtype)

@@ -6,8 +6,9 @@ and loads those keys of its safetensors straight onto the device. It has no forw
 it, as it runs diffusers' module. Why: the decode stage needs only these weights, and importing diffusers' whole
 autoencoders package to build them took 6.1 s of a vae_decode reload on the H100 host (2.6 s on a 2-core CPU).
 
-`unsupported(config)` says when a VAE is not this decoder's (not Wan2.2's residual design, or weights sharded in a
-way we do not read); the checkpoint then loads diffusers' class (`Checkpoint.load_vae_decoder`).
+`unsupported(vae_dir, random_weights)` says when a VAE is not this container's (not Wan2.2's residual design, no
+latents statistics, or weights sharded in a way it does not read); the checkpoint then loads diffusers' class
+(`Checkpoint.load_vae_decoder`, which also does so for a container `wan_decoder.WanDecoder` refuses).
 Layouts as diffusers': causal Conv3d weights `[out, in, t, h, w]` (`_padding` = (w, w, h, h, 2t, 0)), RMS-norm
 `gamma` `[C, 1, 1, 1]` (`[C, 1, 1]` in attention), upsample Conv2d `[out, in, 3, 3]`.
 """
@@ -47,7 +48,10 @@ def unsupported(vae_dir: Path, random_weights: bool) -> str | None:
     """Why this container cannot hold the VAE at `vae_dir` (None: it can)."""
     cfg = read_config(vae_dir)
     if not cfg.is_residual or cfg.patch_size != 2 or cfg.out_channels != 12:
-        return f"not Wan2.2's decoder (is_residual={cfg.is_residual}, patch_size={cfg.patch_size})"
+        return (
+            f"not Wan2.2's decoder (is_residual={cfg.is_residual}, patch_size={cfg.patch_size}, "
+            f"out_channels={cfg.out_channels})"
+        )
     if "latents_mean" not in vars(cfg) or "latents_std" not in vars(cfg):
         return "config.json has no latents_mean/latents_std"
     if not random_weights and not (Path(vae_dir) / WEIGHTS).is_file():
@@ -157,17 +161,28 @@ class WanDecoderWeights(nn.Module):
     def load(
         cls, vae_dir: Path, device: str | torch.device, dtype: torch.dtype, random_weights: bool = False
     ) -> WanDecoderWeights:
-        """From `vae_dir` (config.json + the safetensors' decoder keys) onto `device` in `dtype`; `random_weights`:
-        drawn there instead (torch's default init, seed 0). Missing or unexpected keys raise (strict)."""
+        """From `vae_dir` (config.json + the safetensors' decoder keys; its other keys, the encoder's, are not read)
+        onto `device` in `dtype`; `random_weights`: drawn there instead (torch's default init, seed 0). A decoder
+        tensor missing from the file, or of another shape than config.json gives it, raises ValueError."""
         cfg = read_config(vae_dir)
         if random_weights:
             torch.manual_seed(0)
             with torch.device(device):
-                return cls(cfg).to(dtype).eval().requires_grad_(False)
+                model = cls(cfg).to(dtype).eval().requires_grad_(False)
+            if torch.device(device).type == "cuda":
+                torch.cuda.empty_cache()  # the draw's fp32 copies
+            return model
         with torch.device("meta"):
             model = cls(cfg)
-        wanted = set(model.state_dict())
-        with safe_open(Path(vae_dir) / WEIGHTS, framework="pt", device=str(device)) as f:
-            state = {k: f.get_tensor(k).to(dtype) for k in f.keys() if k in wanted}
+        wanted = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        path = Path(vae_dir) / WEIGHTS
+        with safe_open(path, framework="pt", device=str(device)) as f:
+            missing = sorted(set(wanted) - set(f.keys()))
+            if missing:
+                raise ValueError(f"{path}: {len(missing)} decoder tensor(s) missing, e.g. {', '.join(missing[:3])}")
+            state = {k: f.get_tensor(k).to(dtype) for k in wanted}
+        wrong = [f"{k} {tuple(v.shape)} (config.json: {wanted[k]})" for k, v in state.items() if v.shape != wanted[k]]
+        if wrong:
+            raise ValueError(f"{path}: {len(wrong)} decoder tensor(s) of another shape, e.g. {'; '.join(wrong[:3])}")
         model.load_state_dict(state, strict=True, assign=True)
         return model.eval().requires_grad_(False)
