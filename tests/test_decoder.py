@@ -245,6 +245,24 @@ def test_the_decode_stage_loads_a_wan22_vae_without_importing_diffusers(nano_ckp
     assert out.stdout.strip() == "[]", out.stdout[:500]
 
 
+def test_a_vae_missing_a_decoder_tensor_is_refused_by_file_and_name(nano_ckpt, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from cosmos3_core.model.checkpoint import CheckpointError
+
+    root = tmp_path / "ckpt"
+    shutil.copytree(nano_ckpt, root)
+    weights = root / "vae" / "diffusion_pytorch_model.safetensors"
+    state = load_file(weights)
+    del state["decoder.conv_out.weight"]
+    save_file(state, weights)
+    with pytest.raises(CheckpointError, match=r"diffusion_pytorch_model.safetensors: 1 decoder tensor\(s\) missing, "
+                       r"e.g. decoder.conv_out.weight"):  # fmt: skip
+        Checkpoint.open(root).load_vae_decoder("cpu", torch.float32)
+
+
 @pytest.mark.parametrize(
     "over",
     [
