@@ -31,6 +31,7 @@ from .io import (
     Responder,
     deployment_from_args,
     error_response,
+    imports_s,
     input_array,
     input_torch,
     log_exception,
@@ -241,7 +242,7 @@ class DecodeModel:
     then its metrics and threads."""
 
     def __init__(self, args):
-        t0, booted = time.perf_counter(), process_age_s()
+        t0, booted, imported = time.perf_counter(), process_age_s(), imports_s()
         d, device = deployment_from_args(args)
         state, instance = ServerState(d.state_dir), args["model_instance_name"]
         # parallel.vae: over a group; its memory warmup takes its turn among the parts'
@@ -255,7 +256,7 @@ class DecodeModel:
         self.loop = DecodeLoop(stage, ServerState(d.state_dir), metrics, device)
         parts = ", ".join(f"{k} {v:.1f}s" for k, v in stage.startup.items())
         pb_utils.Logger.log_info(f"cosmos3_vae_decode: ready in {time.perf_counter() - t0:.1f}s ({parts}; "
-                                 f"process start to initialize {booted:.1f}s)")  # fmt: skip
+                                 f"process start to initialize {booted:.1f}s, its imports {imported:.1f}s)")  # fmt: skip
 
     def execute(self, requests):
         for request in requests:

@@ -37,6 +37,7 @@ from .io import (
     Responder,
     deployment_from_args,
     error_response,
+    imports_s,
     input_array,
     input_torch,
     latents_response,
@@ -382,7 +383,7 @@ class DenoiseModel:
     its metrics and threads."""
 
     def __init__(self, args):
-        t0, booted = time.perf_counter(), process_age_s()
+        t0, booted, imported = time.perf_counter(), process_age_s(), imports_s()
         d, device = deployment_from_args(args)
         state = ServerState(d.state_dir)
         ckpt = d.open_checkpoint()
@@ -406,7 +407,7 @@ class DenoiseModel:
             step.pad_limit = layouts["pad_limit"]
         pb_utils.Logger.log_info(  # startup's parts
             f"cosmos3_denoise: engine built in {time.perf_counter() - t0:.1f}s (plan {t_plan:.1f}s; "
-            f"process start to initialize {booted:.1f}s)"
+            f"process start to initialize {booted:.1f}s, its imports {imported:.1f}s)"
         )
         cfg, shift = ckpt.config, checkpoint_shift(ckpt.scheduler_config)
         sizes = (d.defaults, d.limits, cfg.pixel_alignment, cfg.vae_scale_temporal, shift)

@@ -11,6 +11,7 @@ import json
 import os
 import queue
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -55,6 +56,14 @@ def process_age_s() -> float:
         return uptime - started_ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         return float("nan")
+
+
+def imports_s() -> float:
+    """Seconds since the package's import began (`cosmos3_core.IMPORT_STARTED`): at a model's construction, the
+    imports its stub's `initialize` ran first (torch, the package, and what the stage needs of diffusers)."""
+    import cosmos3_core
+
+    return time.perf_counter() - cosmos3_core.IMPORT_STARTED
 
 
 def use_device(device: str | torch.device) -> None:

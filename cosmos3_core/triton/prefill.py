@@ -22,7 +22,16 @@ from ..stages import PrefillStage
 from ..wire import RequestMeta
 from .admission import Ticket
 from .gpu_memory import GpuMemoryMetric
-from .io import deployment_from_args, error_response, input_array, log_exception, output, process_age_s, text_output
+from .io import (
+    deployment_from_args,
+    error_response,
+    imports_s,
+    input_array,
+    log_exception,
+    output,
+    process_age_s,
+    text_output,
+)
 from .outcomes import AT_PREFILL, Outcomes
 from .state import ServerState
 
@@ -45,7 +54,7 @@ class PrefillModel:
     """`cosmos3_prefill`'s model.py, as its `TritonPythonModel` calls it."""
 
     def __init__(self, args):
-        t0, booted = time.perf_counter(), process_age_s()
+        t0, booted, imported = time.perf_counter(), process_age_s(), imports_s()
         d, device = deployment_from_args(args)
         self.state, instance = ServerState(d.state_dir), args["model_instance_name"]
         # with its text guardrail; its warmup takes its turn among the parts'
@@ -61,7 +70,7 @@ class PrefillModel:
         pb_utils.Logger.log_info(  # startup's parts
             f"cosmos3_prefill: ready in {time.perf_counter() - t0:.1f}s ("
             + "".join(f"{k} {v:.1f}s, " for k, v in self.stage.startup.items())
-            + f"process start to initialize {booted:.1f}s)"
+            + f"process start to initialize {booted:.1f}s, its imports {imported:.1f}s)"
         )
 
     def execute(self, requests):
