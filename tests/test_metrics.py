@@ -3,6 +3,7 @@ request sent is counted once in `cosmos3_requests_total` (docs/metrics.md)."""
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import Counter
@@ -84,16 +85,24 @@ def outcome_of(run) -> str:
 
 def test_every_request_counted_once(server):
     """A known mix: a burst of twice the server's queue (the door refuses what does not fit: rejected; the rest
-    completed), one cancelled, a failure in the engine and one in decode, bad input caught by prefill and by the
+    completed; sent again, up to 3 bursts, until one overruns), one cancelled, a failure in the engine and one in decode, bad input caught by prefill and by the
     engine. Each outcome's counter grows by what the clients saw, and sent = the sum of all of them."""
     before = server.metrics(settle=True)
     small = {"steps": 1, "num_frames": 1, "height": 32, "width": 32}
     long = {"num_frames": 33, "height": 128, "width": 128, "steps": 60, "seed": 9}
     words = "x " + "word " * 80  # each branch within prefill's 600 tokens; both together need 69 K/V pages of 64
     denoise_bad_input = engine_bad_input(server)
-    runs = [lambda i=i: generate(server.url, f"burst {i}", {**small, "seed": i}) for i in range(16)]
-    seen = Counter(dict(run_pool(range(len(runs)), len(runs), lambda i: (i, outcome_of(runs[i])))).values())
-    assert seen["rejected"] >= 1 and seen["completed"] >= 1, seen  # the burst overran the queue, and was served
+
+    def burst(attempt: int, i: int) -> tuple[int, str]:
+        return i, outcome_of(lambda: generate(server.url, f"burst {attempt} {i}", {**small, "seed": i}))
+
+    seen, bursts = Counter(), 0
+    for attempt in range(3):  # a burst whose clients start slower than the server serves them (a loaded machine) fits
+        seen.update(dict(run_pool(range(16), 16, functools.partial(burst, attempt))).values())
+        bursts += 16
+        if seen["rejected"]:
+            break
+    assert seen["rejected"] >= 1 and seen["completed"] >= 1, seen  # a burst overran the queue, and was served
     cancelled = generate(server.url, "a long one", long, cancel_after=lambda e: e.get("step") == 1)
     assert [e["type"] for e in cancelled.events] == ["progress"]
     seen["cancelled"] += 1
@@ -105,7 +114,7 @@ def test_every_request_counted_once(server):
     ]
     seen.update(outcome_of(run) for run in others)
     assert seen["failed"] == 2 and seen["bad_input"] == 2, seen
-    sent = len(runs) + 1 + len(others)
+    sent = bursts + 1 + len(others)
 
     def ended(m: dict[str, float]) -> Counter:
         return Counter({k: m.get(f"cosmos3_requests_total:{k}", 0) - before.get(f"cosmos3_requests_total:{k}", 0)
