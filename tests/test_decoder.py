@@ -15,6 +15,7 @@ import torch
 
 from cosmos3_core.model.checkpoint import Checkpoint
 from cosmos3_core.model.conditioning import StreamDecoder, VaeCodec
+from cosmos3_core.model.random_checkpoint import WAN22_VAE
 from cosmos3_core.model.wan_decoder import EAGER, DecoderKernels, WanDecoder
 from cosmos3_core.model.wan_weights import WanDecoderWeights
 
@@ -272,6 +273,7 @@ def test_a_vae_missing_a_decoder_tensor_is_refused_by_file_and_name(nano_ckpt, t
         {"num_res_blocks": 3},
         {"dim_mult": [1, 1, 2, 4, 4], "temperal_downsample": [False, False, True, True]},
         {"temperal_downsample": [True, False, True]},
+        {k: v for k, v in WAN22_VAE.items() if k != "_class_name"},  # the real Wan2.2 VAE's (meta: no memory)
     ],
 )
 def test_our_decoder_weights_have_diffusers_names_and_shapes_for_any_wan22_config(tmp_path, over):
@@ -306,6 +308,20 @@ def test_our_decoder_weights_have_diffusers_names_and_shapes_for_any_wan22_confi
         return out
 
     assert attrs(ours) == attrs(theirs)
+
+
+def test_a_wan22_config_our_forward_refuses_is_left_to_diffusers(tmp_path):
+    """`wan_weights.unsupported` asks our forward (`wan_decoder.unsupported`) of the container it would build: a
+    residual VAE whose duplicate-upsample shortcut our broadcast form cannot take goes to diffusers' class."""
+    from cosmos3_core.model.wan_weights import unsupported
+
+    cfg = {k: v for k, v in WAN22_VAE.items() if k != "_class_name"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert unsupported(tmp_path, random_weights=True) is None
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "dim_mult": [1, 2, 4, 2]}))
+    assert "DupUp3D" in (unsupported(tmp_path, random_weights=True) or "")
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "is_residual": False}))
+    assert "is_residual" in (unsupported(tmp_path, random_weights=True) or "")
 
 
 def test_our_decoder_refuses_a_vae_other_than_wan22():  # VaeCodec then falls back (test_vae_fallback.py)

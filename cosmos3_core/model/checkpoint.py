@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from .config import CheckpointError, ModelConfig, read_json
+from .config import WEIGHTS, CheckpointError, ModelConfig, read_json
 from .fp8 import (
     E4M3,
     FP8_MAX,
@@ -43,7 +43,6 @@ from .fp8 import (
 )
 from .layers import Cosmos3Transformer
 
-WEIGHTS = "diffusion_pytorch_model.safetensors"
 INDEX = WEIGHTS + ".index.json"
 FP32_PREFIXES = ("time_embedder.",)
 # an FP8 linear's scale keys → (the key ModelOpt's own quantizer stores the same value under, factor to it)
@@ -283,18 +282,14 @@ class Checkpoint:
         diffusers import), any other VAE as diffusers' class (`load_vae` with the decoder half only)."""
         from safetensors import SafetensorError
 
-        from . import wan_decoder
         from .wan_weights import WanDecoderWeights, unsupported
 
         if unsupported(self.root / "vae", self.random_weights) is not None:
             return self.load_vae(device, dtype, ("decoder",))
         try:
-            weights = WanDecoderWeights.load(self.root / "vae", device, dtype, self.random_weights)
+            return WanDecoderWeights.load(self.root / "vae", device, dtype, self.random_weights)
         except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:
             raise CheckpointError(f"{self.root / 'vae'}: cannot load the VAE's decoder ({e})") from e
-        if wan_decoder.unsupported(weights) is not None:  # a shape our forward does not take: diffusers' runs it
-            return self.load_vae(device, dtype, ("decoder",))
-        return weights
 
     def load_tokenizer(self):  # -> transformers.PreTrainedTokenizerBase
         from transformers import AutoTokenizer

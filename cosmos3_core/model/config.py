@@ -14,6 +14,10 @@ from typing import Any
 HIDDEN_ACTS = ("silu", "relu2")
 
 
+# a diffusers component's weights, one file (sharded: WEIGHTS + ".index.json" beside the shards)
+WEIGHTS = "diffusion_pytorch_model.safetensors"
+
+
 class CheckpointError(ValueError):
     """A checkpoint is missing a file, a key, or has a tensor of the wrong shape."""
 

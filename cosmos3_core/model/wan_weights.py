@@ -6,16 +6,15 @@ and loads those keys of its safetensors straight onto the device. It has no forw
 it, as it runs diffusers' module. Why: the decode stage needs only these weights, and importing diffusers' whole
 autoencoders package to build them took 6.1 s of a vae_decode reload on the H100 host (2.6 s on a 2-core CPU).
 
-`unsupported(vae_dir, random_weights)` says when a VAE is not this container's (not Wan2.2's residual design, no
-latents statistics, or weights sharded in a way it does not read); the checkpoint then loads diffusers' class
-(`Checkpoint.load_vae_decoder`, which also does so for a container `wan_decoder.WanDecoder` refuses).
+`unsupported(vae_dir, random_weights)` says when a VAE is not this container's: one our forward refuses
+(`wan_decoder.unsupported`, asked of the container built on the meta device), no latents statistics, or weights
+sharded in a way it does not read; the checkpoint then loads diffusers' class (`Checkpoint.load_vae_decoder`).
 Layouts as diffusers': causal Conv3d weights `[out, in, t, h, w]` (`_padding` = (w, w, h, h, 2t, 0)), RMS-norm
 `gamma` `[C, 1, 1, 1]` (`[C, 1, 1]` in attention), upsample Conv2d `[out, in, 3, 3]`.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -24,7 +23,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-WEIGHTS = "diffusion_pytorch_model.safetensors"
+from . import wan_decoder
+from .config import WEIGHTS, read_json
+
 # AutoencoderKLWan's constructor defaults for the keys our decoder reads (diffusers 0.42.1)
 DEFAULTS: dict[str, Any] = {
     "base_dim": 96,
@@ -41,22 +42,20 @@ DEFAULTS: dict[str, Any] = {
 
 def read_config(vae_dir: Path) -> SimpleNamespace:
     """The VAE's config.json over the class defaults, as attributes (`vae.config.z_dim`, as diffusers')."""
-    return SimpleNamespace(**{**DEFAULTS, **json.loads((Path(vae_dir) / "config.json").read_text())})
+    return SimpleNamespace(**{**DEFAULTS, **read_json(Path(vae_dir) / "config.json")})
 
 
 def unsupported(vae_dir: Path, random_weights: bool) -> str | None:
     """Why this container cannot hold the VAE at `vae_dir` (None: it can)."""
     cfg = read_config(vae_dir)
-    if not cfg.is_residual or cfg.patch_size != 2 or cfg.out_channels != 12:
-        return (
-            f"not Wan2.2's decoder (is_residual={cfg.is_residual}, patch_size={cfg.patch_size}, "
-            f"out_channels={cfg.out_channels})"
-        )
     if "latents_mean" not in vars(cfg) or "latents_std" not in vars(cfg):
         return "config.json has no latents_mean/latents_std"
     if not random_weights and not (Path(vae_dir) / WEIGHTS).is_file():
         return f"no single {WEIGHTS}"
-    return None
+    if not cfg.is_residual:  # Wan2.1's up blocks: another module tree, which this container does not build
+        return "not Wan2.2's residual decoder (is_residual false)"
+    with torch.device("meta"):
+        return wan_decoder.unsupported(WanDecoderWeights(cfg))
 
 
 class CausalConv3d(nn.Conv3d):

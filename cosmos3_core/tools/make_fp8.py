@@ -42,11 +42,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..model.config import WEIGHTS
 from ..model.fp8 import E4M3, FP8_MAX, MODES, quantize
 
 __all__ = ["CALIBRATION", "IGNORE", "make_fp8", "policy_json", "quantization_config"]
 
-WEIGHTS = "diffusion_pytorch_model.safetensors"
 # linears the official checkpoints keep 16-bit (the exporter's `_DIFFUSERS_IGNORE_MODULES`)
 IGNORE = ["proj_in", "proj_out", "time_embedder*", "audio_proj_in", "audio_proj_out", "action_proj_in",
           "action_proj_out", "lm_head", "model.visual*", "visual*"]  # fmt: skip
