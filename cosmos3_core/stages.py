@@ -12,8 +12,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from dataclasses import replace
 
@@ -62,28 +64,54 @@ class PrefillStage:
         *,
         safety: Guardrail | None = None,
         safety_optional: bool = False,
+        encoder_in_background: bool = False,
     ):
         """`lora`: the deployment's adapters; one on the UND tower changes the text K/V, so prefill applies it.
         `safety`: the text guardrail every prompt passes before any work (None: no checks); `safety_optional`: a
-        request may opt out (`enable_safety_check` false)."""
+        request may opt out (`enable_safety_check` false). `encoder_in_background`: the VAE encoder loads on a
+        thread of its own while the stage serves, and the first request that encodes waits for it (a reload: the
+        encoder's import is seconds, and a text-only request needs none of it)."""
         self.safety, self.safety_optional = safety, safety_optional
         self.cfg = ckpt.config
         self.device, self.dtype = device, dtype
         self.defaults, self.limits = defaults, limits
         self.plan: MemoryPlan | None = None  # the deployment's memory plan (from_deployment)
-        self.startup: dict[str, float] = {}  # seconds per part of a load through from_deployment (the server logs them)
+        self.startup: dict[str, float] = {}  # seconds per part of the load (the server logs them)
+        t0 = time.perf_counter()
         self.shift = checkpoint_shift(ckpt.scheduler_config)
         self.model = ckpt.load_transformer({UND}, device, dtype)
         self.loras = open_store(lora, ckpt, self.model)
         # FP8: the UND tower (the policy's reasoner) runs W8A16 or W8A8 for every request alike
         self.und_a16 = ckpt.fp8 is None or ckpt.fp8.policy.reasoner_a16
+        t1 = time.perf_counter()
         self.prompts = PromptEncoder(ckpt.load_tokenizer(), ckpt.default_use_system_prompt)
-        self.codec = VaeCodec(ckpt.load_vae(device, dtype, ("encoder",)))  # it only encodes
+        t2 = time.perf_counter()
+        self.startup.update({"UND tower": t1 - t0, "tokenizer": t2 - t1})
+        self._codec: Future[VaeCodec] = Future()
+        if encoder_in_background:
+            threading.Thread(target=self._load_encoder, args=(ckpt,), name="vae-encoder", daemon=True).start()
+            self.startup["VAE encoder (in the background)"] = 0.0
+        else:
+            self._load_encoder(ckpt)
+            self.startup["VAE encoder"] = time.perf_counter() - t2
         try:
             SoundSpec.open(ckpt.root)
             self.no_sound: str | None = None
         except (ValueError, OSError) as e:  # a checkpoint without sound still serves everything else
             self.no_sound = str(e)
+
+    def _load_encoder(self, ckpt: Checkpoint) -> None:
+        try:
+            self._codec.set_result(VaeCodec(ckpt.load_vae(self.device, self.dtype, ("encoder",))))  # it only encodes
+        except BaseException as e:  # noqa: BLE001  (a background load's error reaches the requests that encode)
+            self._codec.set_exception(e)
+            if threading.current_thread() is threading.main_thread():
+                raise
+
+    @property
+    def codec(self) -> VaeCodec:
+        """The VAE encoder (waits for it while it loads in the background; its load's error raises here)."""
+        return self._codec.result()
 
     @classmethod
     def from_deployment(
@@ -93,15 +121,17 @@ class PrefillStage:
         """With the deployment's text guardrail (`safety.Unavailable` when it cannot be built here). Refuses a
         deployment whose memory plan does not fit its card (`memory.PlanError`). `turn`: held around the encoder's
         warmup at the largest frame (a server's parts reach their peaks one at a time: `ServerState.warmup_turn`);
-        `peak_warmup` False skips it (a reload, that peak proven by the part's first load)."""
+        `peak_warmup` False skips it (a reload, that peak proven by the part's first load) and loads the encoder in
+        the background."""
         t0 = time.perf_counter()
         _, plan = d.planned(ckpt)
         t1 = time.perf_counter()
         safety = Guardrail.load(d.safety_checker, device, TEXT)
+        t2 = time.perf_counter()
         stage = cls(ckpt, device, d.torch_dtype, d.defaults, d.limits, d.lora, safety=safety,
-                    safety_optional=d.safety_checker_optional)  # fmt: skip
+                    safety_optional=d.safety_checker_optional, encoder_in_background=not peak_warmup)  # fmt: skip
         stage.plan = plan
-        stage.startup = {"plan": t1 - t0, "towers and guardrail": time.perf_counter() - t1}
+        stage.startup = {"plan": t1 - t0, "guardrail": t2 - t1, **stage.startup}
         if (
             str(device).startswith("cuda") and peak_warmup
         ):  # the encoder's peak at load: a clip's first call at the largest frame

@@ -1,0 +1,72 @@
+"""A reloaded prefill (its encoder's peak proven by its first load) serves text requests while its VAE encoder loads on
+a thread of its own; a request that encodes waits for the encoder and gets what a first load's stage gives, or the
+encoder load's own error."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from cosmos3_core.deployment import Deployment
+from cosmos3_core.model.checkpoint import Checkpoint, CheckpointError
+from cosmos3_core.stages import PrefillStage
+
+PROMPT = "a red ball rolls across a wooden table"
+
+
+@pytest.fixture(scope="module")
+def first(nano_ckpt) -> tuple[Deployment, PrefillStage]:
+    d = Deployment(checkpoint=str(nano_ckpt), device="cpu", dtype="float32", pool_pages=64)
+    return d, PrefillStage.from_deployment(d.open_checkpoint(), d, "cpu")
+
+
+def _image(stage: PrefillStage) -> np.ndarray:
+    h, w = stage.defaults.height, stage.defaults.width
+    return np.random.default_rng(3).integers(0, 256, (h, w, 3), dtype=np.uint8)
+
+
+def _held_encoder(monkeypatch, error: Exception | None = None) -> threading.Event:
+    """The encoder's load waits for the returned event (then raises `error`, if given)."""
+    gate, load_vae = threading.Event(), Checkpoint.load_vae
+
+    def held(self, *args, **kwargs):
+        assert gate.wait(60), "the test never released the encoder's load"
+        if error is not None:
+            raise error
+        return load_vae(self, *args, **kwargs)
+
+    monkeypatch.setattr(Checkpoint, "load_vae", held)
+    return gate
+
+
+def test_a_reload_serves_text_before_its_encoder_is_in_and_then_encodes_as_a_first_load(first, monkeypatch):
+    d, stage = first
+    gate = _held_encoder(monkeypatch)
+    again = PrefillStage.from_deployment(d.open_checkpoint(), d, "cpu", peak_warmup=False)  # returns: not waiting
+    assert not again._codec.done() and "VAE encoder (in the background)" in again.startup
+    p = again.validate(PROMPT, {}, None)
+    text, expected = again.run(p, None), stage.run(p, None)
+    assert all(torch.equal(a, b) for a, b in zip(text.text_k + text.text_v, expected.text_k + expected.text_v))
+    gate.set()
+    image = _image(stage)
+    pi = again.validate(PROMPT, {}, image)
+    assert torch.equal(again.run(pi, image).cond_latent, stage.run(pi, image).cond_latent)
+
+
+def test_an_encoder_that_fails_to_load_in_the_background_fails_only_the_requests_that_encode(first, monkeypatch):
+    d, stage = first
+    gate = _held_encoder(monkeypatch, CheckpointError("vae/diffusion_pytorch_model.safetensors: truncated"))
+    again = PrefillStage.from_deployment(d.open_checkpoint(), d, "cpu", peak_warmup=False)
+    gate.set()
+    image = _image(stage)
+    with pytest.raises(CheckpointError, match="truncated"):
+        again.run(again.validate(PROMPT, {}, image), image)
+    assert again.run(again.validate(PROMPT, {}, None), None).cond_latent is None  # text requests still serve
+
+
+def test_a_first_load_holds_its_encoder_before_it_returns(first):
+    _, stage = first
+    assert stage._codec.done() and "VAE encoder" in stage.startup
