@@ -10,11 +10,14 @@ six per step, each leaving the GPU idle while the host catches up.
 from __future__ import annotations
 
 import functools
+import json
 from typing import Any
 
 import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
+
+from .caches import memo_json
 
 
 class _SolveWithoutHostCheck(TorchFunctionMode):
@@ -56,8 +59,14 @@ def initial_noise_bands(shapes: list[tuple[int, ...]], seed: int, device: torch.
 
 
 def checkpoint_shift(base_config: dict[str, Any]) -> float:
-    """The flow_shift the reference pipeline samples with: the scheduler config's (or the class default)."""
-    return float(scheduler_class().from_config(base_config).config.flow_shift)
+    """The flow_shift the reference pipeline samples with: the scheduler config's (or the class default). Kept per
+    config on this machine (`caches.memo_json`): the class needs diffusers' import, which a prefill that samples
+    nothing would otherwise pay at every start and reload."""
+
+    def shift() -> float:
+        return float(scheduler_class().from_config(base_config).config.flow_shift)
+
+    return float(memo_json("flow-shift", json.dumps(base_config, sort_keys=True, default=str), shift))
 
 
 def make_scheduler(

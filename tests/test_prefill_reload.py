@@ -4,6 +4,10 @@ encoder load's own error."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -70,3 +74,19 @@ def test_an_encoder_that_fails_to_load_in_the_background_fails_only_the_requests
 def test_a_first_load_holds_its_encoder_before_it_returns(first):
     _, stage = first
     assert stage._codec.done() and "VAE encoder" in stage.startup
+
+
+def test_the_flow_shift_is_kept_per_config_so_a_restarted_part_imports_no_diffusers_for_it(nano_ckpt, tmp_path):
+    script = (
+        "import sys, json; from cosmos3_core.model.checkpoint import Checkpoint; "
+        "from cosmos3_core.sampling import checkpoint_shift; "
+        f"s = checkpoint_shift(Checkpoint.open({str(nano_ckpt)!r}).scheduler_config); "
+        "print(json.dumps([s, 'diffusers' in sys.modules]))"
+    )
+    env = {**os.environ, "COSMOS3_CACHE": str(tmp_path)}
+    runs = [json.loads(subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                                      check=True).stdout.splitlines()[-1]) for _ in range(2)]  # fmt: skip
+    from diffusers import UniPCMultistepScheduler
+
+    expected = UniPCMultistepScheduler.from_config(Checkpoint.open(nano_ckpt).scheduler_config).config.flow_shift
+    assert runs == [[expected, True], [expected, False]]  # counted by diffusers' class once, then read
