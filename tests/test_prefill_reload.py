@@ -90,3 +90,18 @@ def test_the_flow_shift_is_kept_per_config_so_a_restarted_part_imports_no_diffus
 
     expected = UniPCMultistepScheduler.from_config(Checkpoint.open(nano_ckpt).scheduler_config).config.flow_shift
     assert runs == [[expected, True], [expected, False]]  # counted by diffusers' class once, then read
+
+
+def test_a_tower_built_on_the_meta_device_imports_no_dynamo(action_ckpt):
+    """nn.Embedding's own init, run on the meta device, imports torch._dynamo: a second of every stub's start (the
+    plan and the loaders build each tower there) for a value the load overwrites."""
+    script = (
+        "import sys, torch; from cosmos3_core.model.checkpoint import Checkpoint; "
+        "from cosmos3_core.model.layers import Cosmos3Transformer, UND, GEN; "
+        f"cfg = Checkpoint.open({str(action_ckpt)!r}).config\n"
+        "with torch.device('meta'): m = Cosmos3Transformer(cfg, frozenset({UND, GEN}))\n"
+        "assert hasattr(m, 'embed_tokens') and hasattr(m, 'action_proj_in')\n"
+        "print('torch._dynamo' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False"]

@@ -11,6 +11,9 @@ load (`checkpoint.py`), so callers run them through `fp8.linear` with the rows' 
 precision too (`_classify_cosmos3_linear` classifies only layer attention/MLP linears).
 
 Layouts: token-major, `[tokens, hidden]`; per-head tensors `[tokens, heads, head_dim]`.
+
+Parameters are left as built: every `Cosmos3Transformer` is built on the meta device, then its weights are loaded or
+drawn (`checkpoint.py`), so no module here initialises its own.
 """
 
 from __future__ import annotations
@@ -24,6 +27,12 @@ from .config import ModelConfig
 from .lora import AdapterRows, adapted
 
 UND, GEN = "und", "gen"
+
+
+def _table(rows: int, dim: int) -> nn.Embedding:
+    """An embedding table without nn.Embedding's normal_ init: on the meta device that init imports torch._dynamo,
+    a second of every stub's start for a value nothing reads."""
+    return nn.Embedding(rows, dim, _weight=torch.empty(rows, dim))
 
 
 class RMSNorm(nn.Module):
@@ -144,8 +153,8 @@ class DomainAwareLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, domains: int):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.fc = nn.Embedding(domains, in_features * out_features)
-        self.bias = nn.Embedding(domains, out_features)
+        self.fc = _table(domains, in_features * out_features)
+        self.bias = _table(domains, out_features)
 
 
 class Cosmos3Transformer(nn.Module):
@@ -155,7 +164,7 @@ class Cosmos3Transformer(nn.Module):
         self.parts = parts
         self.layers = nn.ModuleList(Layer(cfg, parts) for _ in range(cfg.num_hidden_layers))
         if UND in parts:
-            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            self.embed_tokens = _table(cfg.vocab_size, cfg.hidden_size)
         if GEN in parts:
             self.norm_moe_gen = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.nemotron_norm)
             self.proj_in = nn.Linear(cfg.patch_latent_dim, cfg.hidden_size)
