@@ -66,7 +66,8 @@ def checkpoint_shift(base_config: dict[str, Any]) -> float:
     def shift() -> float:
         return float(scheduler_class().from_config(base_config).config.flow_shift)
 
-    return float(memo_json("flow-shift", json.dumps(base_config, sort_keys=True, default=str), shift))
+    kept = memo_json("unipc-flow-shift", json.dumps(base_config, sort_keys=True, default=str), shift)
+    return float(kept) if isinstance(kept, (int, float)) else shift()  # a memo of another shape: counted again
 
 
 def make_scheduler(

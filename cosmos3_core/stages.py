@@ -12,10 +12,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from dataclasses import replace
 
@@ -69,8 +69,8 @@ class PrefillStage:
         """`lora`: the deployment's adapters; one on the UND tower changes the text K/V, so prefill applies it.
         `safety`: the text guardrail every prompt passes before any work (None: no checks); `safety_optional`: a
         request may opt out (`enable_safety_check` false). `encoder_in_background`: the VAE encoder loads on a
-        thread of its own while the stage serves, and the first request that encodes waits for it (a reload: the
-        encoder's import is seconds, and a text-only request needs none of it)."""
+        thread of its own while the stage serves text requests; the first request that encodes waits for it (a
+        reload: the encoder's import is seconds, and a text-only request needs none of it)."""
         self.safety, self.safety_optional = safety, safety_optional
         self.cfg = ckpt.config
         self.device, self.dtype = device, dtype
@@ -79,39 +79,56 @@ class PrefillStage:
         self.startup: dict[str, float] = {}  # seconds per part of the load (the server logs them)
         t0 = time.perf_counter()
         self.shift = checkpoint_shift(ckpt.scheduler_config)
+        t1 = time.perf_counter()
         self.model = ckpt.load_transformer({UND}, device, dtype)
         self.loras = open_store(lora, ckpt, self.model)
         # FP8: the UND tower (the policy's reasoner) runs W8A16 or W8A8 for every request alike
         self.und_a16 = ckpt.fp8 is None or ckpt.fp8.policy.reasoner_a16
-        t1 = time.perf_counter()
-        self.prompts = PromptEncoder(ckpt.load_tokenizer(), ckpt.default_use_system_prompt)
         t2 = time.perf_counter()
-        self.startup.update({"UND tower": t1 - t0, "tokenizer": t2 - t1})
-        self._codec: Future[VaeCodec] = Future()
+        self.prompts = PromptEncoder(ckpt.load_tokenizer(), ckpt.default_use_system_prompt)
+        t3 = time.perf_counter()
+        self.startup.update({"flow shift": t1 - t0, "UND tower": t2 - t1, "tokenizer": t3 - t2})
+        self._ckpt = ckpt
+        self._encoder: VaeCodec | None = None
+        self._encoder_loading: threading.Thread | None = None
         if encoder_in_background:
-            threading.Thread(target=self._load_encoder, args=(ckpt,), name="vae-encoder", daemon=True).start()
-            self.startup["VAE encoder (in the background)"] = 0.0
+            self._encoder_loading = threading.Thread(target=self._load_encoder_here, name="vae-encoder", daemon=True)
+            self._encoder_loading.start()
         else:
-            self._load_encoder(ckpt)
-            self.startup["VAE encoder"] = time.perf_counter() - t2
+            self._encoder = self._load_encoder()
+            self.startup["VAE encoder"] = time.perf_counter() - t3
         try:
             SoundSpec.open(ckpt.root)
             self.no_sound: str | None = None
         except (ValueError, OSError) as e:  # a checkpoint without sound still serves everything else
             self.no_sound = str(e)
 
-    def _load_encoder(self, ckpt: Checkpoint) -> None:
+    def _load_encoder(self) -> VaeCodec:
+        return VaeCodec(self._ckpt.load_vae(self.device, self.dtype, ("encoder",)))  # it only encodes
+
+    def _load_encoder_here(self) -> None:
+        """The background load (on its own thread): a failure is said, and the next request that encodes loads again."""
+        t = time.perf_counter()
         try:
-            self._codec.set_result(VaeCodec(ckpt.load_vae(self.device, self.dtype, ("encoder",))))  # it only encodes
-        except BaseException as e:  # noqa: BLE001  (a background load's error reaches the requests that encode)
-            self._codec.set_exception(e)
-            if threading.current_thread() is threading.main_thread():
-                raise
+            if str(self.device).startswith("cuda"):  # a new thread starts on GPU 0
+                torch.cuda.set_device(self.device)
+            self._encoder = self._load_encoder()
+            print(f"cosmos3_prefill: VAE encoder loaded in the background in {time.perf_counter() - t:.1f}s",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        except Exception as e:  # noqa: BLE001
+            print(f"cosmos3_prefill: the VAE encoder's load in the background failed ({type(e).__name__}: {e}); the "
+                  "next request that encodes loads it again", file=sys.stderr, flush=True)  # fmt: skip
 
     @property
     def codec(self) -> VaeCodec:
-        """The VAE encoder (waits for it while it loads in the background; its load's error raises here)."""
-        return self._codec.result()
+        """The VAE encoder: waits for its load in the background; after one that failed, loads it here (its error,
+        if it fails again, is this caller's). Requests run one at a time per stage (a prefill instance's `execute`)."""
+        if self._encoder_loading is not None:
+            self._encoder_loading.join()
+            self._encoder_loading = None
+        if self._encoder is None:
+            self._encoder = self._load_encoder()
+        return self._encoder
 
     @classmethod
     def from_deployment(
