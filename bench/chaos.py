@@ -59,6 +59,7 @@ import threading
 import time
 from pathlib import Path
 
+from bench import prom
 from bench.faults_part import Supervised
 from client.stream import ServerError, generate
 from cosmos3_core import errors
@@ -166,6 +167,18 @@ class Chaos:
                 self.streams.append(s)
             if s["end"].startswith("error") and not self.stop.is_set():
                 time.sleep(0.5)  # a refusal while a part reloads: retry a moment later, as a client would
+
+    def settled_gauges(self, within_s: float = 3.0) -> tuple[dict[str, float], dict[str, list]]:
+        """The pool's and queues' gauges once they read 0, or as they read after `within_s` (the engine publishes
+        them every 0.2 s and at each request's end) → (each summed over its instances, each one's samples)."""
+        names = ("cosmos3_kv_pages_used", "cosmos3_live_requests", "cosmos3_queue_depth")
+        deadline = time.monotonic() + within_s
+        while True:
+            text = self.server.metrics_text()
+            gauges = {g: prom.total(text, g) for g in names}
+            if not any(gauges.values()) or time.monotonic() > deadline:
+                return gauges, {g: prom.samples(text, g) for g in names}
+            time.sleep(0.25)
 
     def probe(self, prompt: str, params: dict) -> str:
         """One request of the soak's own, recorded like a stream → how it ended."""
@@ -420,8 +433,6 @@ class Chaos:
                 "unsure": sum(lo - CANCEL_LAG_S * (r["end"] == "cancelled") <= r["t1"] <= hi
                               and not r["end"].startswith(UNREACHED) for r in requests),
             })  # fmt: skip
-        gauges = {g: self.server.gauge(g) for g in ("cosmos3_kv_pages_used", "cosmos3_live_requests",
-                                                    "cosmos3_queue_depth")}  # fmt: skip
         unreached = sum(r["end"].startswith(UNREACHED) for r in requests)
         sent = len(requests) - unreached
         door_kills = [k["t"] for k in self.kills if k["part"] == "admit"]
@@ -442,6 +453,7 @@ class Chaos:
             identity["difference"] = sent - identity["counted"] - identity["answered_by_triton"]
             if identity["difference"] == 0:
                 break
+        gauges, series = self.settled_gauges()
         restarts = self.server.restarts()
         kills_of = {p: sum(k["part"] == p for k in self.kills) for p in TARGETS}
         back = [k["back_s"] for k in self.kills]
@@ -465,6 +477,7 @@ class Chaos:
             "ended_after_its_part_died_s": worst,  # the slowest per part
             "hung": hung + hung_whole + [{"clients_without_an_answer": hung_clients}] * bool(hung_clients),
             "gauges_after": gauges,
+            **({"gauge_series_after": series} if any(gauges.values()) else {}),  # which instance holds what
             "counted": counted,
             "identity": identity,
         }
