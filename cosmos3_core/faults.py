@@ -2,6 +2,8 @@
 
   step_delay_s=<float>    every engine tick first sleeps this long (tiny models step in milliseconds;
                           this gives served tests the step time of a real model)
+  prefill_delay_s=<float> prefill first sleeps this long for each request (a served test's requests then sit
+                          between the door and the denoise engine)
   fail_step_seed=<int>    a request with this seed raises inside its denoise step (fails that request only)
   fail_decode_seed=<int>  a request with this seed raises in vae_decode's send thread, on its last piece
   fail_forward=<int>      the n-th packed denoise forward after the warmup (1: the first served) raises, once (a
@@ -33,6 +35,7 @@ def _parse(raw: str) -> dict[str, str]:
 
 FAULTS = _parse(os.environ.get("COSMOS3_FAULTS", ""))
 STEP_DELAY_S = float(FAULTS.get("step_delay_s", 0.0))
+PREFILL_DELAY_S = float(FAULTS.get("prefill_delay_s", 0.0))
 FAIL_STEP_SEED = int(FAULTS["fail_step_seed"]) if "fail_step_seed" in FAULTS else None
 FAIL_DECODE_SEED = int(FAULTS["fail_decode_seed"]) if "fail_decode_seed" in FAULTS else None
 

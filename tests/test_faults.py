@@ -20,10 +20,12 @@ LONG = {"steps": 40, "num_frames": 17, "height": 64, "width": 64}
 
 
 @pytest.fixture
-def supervised(served_deployment, tmp_path):
+def supervised(served_deployment, tmp_path, request):
+    """The supervised server; `faults`: its COSMOS3_FAULTS (indirect parametrization), engine steps of 0.05 s by
+    default."""
     path, _ = served_deployment
     ports = free_ports(3)
-    env = {**os.environ, "COSMOS3_FAULTS": "step_delay_s=0.05"}
+    env = {**os.environ, "COSMOS3_FAULTS": getattr(request, "param", "step_delay_s=0.05")}
     cmd = [sys.executable, "-m", "cosmos3_core.triton.serve", "--config", str(path), "--workdir", str(tmp_path / "serve"),
            "--grpc-port", str(ports[0]), "--http-port", str(ports[1]), "--metrics-port", str(ports[2])]  # fmt: skip
     log = open(tmp_path / "serve.log", "wb")
@@ -88,6 +90,22 @@ def test_sigterm_with_requests_in_flight(supervised):
     for i in range(2):  # each ended with its result or one clear error
         r = out[i]
         assert isinstance(r, ServerError) or (r.video.shape == (17, 64, 64, 3) and r.events[-1]["type"] == "done"), r
+
+
+@pytest.mark.parametrize("supervised", ["step_delay_s=0.05,prefill_delay_s=1.5"], indirect=True)
+def test_sigterm_while_requests_are_in_prefill_waits_for_them(supervised):
+    """The drain waits for requests past the door that no engine holds yet: each reaches the engine, which refuses it
+    with the drain's text, and tritonserver then stops with nothing in flight (it stopped with them in prefill,
+    never answered them, waited out its exit timeout and was killed)."""
+    proc, url, _ = supervised
+    threads, out = run_async(url, 2)
+    time.sleep(0.5)  # both past the door, the first in prefill's 1.5 s, the second queued behind it
+    proc.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(60)
+    assert proc.wait(60) == 0
+    for i in range(2):
+        assert isinstance(out[i], ServerError) and "shutting down" in str(out[i]), out[i]
 
 
 def test_model_that_fails_to_load_says_why(tmp_path):

@@ -52,3 +52,23 @@ def test_an_instances_proven_peak_lasts_until_the_server_is_new(tmp_path):
     assert state.proven_peak("cosmos3_prefill_0_0") == "" and state.proven_peak("cosmos3_denoise_1_0") is None
     state.reset()
     assert state.proven_peak("cosmos3_denoise_0_0") is None and state.proven_peak("cosmos3_prefill_0_0") is None
+
+
+def test_the_server_is_idle_only_when_no_request_is_past_the_door(tmp_path, monkeypatch):
+    """A request holds an admission ticket from the door until the engine's first event for it, and the engine is
+    busy before that event: the drain waits through both. A `.door` ticket past its TTL (a request cancelled between
+    two steps) no longer holds it."""
+    state = ServerState(tmp_path)
+    assert state.idle()
+    ((ident, _),) = state.take(limit=4)  # the door
+    assert not state.idle()  # in prefill
+    state.claim(ident)  # the denoise model has it
+    state.set_busy("cosmos3_denoise_0_0", True)
+    assert not state.idle()
+    state.release(ident)  # its first event
+    assert not state.idle()  # still denoising
+    state.set_busy("cosmos3_denoise_0_0", False)
+    assert state.idle()
+    state.take(limit=4)
+    monkeypatch.setattr("cosmos3_core.triton.state.DOOR_TTL_S", -1.0)
+    assert state.idle()

@@ -92,6 +92,8 @@ class PrefillModel:
 
     def _run(self, request, ticket: Ticket):
         t_start = time.time()
+        if faults.PREFILL_DELAY_S:
+            time.sleep(faults.PREFILL_DELAY_S)
         if (why := self._refusal()) is not None:
             self.outcomes.count_now("rejected")
             return error_response(why)

@@ -260,9 +260,10 @@ def lock_workdir(workdir: Path) -> int | None:
 
 
 def drain(state: ServerState, timeout_s: float) -> None:
-    """Stop admitting; wait until no denoise instance holds a request (the engine ends stragglers after its drain
-    timeout; a request whose pieces still decode is held until its last frames are out). Then tritonserver can stop
-    with nothing in flight."""
+    """Stop admitting; wait until no request is past the door (`ServerState.idle`: one in prefill reaches the engine,
+    which refuses it with the drain's text; the engine ends stragglers after its drain timeout; a request whose pieces
+    still decode is held until its last frames are out). Then tritonserver can stop with nothing in flight: a request
+    still in prefill when Triton stops was never answered."""
     state.drain()
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and not state.idle():

@@ -12,7 +12,7 @@ under `<workdir>/state` (per server: `serve.render` gives each its own and wipes
 | when a part last died: `mark_down` writes it, `died_at(part)` | `died/<part>` (epoch seconds) | the supervisor | denoise and vae_decode: a request that arrived before it has its steps of that part in the dead instance (an ensemble request keeps the model instances it started with), so the survivor answers it |
 | the server drains: `drain` / `undrain` | `DRAINING` | the supervisor (SIGINT / SIGTERM) | the door and the engine (admit nothing new) |
 | an engine is busy: `set_busy(instance, busy)` | `busy/<instance>` | each denoise instance, on change | the supervisor's drain (`idle`) |
-| admission tickets: `take`, `claim`, `release`, `held` | `tickets/<id>.door`, `.engine` | the door (take), prefill (release on its error), denoise (claim, release at the first event) | the door (`held`): admission.py |
+| admission tickets: `take`, `claim`, `release`, `held` | `tickets/<id>.door`, `.engine` | the door (take), prefill (release on its error), denoise (claim, release at the first event) | the door (`held`): admission.py; the supervisor's drain (`idle`): a request past the door that no engine holds yet |
 | an instance's first load in this server's life is done: `prove_peak(instance, note)` / `proven_peak(instance)` | `proven/<instance>` (the note: a denoise instance's step layouts, JSON) | each prefill, denoise and vae_decode instance, once loaded (on the GPU, after its warmup at the largest admitted request) | the same instance reloaded after a death: the plan and the card are unchanged, so it skips that warmup; a denoise instance takes the graph buckets and padding limit it settled on then |
 | one part warms up at a time: `warmup_turn()` | `warmup.lock` (an exclusive lock) | prefill, denoise and vae_decode, around their warmups (each reaches its peak, then gives its cached memory back) | the same |
 | an AR session's record: `set_session(id, record)` (idle with its parameters, busy, ended and why; None: forgotten) | `sessions/<id>` (sessions.record) | the denoise engine's session table, on each change | prefill (checks a continuation: sessions.kept_params), vae_decode (lets go of an ended session's decoder) |
@@ -153,8 +153,10 @@ class ServerState:
             path.unlink(missing_ok=True)
 
     def idle(self) -> bool:
-        """No denoise instance holds a request (waiting, denoised, or its pieces still decoding)."""
-        return not any(os.scandir(self.dir / "busy"))
+        """No request past the door: none holds an admission ticket (from the door until the engine's first event
+        for it; an engine marks itself busy before that) and no denoise instance holds one (waiting, denoised, or its
+        pieces still decoding)."""
+        return not any(os.scandir(self.dir / "busy")) and self.held() == 0
 
     # ---- admission tickets (admission.py): door, prefill, denoise ----
     def _ticket(self, ident: str, where: str) -> Path:
