@@ -94,12 +94,15 @@ def test_sigterm_with_requests_in_flight(supervised):
 
 @pytest.mark.parametrize("supervised", ["step_delay_s=0.05,prefill_delay_s=1.5"], indirect=True)
 def test_sigterm_while_requests_are_in_prefill_waits_for_them(supervised):
-    """The drain waits for requests past the door that no engine holds yet: each reaches the engine, which refuses it
-    with the drain's text, and tritonserver then stops with nothing in flight (it stopped with them in prefill,
-    never answered them, waited out its exit timeout and was killed)."""
-    proc, url, _ = supervised
+    """The drain waits for requests past the door that no engine holds yet: prefill refuses each with the drain's
+    text, and tritonserver then stops with nothing in flight (stopped with them in prefill, it refused them in its
+    own words, or never answered them, waited out its exit timeout and was killed)."""
+    proc, url, workdir = supervised
     threads, out = run_async(url, 2)
-    time.sleep(0.5)  # both past the door, the first in prefill's 1.5 s, the second queued behind it
+    deadline = time.monotonic() + 30
+    while len(list(workdir.glob("state/tickets/*.door"))) < 2:  # both past the door, in or queued for prefill
+        assert time.monotonic() < deadline, "the requests never passed the door"
+        time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
     for t in threads:
         t.join(60)

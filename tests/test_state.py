@@ -70,5 +70,6 @@ def test_the_server_is_idle_only_when_no_request_is_past_the_door(tmp_path, monk
     state.set_busy("cosmos3_denoise_0_0", False)
     assert state.idle()
     state.take(limit=4)
+    assert not state.idle() and state.idle(tickets=False)  # the drain's wait for tickets is the shorter
     monkeypatch.setattr("cosmos3_core.triton.state.DOOR_TTL_S", -1.0)
     assert state.idle()

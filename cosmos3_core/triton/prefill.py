@@ -14,7 +14,7 @@ import uuid
 import triton_python_backend_utils as pb_utils
 
 from .. import faults
-from ..errors import part_restarting
+from ..errors import DRAINING, part_restarting
 from ..requests import RequestError, continued_session, parse_parameters_json
 from ..safety import Refused
 from ..sessions import kept_params
@@ -130,6 +130,9 @@ class PrefillModel:
         return pb_utils.InferenceResponse(output_tensors=outs)
 
     def _refusal(self) -> str | None:
-        """A new request's refusal while a later part is down: until its reload is done, Triton sends it to the dead
-        instance (the supervisor marks the part: state.py)."""
+        """A request's refusal while the server drains (the engine would refuse it: no prefill for nothing, and its
+        ticket goes back at once, which the drain waits for), or while a later part is down: until its reload is
+        done, Triton sends it to the dead instance (the supervisor marks the part: state.py)."""
+        if self.state.draining():
+            return DRAINING
         return next((part_restarting(p) for p in ("denoise", "vae_decode") if self.state.is_down(p)), None)

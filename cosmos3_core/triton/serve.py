@@ -259,14 +259,20 @@ def lock_workdir(workdir: Path) -> int | None:
     return fd
 
 
+# how long a drain waits for admission tickets (requests between the door and the engine): prefill refuses each
+# request with the drain's text from the drain's start, so a live ticket goes within one prefill; a ticket left by a
+# request that ended between two steps (a client's cancel) would otherwise hold every drain to its timeout
+DRAIN_TICKETS_S = 10.0
+
+
 def drain(state: ServerState, timeout_s: float) -> None:
-    """Stop admitting; wait until no request is past the door (`ServerState.idle`: one in prefill reaches the engine,
-    which refuses it with the drain's text; the engine ends stragglers after its drain timeout; a request whose pieces
-    still decode is held until its last frames are out). Then tritonserver can stop with nothing in flight: a request
-    still in prefill when Triton stops was never answered."""
+    """Stop admitting; wait until no request is past the door (`ServerState.idle`: one in prefill is refused with the
+    drain's text; the engine ends stragglers after its drain timeout; a request whose pieces still decode is held
+    until its last frames are out). Then tritonserver can stop with nothing in flight: a request still in prefill
+    when Triton stops is refused in Triton's own words, or never answered."""
     state.drain()
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and not state.idle():
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s and not state.idle(time.monotonic() - start < DRAIN_TICKETS_S):
         time.sleep(0.2)
     time.sleep(0.2)  # each held request's last step (vae_decode's answer to its `end`)
     state.undrain()
@@ -298,6 +304,7 @@ def supervise(
             for name in dead:  # a dead engine holds nothing the drain should wait for
                 if errors.part_of(name.split()[0]) == "denoise":
                     state.set_busy(name.split()[0], False)
+                    state.clear_tickets("engine")  # its requests are never answered (its reload clears them too)
             try:
                 heal(parts)
             except Exception as e:  # noqa: BLE001 - whatever failed, a whole restart heals it

@@ -152,11 +152,10 @@ class ServerState:
         else:
             path.unlink(missing_ok=True)
 
-    def idle(self) -> bool:
-        """No request past the door: none holds an admission ticket (from the door until the engine's first event
-        for it; an engine marks itself busy before that) and no denoise instance holds one (waiting, denoised, or its
-        pieces still decoding)."""
-        return not any(os.scandir(self.dir / "busy")) and self.held() == 0
+    def idle(self, tickets: bool = True) -> bool:
+        """No denoise instance holds a request (waiting, denoised, or its pieces still decoding) and, with `tickets`,
+        none past the door holds an admission ticket (from the door until the engine's first event for it)."""
+        return (not tickets or self.held() == 0) and not any(os.scandir(self.dir / "busy"))
 
     # ---- admission tickets (admission.py): door, prefill, denoise ----
     def _ticket(self, ident: str, where: str) -> Path:
