@@ -10,7 +10,7 @@ under `<workdir>/state` (per server: `serve.render` gives each its own and wipes
 | decode is done with a stream's frames: `finish(id)` | `finished/<id>` | vae_decode (once its last piece's frames are out, or at the stop) | denoise, which then sends the stream's FINAL with its `end` step (`finished`) |
 | a part is dead or reloading: `mark_down` / `mark_up` | `down/<part>` | the supervisor (up only once the new stub answers) | the door and prefill (refuse), the denoise engine (ends its streams when vae_decode is down), the front (readiness): `down_parts` |
 | when a part last died: `mark_down` writes it, `died_at(part)` | `died/<part>` (epoch seconds) | the supervisor | denoise and vae_decode: a request that arrived before it has its steps of that part in the dead instance (an ensemble request keeps the model instances it started with), so the survivor answers it |
-| the server drains: `drain` / `undrain` | `DRAINING` | the supervisor (SIGINT / SIGTERM) | the door and the engine (admit nothing new) |
+| the server drains: `drain` / `undrain` | `DRAINING` | the supervisor (SIGINT / SIGTERM) | the door, prefill and the engine (admit nothing new) |
 | an engine is busy: `set_busy(instance, busy)` | `busy/<instance>` | each denoise instance, on change | the supervisor's drain (`idle`) |
 | admission tickets: `take`, `claim`, `release`, `held` | `tickets/<id>.door`, `.engine` | the door (take), prefill (release on its error), denoise (claim, release at the first event) | the door (`held`): admission.py; the supervisor's drain (`idle`): a request past the door that no engine holds yet |
 | an instance's first load in this server's life is done: `prove_peak(instance, note)` / `proven_peak(instance)` | `proven/<instance>` (the note: a denoise instance's step layouts, JSON) | each prefill, denoise and vae_decode instance, once loaded (on the GPU, after its warmup at the largest admitted request) | the same instance reloaded after a death: the plan and the card are unchanged, so it skips that warmup; a denoise instance takes the graph buckets and padding limit it settled on then |
@@ -134,7 +134,7 @@ class ServerState:
     def is_down(self, part: str) -> bool:
         return (self.dir / "down" / _name(part)).exists()
 
-    # ---- drain: the supervisor → the door and the engine ----
+    # ---- drain: the supervisor → the door, prefill and the engine ----
     def drain(self) -> None:
         (self.dir / "DRAINING").touch()
 
