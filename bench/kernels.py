@@ -5,7 +5,8 @@ linears the rest, so the step can run no faster than those two kernels do. Per s
 
 - attention: q `[2·tokens, heads, d]` over each branch's `[text | own]` keys — ours (`FlashInferAttention`'s plan,
   the gather and FA3's ragged call, as the step runs it) and torch SDPA's cuDNN, Flash and efficient kernels on the
-  same q/k/v (per branch, GQA expanded where a kernel needs it): ms, TF/s, rel-L2 to ours;
+  same q/k/v (per branch, GQA expanded where a kernel needs it), and flash-attn 4's ragged call when installed
+  (`flash_attn.cute`, K/V gathered ahead, so its figure leaves out the gather ours includes): ms, TF/s, rel-L2 to ours;
 - linears: the layer's GEMMs at the step's rows as the tower runs them (q, k, v, out, gate, up, down: cuBLAS bf16),
   and fused (qkv, gate|up) beside them: ms, TF/s;
 - the step at those rates: the layers × (attention + linears), against the floor's.
@@ -101,6 +102,25 @@ def attention(cfg: ModelConfig, tokens: int, text: int, repeat: int) -> dict:
             out[name] = {"ms": timed(run, repeat), "rel_l2": rel(got, ours)}
         except Exception as e:  # a kernel that does not take this shape or card
             out[name] = {"error": str(e).splitlines()[0][:160]}
+    try:  # flash-attn 4 (CuTe DSL; its own SM90 forward), when installed: GQA and ragged as ours, K/V gathered ahead
+        from flash_attn.cute import flash_attn_varlen_func
+
+        k_cat, v_cat = torch.cat([branch_kv(b, k, pool.k_pages) for b in range(2)]), torch.cat(
+            [branch_kv(b, v, pool.v_pages) for b in range(2)])  # fmt: skip
+        cu_q = torch.tensor([0, tokens, 2 * tokens], dtype=torch.int32, device=dev)
+        cu_k = torch.tensor([0, tokens + text, 2 * (tokens + text)], dtype=torch.int32, device=dev)
+
+        def fa4() -> torch.Tensor:
+            got = flash_attn_varlen_func(q, k_cat, v_cat, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=tokens,
+                                         max_seqlen_k=tokens + text)  # fmt: skip
+            return (got[0] if isinstance(got, tuple) else got).flatten(-2)  # [rows, heads·d], as ours
+
+        got = fa4()
+        out["fa4"] = {"ms": timed(fa4, repeat), "rel_l2": rel(got, ours)}
+    except ImportError:
+        pass
+    except Exception as e:  # noqa: BLE001 - a kernel that does not take this shape or card
+        out["fa4"] = {"error": str(e).splitlines()[0][:160]}
     for r in out.values():
         if isinstance(r, dict) and "ms" in r:
             r["tflops"] = flops / r["ms"] / 1e9

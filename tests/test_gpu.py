@@ -122,14 +122,16 @@ def test_bucketed_mixes_replay_the_warmup_captures(ckpt_and_reference, monkeypat
     buckets = [256, 512]  # these packs: 64 to 320 rows
     gen = gpu_generator(ckpt, "flashinfer", True, graph_buckets=buckets, max_captures=4)
     step = gen.engine.step
-    assert step.captures == len(buckets) and {k[0][:2] for k in step.layouts} == {("bucket", b) for b in buckets}
+    captured = {k[0][:2] for k, v in step.layouts.items() if v.graph is not None}
+    assert step.captures == len(buckets) and captured == {("bucket", b) for b in buckets}
+    warmed = set(step.layouts)  # the buckets', and the memory plan's largest request's (eager: past every bucket)
     eager = gpu_generator(ckpt, "flashinfer", False)
     for prompt, params in REQUESTS:
         assert rel_l2(gen.latents(prompt, params).float(), eager.latents(prompt, params).float()) < 1e-2, prompt
     for ours, theirs in zip(run_batched(gen), run_batched(eager)):
         assert rel_l2(ours, theirs) < 1e-2
     assert step.captures == len(buckets)  # every new mix replayed a warmup capture
-    assert all(k[0][0] == "bucket" for k in step.layouts)
+    assert all(k[0][0] == "bucket" for k in step.layouts if k not in warmed)
     bounded = gpu_generator(ckpt, "flashinfer", True, graph_buckets=buckets, max_captures=1)
 
     def held() -> int:
