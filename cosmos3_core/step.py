@@ -21,8 +21,9 @@ row is W8A16), the residual flag, the backend and its `shape_key` (FlashInfer: t
 holds, a power of two of at least 8,192: the warmup's 1-token prefix and any mix of up to 8 segments of text). A new size mix within a bucket reuses the layout and replays its
 capture; padding never reaches a real row (graphs.py). A pack larger than the largest bucket, a commit pass or a
 backend that cannot bucket (SDPA, Ulysses) gets an exact layout. Captures are bounded: at most `max_captures`
-layouts hold a graph; a layout that captures beyond that releases the least recently used one's (with one held, the
-step moves to a new graph pool: torch refuses a capture into a pool no graph holds). The step keeps the
+layouts hold a graph; a layout that captures beyond that releases the least recently used one's (when no graph is
+held then, e.g. `max_captures` 1, the capture takes a new graph pool: torch refuses one into a pool that no graph
+holds). The step keeps the
 most recently used layouts (max(MAX_LAYOUTS, max_captures); an evicted layout's graph goes with it); the warmup
 (`capture_buckets`) captures every bucket first. A bucket's key still holds the FP8 split row, the residual flag
 (a cached request in the pack), the sound / action capacities and the backend's shape key (FlashInfer's gather
@@ -88,6 +89,7 @@ class DenoiseStep:
             isinstance(m, Fp8Linear) for m in model.layers[0].modules()
         )
         self.graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None  # shared: replays are serial
+        self.pool_captured = False  # a graph was captured into `graph_pool`
         if any(b <= 0 or b % SEGMENT_ALIGN for b in graph_buckets):
             raise ValueError(f"graph_buckets: positive multiples of {SEGMENT_ALIGN} rows; got {list(graph_buckets)}")
         self.buckets = tuple(sorted(graph_buckets))
@@ -118,7 +120,7 @@ class DenoiseStep:
         gc.collect()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-        self.graph_pool = torch.cuda.graph_pool_handle()
+        self.graph_pool, self.pool_captured = torch.cuda.graph_pool_handle(), False
         for layout in self.layouts.values():
             layout.graph_pool = self.graph_pool
 
@@ -223,13 +225,14 @@ class DenoiseStep:
             may_capture = self.max_captures > 0 and (not self.max_capture_rows or rows_total <= self.max_capture_rows)
             if layout.captures_next(may_capture):  # it captures now
                 held = [v for v in self.layouts.values() if v.graph is not None]
-                if len(held) >= self.max_captures and len(held) > 1:
-                    held[0].release_graph()  # the least recently used capture makes room
-                elif len(held) >= self.max_captures:  # the pool's only holder: a pool that no graph holds takes no
-                    self._new_graph_pool()  # capture while its blocks live (torch asserts), so a new pool
+                if len(held) >= self.max_captures:
+                    held.pop(0).release_graph()  # the least recently used capture makes room
+                if not held and self.pool_captured:  # torch refuses a capture into a pool that no graph holds
+                    self._new_graph_pool()  # while its blocks live (an INTERNAL ASSERT): the capture takes a new one
             failed = layout.capture_failed
             fwd = layout.run(capture=may_capture)
             self.captures += layout.graph is not None and not had_graph
+            self.pool_captured |= layout.graph is not None
             if layout.capture_failed and not failed:  # it ran eagerly; later captures go to a new pool
                 self._new_graph_pool()
         p = self.model.cfg.latent_patch_size
