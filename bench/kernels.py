@@ -104,9 +104,11 @@ def attention(cfg: ModelConfig, tokens: int, text: int, repeat: int) -> dict:
             out[name] = {"error": str(e).splitlines()[0][:160]}
     try:  # flash-attn 4 (CuTe DSL; its own SM90 forward), when installed: GQA and ragged as ours, K/V gathered ahead
         from flash_attn.cute import flash_attn_varlen_func
-
-        k_cat, v_cat = torch.cat([branch_kv(b, k, pool.k_pages) for b in range(2)]), torch.cat(
-            [branch_kv(b, v, pool.v_pages) for b in range(2)])  # fmt: skip
+    except ImportError:
+        flash_attn_varlen_func = None
+    if flash_attn_varlen_func is not None:
+        k_cat = torch.cat([branch_kv(b, k, pool.k_pages) for b in range(2)])
+        v_cat = torch.cat([branch_kv(b, v, pool.v_pages) for b in range(2)])
         cu_q = torch.tensor([0, tokens, 2 * tokens], dtype=torch.int32, device=dev)
         cu_k = torch.tensor([0, tokens + text, 2 * (tokens + text)], dtype=torch.int32, device=dev)
 
@@ -115,12 +117,11 @@ def attention(cfg: ModelConfig, tokens: int, text: int, repeat: int) -> dict:
                                          max_seqlen_k=tokens + text)  # fmt: skip
             return (got[0] if isinstance(got, tuple) else got).flatten(-2)  # [rows, heads·d], as ours
 
-        got = fa4()
-        out["fa4"] = {"ms": timed(fa4, repeat), "rel_l2": rel(got, ours)}
-    except ImportError:
-        pass
-    except Exception as e:  # noqa: BLE001 - a kernel that does not take this shape or card
-        out["fa4"] = {"error": str(e).splitlines()[0][:160]}
+        try:
+            got = fa4()
+            out["fa4"] = {"ms": timed(fa4, repeat), "rel_l2": rel(got, ours)}
+        except Exception as e:  # noqa: BLE001 - a kernel that does not take this shape or card
+            out["fa4"] = {"error": str(e).splitlines()[0][:160]}
     for r in out.values():
         if isinstance(r, dict) and "ms" in r:
             r["tflops"] = flops / r["ms"] / 1e9

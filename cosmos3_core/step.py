@@ -229,10 +229,10 @@ class DenoiseStep:
                     held.pop(0).release_graph()  # the least recently used capture makes room
                 if not held and self.pool_captured:  # torch refuses a capture into a pool that no graph holds
                     self._new_graph_pool()  # while its blocks live (an INTERNAL ASSERT): the capture takes a new one
+                self.pool_captured = True  # a failed capture moves to a new pool below
             failed = layout.capture_failed
             fwd = layout.run(capture=may_capture)
             self.captures += layout.graph is not None and not had_graph
-            self.pool_captured |= layout.graph is not None
             if layout.capture_failed and not failed:  # it ran eagerly; later captures go to a new pool
                 self._new_graph_pool()
         p = self.model.cfg.latent_patch_size
