@@ -324,6 +324,7 @@ class EngineThread:
         self.drain_since: float | None = None
         self.decode_down = False
         self.busy = False
+        self.busy_lock = threading.Lock()  # `submit` (execute's thread) and `_tell_busy` (this one) mark in turn
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="cosmos3-engine", daemon=True)
         self.thread.start()
@@ -346,9 +347,20 @@ class EngineThread:
             except Exception as e:  # noqa: BLE001
                 self.engine.fail_live(log_exception("denoise tick", e))
 
+    def submit(self, prefill: PrefillResult, sink: TritonSink) -> None:
+        """Hand a request to the engine (from `execute`'s thread), the instance marked busy first: its first event,
+        sent from inside a tick, gives its admission ticket back, and a mark set only at this thread's next look
+        would leave the drain a tick's time in which nothing holds the request."""
+        with self.busy_lock:
+            self._mark_busy(True)
+            self.engine.submit(prefill, sink)
+
     def _tell_busy(self) -> None:
         """The supervisor's drain waits until no instance holds a request (its pieces still decoding included)."""
-        busy = self.engine.has_work() or self.holder.busy()
+        with self.busy_lock:
+            self._mark_busy(self.engine.has_work() or self.holder.busy())
+
+    def _mark_busy(self, busy: bool) -> None:
         if busy != self.busy:
             self.state.set_busy(self.instance, busy)
             self.busy = busy
@@ -488,7 +500,7 @@ class DenoiseModel:
             cond,
             input_torch(request, "cond_actions"),
         )
-        self.engine.submit(result, sink)
+        self.engine_thread.submit(result, sink)
 
     def _reject(self, request, sink, message, outcome):
         sink = sink or TritonSink(request, self.responder, None, self.state, self.metrics.outcomes,

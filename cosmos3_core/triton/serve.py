@@ -269,13 +269,13 @@ def drain(state: ServerState, timeout_s: float) -> None:
     """Stop admitting; wait until no request is past the door (`ServerState.idle`: one in prefill is refused with the
     drain's text; the engine ends stragglers after its drain timeout; a request whose pieces still decode is held
     until its last frames are out). Then tritonserver can stop with nothing in flight: a request still in prefill
-    when Triton stops is refused in Triton's own words, or never answered."""
+    when Triton stops is refused in Triton's own words, or never answered. The drain mark stays up through that stop
+    (the next start clears the state), so nothing is admitted meanwhile."""
     state.drain()
     start = time.monotonic()
     while time.monotonic() - start < timeout_s and not state.idle(time.monotonic() - start < DRAIN_TICKETS_S):
         time.sleep(0.2)
     time.sleep(0.2)  # each held request's last step (vae_decode's answer to its `end`)
-    state.undrain()
 
 
 def supervise(

@@ -10,8 +10,8 @@ under `<workdir>/state` (per server: `serve.render` gives each its own and wipes
 | decode is done with a stream's frames: `finish(id)` | `finished/<id>` | vae_decode (once its last piece's frames are out, or at the stop) | denoise, which then sends the stream's FINAL with its `end` step (`finished`) |
 | a part is dead or reloading: `mark_down` / `mark_up` | `down/<part>` | the supervisor (up only once the new stub answers) | the door and prefill (refuse), the denoise engine (ends its streams when vae_decode is down), the front (readiness): `down_parts` |
 | when a part last died: `mark_down` writes it, `died_at(part)` | `died/<part>` (epoch seconds) | the supervisor | denoise and vae_decode: a request that arrived before it has its steps of that part in the dead instance (an ensemble request keeps the model instances it started with), so the survivor answers it |
-| the server drains: `drain` / `undrain` | `DRAINING` | the supervisor (SIGINT / SIGTERM) | the door, prefill and the engine (admit nothing new) |
-| an engine is busy: `set_busy(instance, busy)` | `busy/<instance>` | each denoise instance, on change | the supervisor's drain (`idle`) |
+| the server drains: `drain` | `DRAINING` (until the server's next start: `reset`) | the supervisor (SIGINT / SIGTERM) | the door, prefill and the engine (admit nothing new, through tritonserver's own stop) |
+| an engine is busy: `set_busy(instance, busy)` | `busy/<instance>` | each denoise instance: before its engine takes a request, and once it holds none | the supervisor's drain (`idle`) |
 | admission tickets: `take`, `claim`, `release`, `held` | `tickets/<id>.door`, `.engine` | the door (take), prefill (release on its error), denoise (claim, release at the first event) | the door (`held`): admission.py; the supervisor's drain (`idle`): a request past the door that no engine holds yet |
 | an instance's first load in this server's life is done: `prove_peak(instance, note)` / `proven_peak(instance)` | `proven/<instance>` (the note: a denoise instance's step layouts, JSON) | each prefill, denoise and vae_decode instance, once loaded (on the GPU, after its warmup at the largest admitted request) | the same instance reloaded after a death: the plan and the card are unchanged, so it skips that warmup; a denoise instance takes the graph buckets and padding limit it settled on then |
 | one part warms up at a time: `warmup_turn()` | `warmup.lock` (an exclusive lock) | prefill, denoise and vae_decode, around their warmups (each reaches its peak, then gives its cached memory back) | the same |
@@ -137,9 +137,6 @@ class ServerState:
     # ---- drain: the supervisor → the door, prefill and the engine ----
     def drain(self) -> None:
         (self.dir / "DRAINING").touch()
-
-    def undrain(self) -> None:
-        (self.dir / "DRAINING").unlink(missing_ok=True)
 
     def draining(self) -> bool:
         return (self.dir / "DRAINING").exists()
