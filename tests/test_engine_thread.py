@@ -15,7 +15,9 @@ import sys
 import threading
 import types
 
+import numpy as np
 import pytest
+import torch
 
 from cosmos3_core.deployment import Deployment
 from cosmos3_core.engine import DenoiseEngine
@@ -23,6 +25,7 @@ from cosmos3_core.generate import _CollectSink
 from cosmos3_core.requests import warmup_inputs
 from cosmos3_core.stages import PrefillStage
 from cosmos3_core.triton.state import ServerState
+from cosmos3_core.wire import PrefillResult
 
 REQUEST = {"num_frames": 1, "steps": 2}
 
@@ -34,14 +37,16 @@ def denoise_stub(monkeypatch):
     utils = types.ModuleType("triton_python_backend_utils")
     utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
     utils.Logger = types.SimpleNamespace(log_info=print, log_warn=print, log_error=print)
+    utils.get_input_tensor_by_name = lambda request, name: request.inputs.get(name)
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", utils)
     before = set(sys.modules)
     yield importlib.import_module("cosmos3_core.triton.denoise")
     package = sys.modules["cosmos3_core.triton"]
     for name in set(sys.modules) - before:
-        del sys.modules[name]
-        if name.startswith("cosmos3_core.triton.") and hasattr(package, name.rsplit(".", 1)[1]):
-            delattr(package, name.rsplit(".", 1)[1])
+        if name.startswith("cosmos3_core.triton."):
+            del sys.modules[name]
+            if hasattr(package, name.rsplit(".", 1)[1]):
+                delattr(package, name.rsplit(".", 1)[1])
 
 
 class Holder:
@@ -51,14 +56,31 @@ class Holder:
         return False
 
 
+class Input:
+    """A request's input tensor as the stub reads it (`io.input_array`, `io.input_torch`)."""
+
+    def __init__(self, value: torch.Tensor | np.ndarray):
+        self.value = value
+
+    def as_numpy(self) -> np.ndarray:
+        return np.asarray(self.value)
+
+    def to_dlpack(self):
+        return torch.utils.dlpack.to_dlpack(self.value)
+
+
 class FirstEventSink(_CollectSink):
-    """Records, at the request's first event (where a served request gives its admission ticket back), whether the
+    """A request as `DenoiseModel._submit` takes it (its inputs and metadata, as prefill sent them) and the engine's
+    sink for it. Records, at its first event (where a served request gives its admission ticket back), whether the
     drain would see the server idle without that ticket."""
 
-    def __init__(self, state: ServerState):
+    def __init__(self, state: ServerState, prefilled: PrefillResult):
         super().__init__(REQUEST["steps"], False)
         self.state = state
         self.idle_at_first_event: bool | None = None
+        self.meta = types.SimpleNamespace(id="r1", params=prefilled.params)
+        wire = prefilled.to_wire(torch.float32, "cpu")
+        self.request = types.SimpleNamespace(inputs={name: Input(value) for name, value in wire.items()})
 
     def progress(self, step: int, steps: int, window: int, windows: int) -> None:
         if self.idle_at_first_event is None:
@@ -68,25 +90,28 @@ class FirstEventSink(_CollectSink):
 def test_a_request_submitted_between_the_busy_check_and_the_tick_is_busy_at_its_first_event(
     denoise_stub, nano_ckpt, tmp_path
 ):
-    """The request reaches the engine right after the engine thread found it idle and before its tick (forced
-    there): the drain must still see it from its first event on."""
+    """The request reaches the model (`DenoiseModel._submit`, as from Triton's thread) right after the engine
+    thread found it idle and before its tick (forced there): the drain must still see it from its first event on."""
     d = dataclasses.replace(Deployment.load("configs/tiny.yaml", checkpoint=str(nano_ckpt)), warmup_requests=[])
     ckpt = d.open_checkpoint()
     prefill = PrefillStage.from_deployment(ckpt, d, "cpu")
     engine = DenoiseEngine.from_deployment(ckpt, d)
-    request = prefill.run(prefill.validate("a red cube", REQUEST, *warmup_inputs(REQUEST, d.defaults)), None)
+    prefilled = prefill.run(prefill.validate("a red cube", REQUEST, *warmup_inputs(REQUEST, d.defaults)), None)
     state = ServerState(tmp_path / "state")
-    sink = FirstEventSink(state)
-    submitted = threading.Event()
+    sink = FirstEventSink(state, prefilled)
+    model = denoise_stub.DenoiseModel.__new__(denoise_stub.DenoiseModel)  # the parts `_submit` uses
+    model.engine, model.host_kv_warned = engine, True
+    armed, submitted = threading.Event(), threading.Event()
 
     class Windowed(denoise_stub.EngineThread):
         def _tell_busy(self) -> None:  # the window: the engine looked, found nothing, and ticks next
             super()._tell_busy()
-            if not submitted.is_set():
+            if armed.is_set() and not submitted.is_set():
                 submitted.set()
-                self.submit(request, sink)
+                model._submit(sink)
 
-    thread = Windowed(engine, state, "cosmos3_denoise_0_0", Holder(), drain_timeout_s=30)
+    thread = model.engine_thread = Windowed(engine, state, "cosmos3_denoise_0_0", Holder(), drain_timeout_s=30)
+    armed.set()
     try:
         assert submitted.wait(10)
         for _ in range(600):

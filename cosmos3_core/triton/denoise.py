@@ -325,6 +325,7 @@ class EngineThread:
         self.decode_down = False
         self.busy = False
         self.busy_lock = threading.Lock()  # `submit` (execute's thread) and `_tell_busy` (this one) mark in turn
+        self.submitting = 0  # requests `submit` is handing to the engine (under busy_lock)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="cosmos3-engine", daemon=True)
         self.thread.start()
@@ -352,13 +353,18 @@ class EngineThread:
         sent from inside a tick, gives its admission ticket back, and a mark set only at this thread's next look
         would leave the drain a tick's time in which nothing holds the request."""
         with self.busy_lock:
+            self.submitting += 1
             self._mark_busy(True)
+        try:  # outside the lock: a submit may read a LoRA adapter from disk, and the ticks must not wait for it
             self.engine.submit(prefill, sink)
+        finally:
+            with self.busy_lock:
+                self.submitting -= 1
 
     def _tell_busy(self) -> None:
         """The supervisor's drain waits until no instance holds a request (its pieces still decoding included)."""
         with self.busy_lock:
-            self._mark_busy(self.engine.has_work() or self.holder.busy())
+            self._mark_busy(self.submitting > 0 or self.engine.has_work() or self.holder.busy())
 
     def _mark_busy(self, busy: bool) -> None:
         if busy != self.busy:
@@ -387,7 +393,8 @@ class EngineThread:
         self.engine.wake()
         self.thread.join(timeout)
         self.engine.abort_all(part_stopped("denoise"))
-        self.state.set_busy(self.instance, False)
+        with self.busy_lock:
+            self._mark_busy(False)
 
 
 class DenoiseModel:
