@@ -28,6 +28,13 @@ INSTANCES = {"prefill": 1, "denoise": 1, "vae_decode": 1}  # the default instanc
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
 
 
+def use_device(device: str | torch.device) -> None:
+    """Make the instance's GPU current in the calling thread (current devices are per thread: a new thread starts on
+    GPU 0, whose streams its events, graph captures and allocations would otherwise use)."""
+    if str(device).startswith("cuda"):
+        torch.cuda.set_device(device)
+
+
 def parse_sets(items: list[str]) -> dict[str, Any]:
     """`--set KEY=YAML` items (the CLI's, the server's and the benchmarks') → top-level config overrides for
     `Deployment.load`, e.g. `precision=fp8`, `checkpoint=random:edge`. ValueError names an item without `=`, or

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from . import faults, memory
-from .deployment import Deployment
+from .deployment import Deployment, use_device
 from .lora_store import LoraSettings, adapter_dir, open_store, weights_file
 from .memory import MemoryPlan
 from .model.action import condition_actions, encode_action_condition
@@ -110,8 +110,7 @@ class PrefillStage:
         """The background load (on its own thread): a failure is said, and the next request that encodes loads again."""
         t = time.perf_counter()
         try:
-            if str(self.device).startswith("cuda"):  # a new thread starts on GPU 0
-                torch.cuda.set_device(self.device)
+            use_device(self.device)
             self._encoder = self._load_encoder()
             print(f"cosmos3_prefill: VAE encoder loaded in the background in {time.perf_counter() - t:.1f}s",
                   file=sys.stderr, flush=True)  # fmt: skip

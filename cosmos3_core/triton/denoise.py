@@ -22,6 +22,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from .. import faults
+from ..deployment import use_device
 from ..engine import DenoiseEngine, EngineBroken, QueueFull
 from ..errors import drain_timeout, part_died, part_stopped
 from ..requests import RequestError, validate, warmup_inputs
@@ -43,7 +44,6 @@ from .io import (
     latents_response,
     log_exception,
     process_age_s,
-    use_device,
 )
 from .outcomes import AT_DENOISE, Outcomes
 from .state import ServerState

@@ -22,7 +22,7 @@ import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import to_dlpack
 
 from .. import memory
-from ..deployment import Deployment
+from ..deployment import Deployment, use_device
 from ..wire import Event, encode_event
 
 EMPTY_LATENTS = np.zeros((0, 0, 0, 0, 0), dtype=np.float32)
@@ -64,13 +64,6 @@ def imports_s() -> float:
     import cosmos3_core
 
     return time.perf_counter() - cosmos3_core.IMPORT_STARTED
-
-
-def use_device(device: str | torch.device) -> None:
-    """Make the instance's GPU current in the calling thread (current devices are per thread: a worker thread
-    starts on GPU 0, whose streams its events and graph captures would otherwise use)."""
-    if str(device).startswith("cuda"):
-        torch.cuda.set_device(device)
 
 
 def input_array(request, name: str) -> np.ndarray | None:
