@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from .caches import memo_json
+from .from_diffusers import from_diffusers
 from .model.checkpoint import stored_fp8_linears, weight_files
 from .model.config import ModelConfig
 from .model.fp8 import layer_linear_names
@@ -341,10 +342,8 @@ def _vae_params(vae_config: str) -> tuple[int, int]:
     would pay for the plan alone."""
 
     def count() -> list[int]:
-        from diffusers import AutoencoderKLWan
-
         with torch.device("meta"):  # seconds for Wan2.2's
-            vae = AutoencoderKLWan.from_config(json.loads(vae_config))
+            vae = from_diffusers("AutoencoderKLWan").from_config(json.loads(vae_config))
         return [sum(p.numel() for m in halves for p in m.parameters())
                 for halves in ((vae.encoder, vae.quant_conv), (vae.decoder, vae.post_quant_conv))]  # fmt: skip
 

@@ -18,6 +18,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from .caches import memo_json
+from .from_diffusers import from_diffusers
 
 
 class _SolveWithoutHostCheck(TorchFunctionMode):
@@ -37,9 +38,8 @@ def scheduler_class() -> type:
     matrix has distinct nodes, so it is never singular. The swap is a torch function mode, local to the calling
     thread and to this call: nothing process-wide changes. Made at first use: diffusers' import takes seconds,
     and the stubs that never sample (vae_decode) never pay it."""
-    from diffusers import UniPCMultistepScheduler
 
-    class Scheduler(UniPCMultistepScheduler):
+    class Scheduler(from_diffusers("UniPCMultistepScheduler")):
         def multistep_uni_c_bh_update(self, *args, **kwargs) -> torch.Tensor:
             with _SolveWithoutHostCheck():
                 return super().multistep_uni_c_bh_update(*args, **kwargs)

@@ -10,7 +10,7 @@ PKG = Path(__file__).resolve().parent.parent / "cosmos3_core"
 
 # low → high: model maths and plain data; rows; the packed step; the scheduler; the engine; stages and Triton glue
 LAYERS: list[set[str]] = [
-    {"__init__", "faults", "precompiled", "media", "inputs", "windows", "requests", "sessions", "sampling", "cache", "kv_pool", "model.__init__", "model.config",
+    {"__init__", "from_diffusers", "faults", "precompiled", "media", "inputs", "windows", "requests", "sessions", "sampling", "cache", "kv_pool", "model.__init__", "model.config",
      "model.prompts", "model.embodiments", "model.wan_decoder", "model.wan_weights", "model.fp8", "model.attend", "model.tiny",
      "model.random_checkpoint", "model.provision", "tools.__init__", "tools.make_fp8", "caches", "parallel.__init__", "parallel.config",
      "parallel.comm", "parallel.group", "errors", "safety", "model.lora", "tools.guardrail_snapshot"},
@@ -99,6 +99,24 @@ def test_only_tools_import_tools():
     users = [(m, d) for m, deps in graph().items() if not m.startswith("tools.")
              for d in deps if d.startswith("tools.")]  # fmt: skip
     assert not users, f"imports of tools/ from outside it: {users}"
+
+
+# the modules that write checkpoints offline (random weights, the tiny model, FP8 conversion): no served part runs them
+# beside a thread of its own
+PLAIN_DIFFUSERS = {"from_diffusers", "model.random_checkpoint", "model.tiny", "tools.make_fp8"}
+
+
+def test_served_code_imports_diffusers_only_through_its_lock():
+    """diffusers' lazy package is not safe to import from two threads at once, and the denoise stub imports its
+    sampler's class on a thread of its own: every other import of it goes through `from_diffusers`."""
+    plain = []
+    for path in sorted(PKG.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            if any(n.split(".")[0] == "diffusers" for n in names) and _module(path) not in PLAIN_DIFFUSERS:
+                plain.append(f"{_module(path)}:{node.lineno}")
+    assert not plain, f"imports of diffusers outside from_diffusers (cosmos3_core/from_diffusers.py): {plain}"
 
 
 # stdlib only, and only such modules of the package: the supervisor's front and launcher (a supervisor that imports

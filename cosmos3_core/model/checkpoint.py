@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from ..from_diffusers import from_diffusers
 from .config import WEIGHTS, CheckpointError, ModelConfig, read_json
 from .fp8 import (
     E4M3,
@@ -255,7 +256,7 @@ class Checkpoint:
     ):  # -> AutoencoderKLWan
         """The VAE with the `halves` a stage runs on `device` ("encoder": with quant_conv; "decoder": with
         post_quant_conv); the other half stays on the meta device, holding no memory."""
-        from diffusers import AutoencoderKLWan
+        AutoencoderKLWan = from_diffusers("AutoencoderKLWan")
 
         if self.random_weights:  # drawn on the target device, as the transformer is (on the host: ~10 s for Wan2.2)
             torch.manual_seed(0)

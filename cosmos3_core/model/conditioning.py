@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ..caches import precompiled_dir
+from ..from_diffusers import from_diffusers
 from .wan_decoder import EAGER, DecoderKernels, WanDecoder, unsupported
 
 log = logging.getLogger(__name__)
@@ -199,8 +200,7 @@ class DiffusersStream:
             self.first = False
         video = torch.cat(outs, dim=2)
         if vae.config.patch_size is not None:
-            from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
-
+            unpatchify = from_diffusers("unpatchify", "diffusers.models.autoencoders.autoencoder_kl_wan")
             video = unpatchify(video, vae.config.patch_size)
         frames = (video[0].float().clamp(-1.0, 1.0) * 0.5 + 0.5).clamp(0, 1).permute(1, 2, 3, 0)
         return (frames * 255).round().to(torch.uint8)  # the pipeline's output_type="np" × 255, rounded

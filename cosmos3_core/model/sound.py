@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from ..caches import memo_json
+from ..from_diffusers import from_diffusers
 from ..sampling import initial_noise_bands
 from .config import ModelConfig
 
@@ -55,9 +56,7 @@ def _tokenizer_defaults() -> dict[str, object]:
     config.json leaves out (kept per diffusers version: the class's import takes seconds, `caches.memo_json`)."""
 
     def read() -> dict[str, object]:
-        from diffusers import Cosmos3AVAEAudioTokenizer
-
-        sig = inspect.signature(Cosmos3AVAEAudioTokenizer.__init__)
+        sig = inspect.signature(from_diffusers("Cosmos3AVAEAudioTokenizer").__init__)
         return {k: sig.parameters[k].default for k in SPEC_KEYS if k in sig.parameters
                 and sig.parameters[k].default is not inspect.Parameter.empty}  # fmt: skip
 
@@ -150,8 +149,9 @@ def load_sound_tokenizer(
     faster on CPU at dec_dim 64."""
     SoundSpec.open(root)  # the same errors as the pipeline's check before anything is loaded (or imported: a
     # checkpoint without sound never imports diffusers' autoencoders here, seconds of a vae_decode start)
-    from diffusers import Cosmos3AVAEAudioTokenizer
     from torch.nn.utils import remove_weight_norm
+
+    Cosmos3AVAEAudioTokenizer = from_diffusers("Cosmos3AVAEAudioTokenizer")
 
     with warnings.catch_warnings():  # WEIGHT_NORM_NOTICE: diffusers' to act on, noise in a server's log
         warnings.filterwarnings("ignore", WEIGHT_NORM_NOTICE, FutureWarning)
