@@ -18,7 +18,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from .caches import memo_json
-from .from_diffusers import from_diffusers
+from .from_diffusers import diffusers_imports, from_diffusers
 
 
 class _SolveWithoutHostCheck(TorchFunctionMode):
@@ -44,6 +44,8 @@ def scheduler_class() -> type:
             with _SolveWithoutHostCheck():
                 return super().multistep_uni_c_bh_update(*args, **kwargs)
 
+    with diffusers_imports():  # the first from_config imports its compatible schedulers' modules (13)
+        Scheduler.from_config({})
     return Scheduler
 
 

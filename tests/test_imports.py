@@ -109,14 +109,35 @@ PLAIN_DIFFUSERS = {"from_diffusers", "model.random_checkpoint", "model.tiny", "t
 def test_served_code_imports_diffusers_only_through_its_lock():
     """diffusers' lazy package is not safe to import from two threads at once, and the denoise stub imports its
     sampler's class on a thread of its own: every other import of it goes through `from_diffusers`."""
-    plain = []
+    plain, at_top = [], []
     for path in sorted(PKG.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
             names += [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            if isinstance(node, ast.Call) and _called(node) in ("import_module", "__import__") and node.args:
+                arg = node.args[0]
+                names += [arg.value] if isinstance(arg, ast.Constant) and isinstance(arg.value, str) else []
             if any(n.split(".")[0] == "diffusers" for n in names) and _module(path) not in PLAIN_DIFFUSERS:
                 plain.append(f"{_module(path)}:{node.lineno}")
+        # a call at the module's top (or in a class body) runs while this module's import lock is held
+        at_top += [f"{_module(path)}:{c.lineno}" for c in _outside_functions(tree)
+                   if isinstance(c, ast.Call) and _called(c) == "from_diffusers"]  # fmt: skip
     assert not plain, f"imports of diffusers outside from_diffusers (cosmos3_core/from_diffusers.py): {plain}"
+    assert not at_top, f"from_diffusers called at import time: {at_top}"
+
+
+def _outside_functions(node: ast.AST) -> list[ast.AST]:
+    """`node`'s descendants that run when it runs: function bodies left out."""
+    kids = [
+        c for c in ast.iter_child_nodes(node) if not isinstance(c, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+    ]
+    return kids + [d for c in kids for d in _outside_functions(c)]
+
+
+def _called(call: ast.Call) -> str:
+    f = call.func
+    return f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
 
 
 # stdlib only, and only such modules of the package: the supervisor's front and launcher (a supervisor that imports

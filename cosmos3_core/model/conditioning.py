@@ -186,6 +186,11 @@ class DiffusersStream:
         self.vae = vae
         self.cache: list = [None] * vae._cached_conv_counts["decoder"]  # the list `clear_cache` gives `_feat_map`
         self.first = True
+        self.unpatchify = (
+            None
+            if vae.config.patch_size is None
+            else from_diffusers("unpatchify", "diffusers.models.autoencoders.autoencoder_kl_wan")
+        )
 
     @torch.inference_mode()
     def __call__(self, z: torch.Tensor) -> torch.Tensor:
@@ -199,9 +204,8 @@ class DiffusersStream:
             outs.append(vae.decoder(x, feat_cache=self.cache, feat_idx=[0], first_chunk=self.first))
             self.first = False
         video = torch.cat(outs, dim=2)
-        if vae.config.patch_size is not None:
-            unpatchify = from_diffusers("unpatchify", "diffusers.models.autoencoders.autoencoder_kl_wan")
-            video = unpatchify(video, vae.config.patch_size)
+        if self.unpatchify is not None:
+            video = self.unpatchify(video, vae.config.patch_size)
         frames = (video[0].float().clamp(-1.0, 1.0) * 0.5 + 0.5).clamp(0, 1).permute(1, 2, 3, 0)
         return (frames * 255).round().to(torch.uint8)  # the pipeline's output_type="np" × 255, rounded
 

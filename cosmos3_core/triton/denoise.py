@@ -432,13 +432,14 @@ class DenoiseModel:
             f"cosmos3_denoise: engine built in {time.perf_counter() - t0:.1f}s (plan {t_plan:.1f}s; "
             f"process start to initialize {booted:.1f}s, its imports {imported:.1f}s)"
         )
+        scheduler_import.join()
+        scheduler_class()  # made by the thread (cached): its error, if it failed, is raised here
         cfg, shift = ckpt.config, checkpoint_shift(ckpt.scheduler_config)
         sizes = (d.defaults, d.limits, cfg.pixel_alignment, cfg.vae_scale_temporal, shift)
         warmup = []
         for r in d.warmup_requests:  # an action request: a blank image (clip) at the default size (warmup_inputs)
             image, video, raw = warmup_inputs(r, d.defaults)
             warmup.append(validate("warmup", r, image, *sizes, video, raw))
-        scheduler_import.join()
         with state.warmup_turn():  # the parts reach their peaks one at a time
             took = self.engine.warmup(warmup, capture_buckets=proven is None)
         settled = {"buckets": list(step.buckets), "pad_limit": step.pad_limit} if step is not None else None
