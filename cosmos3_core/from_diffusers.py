@@ -6,10 +6,10 @@ the memory plan's count on the stub's main thread). Every import of diffusers th
 here, so none runs beside another:
 - a diffusers call that imports more of diffusers at its first use runs once under `diffusers_imports()` (a
   scheduler's `from_config` imports its compatible schedulers' modules);
-- the offline writers (random checkpoints, the tiny model, make_fp8) import it plainly: a served part reaches the
-  first two only through `Deployment.open_checkpoint`, before it starts any thread of its own;
-- never called at a module's top: a thread waiting here while it holds a module's import lock could wait forever.
-tests/test_imports.py holds the first and the last.
+- the offline writers (random checkpoints, the tiny model, make_fp8) import it plainly: a served part reaches random
+  checkpoints and the tiny model only through `Deployment.open_checkpoint`, before it starts any thread of its own;
+- never used at a module's top: a thread waiting here while it holds a module's import lock could wait forever.
+tests/test_imports.py holds the lock's rule, with the writers left out, and the last.
 
 Not covered: transformers, which diffusers' modules import, is as lazy. The prefill stub's encoder thread imports
 diffusers (and so transformers) beside its tokenizer's load on a reload; a transformers import of its own would go
@@ -24,7 +24,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-_LOCK = threading.RLock()  # re-entered by `from_diffusers` inside `diffusers_imports()`
+_LOCK = threading.RLock()  # so that `from_diffusers` may be called inside `diffusers_imports()`
 
 
 @contextlib.contextmanager

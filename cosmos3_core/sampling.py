@@ -44,7 +44,7 @@ def scheduler_class() -> type:
             with _SolveWithoutHostCheck():
                 return super().multistep_uni_c_bh_update(*args, **kwargs)
 
-    with diffusers_imports():  # the first from_config imports its compatible schedulers' modules (13)
+    with diffusers_imports():  # the first from_config imports its compatible schedulers' modules
         Scheduler.from_config({})
     return Scheduler
 

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "cosmos3_core"
@@ -122,16 +124,30 @@ def test_served_code_imports_diffusers_only_through_its_lock():
                 plain.append(f"{_module(path)}:{node.lineno}")
         # a call at the module's top (or in a class body) runs while this module's import lock is held
         at_top += [f"{_module(path)}:{c.lineno}" for c in _outside_functions(tree)
-                   if isinstance(c, ast.Call) and _called(c) == "from_diffusers"]  # fmt: skip
+                   if isinstance(c, ast.Call) and _called(c) in ("from_diffusers", "diffusers_imports")]  # fmt: skip
     assert not plain, f"imports of diffusers outside from_diffusers (cosmos3_core/from_diffusers.py): {plain}"
     assert not at_top, f"from_diffusers called at import time: {at_top}"
 
 
+def test_the_scheduler_class_imports_what_its_from_config_needs_under_the_lock():
+    """diffusers' scheduler imports its compatible schedulers' modules at its first from_config: `scheduler_class`
+    runs that under the lock, so the engine's later from_config imports nothing beside another thread."""
+    code = (
+        "import sys; from cosmos3_core.sampling import scheduler_class; cls = scheduler_class(); "
+        "before = set(sys.modules); cls.from_config({'flow_shift': 3.0}); print(sorted(set(sys.modules) - before))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=PKG.parent)
+    assert out.stdout.strip() == "[]", f"from_config imported {out.stdout.strip()} outside the lock"
+
+
 def _outside_functions(node: ast.AST) -> list[ast.AST]:
-    """`node`'s descendants that run when it runs: function bodies left out."""
-    kids = [
-        c for c in ast.iter_child_nodes(node) if not isinstance(c, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
-    ]
+    """`node`'s descendants that run when it runs: function bodies left out (their decorators and defaults run)."""
+    kids = []
+    for c in ast.iter_child_nodes(node):
+        if isinstance(c, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            kids += getattr(c, "decorator_list", []) + c.args.defaults + [d for d in c.args.kw_defaults if d]
+        else:
+            kids.append(c)
     return kids + [d for c in kids for d in _outside_functions(c)]
 
 
