@@ -30,7 +30,7 @@ LAYERS: list[set[str]] = [
     {"engine"},
     {"generate"},
     {"triton.__init__", "triton.state", "triton.admission", "triton.lifecycle", "triton.launcher", "triton.front",
-     "triton.outcomes", "triton.io", "triton.gpu_memory", "tools.warm", "tools.make_lora", "tools.plan"},
+     "triton.outcomes", "triton.io", "triton.gpu_memory", "triton.sink", "tools.warm", "tools.make_lora", "tools.plan"},
     {"triton.serve", "triton.door", "triton.prefill", "triton.denoise", "triton.decode"},
 ]  # fmt: skip
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}

@@ -197,6 +197,12 @@ def test_a_part_is_gone_for_the_requests_that_arrived_before_its_death():
     assert lifecycle.gone(10.0, 11.0) and not lifecycle.gone(12.0, 11.0) and not lifecycle.gone(10.0, None)
 
 
+def test_a_request_reaching_denoise_after_its_vae_decode_died_is_refused_with_that_error():
+    """Its `accepted`, and every later step of it at vae_decode, would go to the dead instance: answered at once."""
+    assert lifecycle.arrival(10.0, 11.0) == part_died("vae_decode")
+    assert lifecycle.arrival(12.0, 11.0) is None and lifecycle.arrival(10.0, None) is None
+
+
 def test_a_late_step_of_a_dead_denoise_stream_is_answered_with_its_error():
     """vae_decode takes a step (its `accepted` was queued behind a piece) after the watcher answered the held ones:
     the stream is answered on that step, counted once."""

@@ -1,6 +1,6 @@
 """`cosmos3_denoise` (decoupled), its stub process: `DenoiseModel` hands each request to the denoise engine and returns
-at once; the engine thread (`EngineThread`) packs every live request into one forward per tick; `TritonSink` turns
-each request's engine events into responses; `Holder` keeps each finished request's FINAL until vae_decode is done
+at once; the engine thread (`EngineThread`) packs every live request into one forward per tick; each request's
+`TritonSink` (sink.py) turns its engine events into responses; `Holder` keeps each finished request's FINAL until vae_decode is done
 with its frames, polling through the ensemble meanwhile so that a client's cancel still reaches vae_decode
 (lifecycle.py says who sends, holds and counts what); `EngineMetrics` publishes the engine's gauges.
 
@@ -18,7 +18,6 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import torch
 import triton_python_backend_utils as pb_utils
 
 from .. import faults
@@ -28,13 +27,11 @@ from ..errors import drain_timeout, part_died, part_stopped
 from ..requests import RequestError, validate, warmup_inputs
 from ..sampling import checkpoint_shift, scheduler_class
 from ..step import DenoiseStep
-from ..wire import AcceptedEvent, ChunkInfo, ErrorEvent, PrefillResult, RequestMeta
+from ..wire import PrefillResult, RequestMeta
 from . import lifecycle
 from .gpu_memory import GpuMemoryMetric
 from .io import (
-    EMPTY_ACTIONS,
     EMPTY_LATENTS,
-    EMPTY_SOUND,
     Responder,
     deployment_from_args,
     error_response,
@@ -46,112 +43,8 @@ from .io import (
     process_age_s,
 )
 from .outcomes import AT_DENOISE, Outcomes
+from .sink import TritonSink
 from .state import ServerState
-
-
-class TritonSink:
-    """Engine events of one request → responses through the responder. The first event releases the request's
-    admission ticket: it no longer waits (admission.py). How the request ends, and who counts it: lifecycle.py."""
-
-    def __init__(
-        self,
-        request: Any,
-        responder: Responder,
-        meta: RequestMeta | None,
-        state: ServerState,
-        outcomes: Outcomes,
-        holder: Holder | None = None,
-        publish_end: Callable[[str], None] | None = None,
-    ):
-        self.request = request
-        self.sender = request.get_response_sender()
-        self.responder = responder
-        self.meta = meta
-        self.state = state
-        self.outcomes = outcomes
-        self.holder = holder
-        self.publish_end = publish_end or outcomes.count_now  # counts a request the engine ended, once it is out
-        self.ticket = meta is not None  # held until the first event
-        self.t_arrive = time.time()  # reached the denoise model (epoch s, as meta.t0)
-        self.stop: str | None = None  # why the engine ends it early: the client cancelled, or vae_decode's reason
-        self.at_decode = False  # a step of it went to vae_decode (`accepted`): its last step must go there too
-
-    @property
-    def id(self) -> str:
-        return self.meta.id if self.meta is not None else ""
-
-    def _send(self, build: Callable[[], Any], final: bool, after: Callable[[], None] | None = None) -> None:
-        if self.ticket:
-            self.state.release(self.id)
-            self.ticket = False
-        self.responder.send(self.sender, build, final, after)
-
-    @property
-    def t0(self) -> float:
-        return self.meta.t0 if self.meta is not None else 0.0
-
-    def decode_gone(self) -> bool:
-        """vae_decode died after this request arrived: its steps there went to the dead instance."""
-        return lifecycle.gone(self.t0, self.state.died_at("vae_decode"))
-
-    def accepted(self) -> None:
-        """Before the engine may send anything, and before `execute` returns, sent from the calling thread: from the
-        moment Triton has it, vae_decode holds a step of the request (a stub that dies before its execute returned
-        has its requests answered by Triton itself). Not the request's first word: it still waits, its ticket is
-        kept."""
-        event: AcceptedEvent = {"type": "accepted", "id": self.id, "t0": self.t0}
-        self.at_decode = True
-        try:
-            self.sender.send(latents_response(EMPTY_LATENTS, event), flags=0)
-        except Exception as e:  # noqa: BLE001 - the client went away: the engine's events meet the same
-            log_exception("cosmos3_denoise accepted", e)
-
-    def progress(self, step: int, steps: int, window: int, windows: int) -> None:
-        event = self.meta.progress(step, steps, window, windows)
-        self._send(lambda: latents_response(EMPTY_LATENTS, event), final=False)
-
-    def chunk(self, latents: torch.Tensor, info: ChunkInfo) -> None:
-        host, event = latents.float().cpu(), self.meta.chunk(info, final=False)
-        self._send(lambda: latents_response(host, event), final=False)
-
-    def done(
-        self,
-        latents: torch.Tensor,
-        info: ChunkInfo,
-        sound: torch.Tensor | None = None,
-        actions: torch.Tensor | None = None,
-    ) -> None:
-        """The engine's last piece: sent, and the request's FINAL held (Holder) until vae_decode is done with it."""
-        # sound latents [sound_dim, T_s] and actions [chunk, D] ride with done, as does the last chunk
-        s = EMPTY_SOUND if sound is None else sound.float().cpu()
-        a = EMPTY_ACTIONS if actions is None else actions.float().cpu()
-        # arrival → here, less prefill's own time: prefill's Triton queue and the hand-off of its outputs
-        info["timings"]["to_denoise_s"] = self.t_arrive - self.meta.t0 - self.meta.prefill_s
-        host, event = latents.float().cpu(), self.meta.chunk(info, final=True)
-        self._send(lambda: latents_response(host, event, s, a), final=False)
-        self.holder.hold(self)
-
-    def error(self, message: str, outcome: str | None = None) -> None:
-        """The engine (or the model, `outcome`: its rejection) ends the request early."""
-        do = lifecycle.engine_error(self.stop, outcome, not self.at_decode or self.decode_gone(), message)
-        # counted once the end is out, by the responder's thread (the engine's never talks to the server): a stub
-        # killed then loses no count that its metrics thread had not published yet
-        count = lambda: self.publish_end(do.count)  # noqa: E731
-        if do.send == "error":  # no step of it can reach a live vae_decode: the Triton error goes from here
-            self._send(lambda: error_response(message), final=True, after=count)
-        else:  # as data: vae_decode's step of it, the request's last, turns it into the Triton error
-            event: ErrorEvent = {"type": "error", "id": self.id, "message": message}
-            self._send(lambda: latents_response(EMPTY_LATENTS, event), final=True, after=count)
-        if do.forget and self.meta is not None:
-            self.state.forget(self.id)
-
-    def cancelled(self) -> bool:
-        if self.stop is None:
-            if self.request.is_cancelled():  # called directly, not through the ensemble
-                self.stop = "cancelled"
-            elif self.meta is not None:
-                self.stop = self.state.stop_reason(self.id)
-        return self.stop is not None
 
 
 class Holder:
@@ -467,19 +360,17 @@ class DenoiseModel:
         inputs and its submission to the engine."""
         died, sinks = self.state.died_at("vae_decode"), []
         for request in requests:
+            outcome = None
             try:
                 meta = RequestMeta.decode(input_array(request, "request").reshape(-1)[0])
                 self.state.claim(meta.id)
+                refusal = lifecycle.arrival(meta.t0, died)
             except Exception as e:  # noqa: BLE001
-                self._reject(request, None, log_exception("cosmos3_denoise", e), "failed")
-                continue
-            sink = TritonSink(request, self.responder, meta, self.state, self.metrics.outcomes, self.holder,
+                meta, refusal, outcome = None, log_exception("cosmos3_denoise", e), "failed"
+            sink = TritonSink(request, self.responder, meta, self.state, self.metrics.outcomes, self.holder.hold,
                               self.metrics.publish_end)  # fmt: skip
-            if lifecycle.gone(meta.t0, died):  # its vae_decode step would go to the dead instance
-                sink.error(part_died("vae_decode"))
-                continue
-            sink.accepted()
-            sinks.append(sink)
+            if sink.arrived(refusal, outcome):
+                sinks.append(sink)
         for sink in sinks:
             try:
                 self._submit(sink)
@@ -514,11 +405,6 @@ class DenoiseModel:
             input_torch(request, "cond_actions"),
         )
         self.engine_thread.submit(result, sink)
-
-    def _reject(self, request, sink, message, outcome):
-        sink = sink or TritonSink(request, self.responder, None, self.state, self.metrics.outcomes,
-                                  publish_end=self.metrics.publish_end)  # fmt: skip
-        sink.error(message, outcome)
 
     def _flush(self) -> None:
         """The engine is broken and the process exits next: send what is queued (each request's error), publish."""

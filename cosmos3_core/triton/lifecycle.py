@@ -67,6 +67,12 @@ def gone(t0: float, died_at: float | None) -> bool:
     return died_at is not None and died_at > t0
 
 
+def arrival(t0: float, decode_died_at: float | None) -> str | None:
+    """A request reaching denoise: the error it is answered with at once, or None (accepted). Its vae_decode died
+    after it began (`gone`): every step of it there, `accepted` too, would go to the dead instance."""
+    return part_died("vae_decode") if gone(t0, decode_died_at) else None
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # vae_decode: it sees every step of a stream, in order (one instance: deployment.py)
 # ---------------------------------------------------------------------------------------------------------------
