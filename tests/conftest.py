@@ -1,7 +1,11 @@
-"""Shared fixtures: tiny random checkpoints (written by our own tool) and the diffusers oracle."""
+"""Shared fixtures: tiny random checkpoints (written by our own tool), the diffusers oracle, a denoise stub's module
+beside a stand-in for Triton's utils."""
 
 from __future__ import annotations
 
+import importlib
+import sys
+import types
 import warnings
 from pathlib import Path
 
@@ -223,3 +227,38 @@ def host_syncs_per_tick(engine) -> list[int]:
     finally:
         torch.cuda.set_sync_debug_mode(0)
     return syncs
+
+
+class StubTensor:
+    """`pb_utils.Tensor` as the stand-in keeps it: its name and value."""
+
+    def __init__(self, name: str, value):
+        self.name, self.value = name, value
+
+    @staticmethod
+    def from_dlpack(name: str, capsule) -> StubTensor:
+        return StubTensor(name, torch.utils.dlpack.from_dlpack(capsule))
+
+
+@pytest.fixture
+def denoise_stub(monkeypatch):
+    """`cosmos3_core.triton.denoise`, imported as a stub imports it, beside a stand-in for Triton's utils; the modules
+    imported so are gone again after the test (the package's attributes too), so no other test meets the stand-in."""
+    utils = types.ModuleType("triton_python_backend_utils")
+    utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+    utils.Logger = types.SimpleNamespace(log_info=print, log_warn=print, log_error=print)
+    utils.get_input_tensor_by_name = lambda request, name: request.inputs.get(name)
+    utils.InferenceResponse = lambda output_tensors=None, error=None: types.SimpleNamespace(
+        outputs={t.name: t.value for t in output_tensors or []}, error=error
+    )
+    utils.TritonError = str
+    utils.Tensor = StubTensor
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", utils)
+    before = set(sys.modules)
+    yield importlib.import_module("cosmos3_core.triton.denoise")
+    package = sys.modules["cosmos3_core.triton"]
+    for name in set(sys.modules) - before:
+        if name.startswith("cosmos3_core.triton."):
+            del sys.modules[name]
+            if hasattr(package, name.rsplit(".", 1)[1]):
+                delattr(package, name.rsplit(".", 1)[1])

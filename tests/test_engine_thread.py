@@ -10,13 +10,10 @@ tick, so the mark must be up before the engine has the request, not at the engin
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import sys
 import threading
 import types
 
 import numpy as np
-import pytest
 import torch
 
 from cosmos3_core.deployment import Deployment
@@ -28,25 +25,6 @@ from cosmos3_core.triton.state import ServerState
 from cosmos3_core.wire import PrefillResult
 
 REQUEST = {"num_frames": 1, "steps": 2}
-
-
-@pytest.fixture
-def denoise_stub(monkeypatch):
-    """`cosmos3_core.triton.denoise`, imported as a stub imports it, beside a stand-in for Triton's utils; the modules
-    imported so are gone again after the test (the package's attributes too), so no other test meets the stand-in."""
-    utils = types.ModuleType("triton_python_backend_utils")
-    utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
-    utils.Logger = types.SimpleNamespace(log_info=print, log_warn=print, log_error=print)
-    utils.get_input_tensor_by_name = lambda request, name: request.inputs.get(name)
-    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", utils)
-    before = set(sys.modules)
-    yield importlib.import_module("cosmos3_core.triton.denoise")
-    package = sys.modules["cosmos3_core.triton"]
-    for name in set(sys.modules) - before:
-        if name.startswith("cosmos3_core.triton."):
-            del sys.modules[name]
-            if hasattr(package, name.rsplit(".", 1)[1]):
-                delattr(package, name.rsplit(".", 1)[1])
 
 
 class Holder:

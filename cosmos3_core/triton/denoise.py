@@ -1,8 +1,9 @@
-"""`cosmos3_denoise` (decoupled), its stub process: `DenoiseModel` hands each request to the denoise engine and returns
-at once; the engine thread (`EngineThread`) packs every live request into one forward per tick; each request's
-`TritonSink` (sink.py) turns its engine events into responses; `Holder` keeps each finished request's FINAL until vae_decode is done
-with its frames, polling through the ensemble meanwhile so that a client's cancel still reaches vae_decode
-(lifecycle.py says who sends, holds and counts what); `EngineMetrics` publishes the engine's gauges.
+"""`cosmos3_denoise` (decoupled), its stub process: `DenoiseModel` hands each request to the denoise engine and
+returns at once; the engine thread (`EngineThread`) packs every live request into one forward per tick; each
+request's `TritonSink` (sink.py) turns its engine events into responses; `Holder` keeps each finished request's
+FINAL until vae_decode is done with its frames, polling through the ensemble meanwhile so that a client's cancel
+still reaches vae_decode (lifecycle.py says who sends, holds and counts what); `EngineMetrics` publishes the
+engine's gauges.
 
 Only imported inside a Triton Python stub.
 """
@@ -356,15 +357,17 @@ class DenoiseModel:
         self.host_kv_warned = not str(device).startswith("cuda")  # said once: K/V that crossed through the host
 
     def execute(self, requests):
-        """Every request's `accepted` first (vae_decode holds a step of each before this returns), then each one's
-        inputs and its submission to the engine."""
+        """Every request's answer on arrival first (`accepted`, so that vae_decode holds a step of each before this
+        returns, or its refusal: lifecycle.arrival), then each accepted one's inputs and its submission to the
+        engine."""
         died, sinks = self.state.died_at("vae_decode"), []
         for request in requests:
             outcome = None
             try:
                 meta = RequestMeta.decode(input_array(request, "request").reshape(-1)[0])
-                self.state.claim(meta.id)
                 refusal = lifecycle.arrival(meta.t0, died)
+                if refusal is None:  # a refused one's ticket goes back with its error (TritonSink._send)
+                    self.state.claim(meta.id)
             except Exception as e:  # noqa: BLE001
                 meta, refusal, outcome = None, log_exception("cosmos3_denoise", e), "failed"
             sink = TritonSink(request, self.responder, meta, self.state, self.metrics.outcomes, self.holder.hold,

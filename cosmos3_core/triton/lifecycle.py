@@ -1,6 +1,6 @@
 """A stream's life through the two decoupled models, as pure functions: for each (stage, event, state), what to send,
 whether to hold the step's FINAL back, which outcome to count and which fact to tell the other process (state.py).
-The stubs (denoise.py, decode.py) execute what these return and decide nothing themselves; tests/test_lifecycle.py
+The stubs (denoise.py with its sink.py, decode.py) execute what these return and decide nothing themselves; tests/test_lifecycle.py
 walks every phase × cancel × part death without a server.
 
 Why it is built so (Triton 2.51, gRPC streams, an ensemble with two decoupled steps):
@@ -65,12 +65,6 @@ def gone(t0: float, died_at: float | None) -> bool:
     """A part that died after the request arrived (`t0`, `died_at`: epoch s) was this request's: its steps of that
     part went, or will go, to the dead instance."""
     return died_at is not None and died_at > t0
-
-
-def arrival(t0: float, decode_died_at: float | None) -> str | None:
-    """A request reaching denoise: the error it is answered with at once, or None (accepted). Its vae_decode died
-    after it began (`gone`): every step of it there, `accepted` too, would go to the dead instance."""
-    return part_died("vae_decode") if gone(t0, decode_died_at) else None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -161,8 +155,14 @@ def frames_go(s: DecodeStream) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# denoise: the engine's end of a stream, then its held FINAL until vae_decode is done with it
+# denoise: a request's arrival, the engine's end of a stream, then its held FINAL until vae_decode is done with it
 # ---------------------------------------------------------------------------------------------------------------
+def arrival(t0: float, decode_died_at: float | None) -> str | None:
+    """A request reaching denoise: the error it is answered with at once, or None (accepted). Its vae_decode died
+    after it began (`gone`): every step of it there, `accepted` too, would go to the dead instance."""
+    return part_died("vae_decode") if gone(t0, decode_died_at) else None
+
+
 def engine_outcome(stop: str | None, outcome: str | None) -> str:
     """The outcome of a stream the engine ends early: the owner's rejection (`outcome`: "rejected", "bad_input"),
     else why vae_decode told it to stop (`stop`), else "failed"."""

@@ -1,7 +1,8 @@
 """`TritonSink`: one request of `cosmos3_denoise` (decoupled), its responses: the engine's events of it (progress,
 chunks, `done`, `error`) → Triton responses through the stub's responder; its answer on arrival (`arrived`). Who
-sends, holds and counts what: lifecycle.py. Lives in the denoise stub's process, called from the model's `execute`,
-the engine thread and the holder (denoise.py).
+sends, holds and counts what: lifecycle.py. Lives in the denoise stub's process: the model's `execute` makes it and
+hands it to the engine thread, whose events call it; the responder's thread counts its end (`publish_end`), and the
+holder sends its held FINAL through its `sender` (denoise.py).
 
 Only imported inside a Triton Python stub.
 """
