@@ -59,8 +59,8 @@ def model(denoise_stub, tmp_path):
 def request(model, t0: float) -> Request:
     d = Deployment.load("configs/tiny.yaml")
     params = validate("a red cube", {}, None, d.defaults, d.limits, 16, 4, 3.0)
-    (model.state.dir / "tickets" / "r1.door").touch()  # as the door took it
-    return Request(RequestMeta("r1", params, t0, 0.0).encode().encode())
+    ((ident, _),) = model.state.take(limit=1)  # its admission ticket, as the door took it
+    return Request(RequestMeta(ident, params, t0, 0.0).encode().encode())
 
 
 def sent(model, req: Request) -> list[tuple[object, int]]:
