@@ -1,7 +1,7 @@
 """A stream's life through the two decoupled models, as pure functions: for each (stage, event, state), what to send,
 whether to hold the step's FINAL back, which outcome to count and which fact to tell the other process (state.py).
-The stubs (denoise.py with its sink.py, decode.py) execute what these return and decide nothing themselves; tests/test_lifecycle.py
-walks every phase × cancel × part death without a server.
+The stubs (denoise.py with its sink.py, decode.py) execute what these return and decide nothing themselves;
+tests/test_lifecycle.py walks every phase × cancel × part death without a server.
 
 Why it is built so (Triton 2.51, gRPC streams, an ensemble with two decoupled steps):
 
