@@ -6,7 +6,8 @@ being denoised, and report
 - the request in flight: its error text (as the client prints it) and how long after the kill it came, or that it
   finished (prefill's death: the request is past it);
 - service back: how long after the kill readiness answered 200 again (`ready_again_s`), and when a new request
-  was served (`served_again_s`: readiness polled, then one 2-step request, whose own time is `probe_s`);
+  was served (`served_again_s`: readiness polled, then one 2-step request, whose own time is `probe_s`, sent beside
+  the request in flight when that one still runs: a prefill killed after it let it finish);
 - `cosmos3_restarts_total{part}` after it.
 
 Then (--drain) one request in flight and SIGINT: how long until readiness answers 503, and how the request ended.
@@ -202,20 +203,12 @@ def kill_part(
         time.sleep(0.02)
         status, body = server.ready()
     t_unready = time.monotonic() - t_kill
-    req.thread.join(300)
     out = {
         "part": part,
         "readiness_false_s": round(t_unready, 2),
         "readiness": f"{status} {json.loads(body).get('error', '') if body.startswith('{') else body}".strip(),
-        "in_flight": f"error: {req.error}" if req.error is not None else "finished",
-        "in_flight_end_s": round(req.t_end - t_kill, 2) if req.t_end is not None else None,
     }
-    if waiting is not None:
-        waiting.thread.join(30)
-        out["queued"] = "no answer within 30 s" if waiting.t_end is None else (
-            f"error: {waiting.error}" if waiting.error is not None else "finished")  # fmt: skip
-        out["queued_end_s"] = round(waiting.t_end - t_kill, 2) if waiting.t_end is not None else None
-    while True:  # service back: readiness, then one small request served
+    while True:  # service back: readiness, then one small request served (beside the one in flight, if it still is)
         elapsed = time.monotonic() - t_kill
         if elapsed > back_timeout_s:
             out["served_again_s"] = None
@@ -231,6 +224,14 @@ def kill_part(
                 out.setdefault("refused_meanwhile", str(e))
         time.sleep(0.1)
     watcher.join(5)
+    req.thread.join(300)
+    out["in_flight"] = f"error: {req.error}" if req.error is not None else "finished"
+    out["in_flight_end_s"] = round(req.t_end - t_kill, 2) if req.t_end is not None else None
+    if waiting is not None:
+        waiting.thread.join(30)
+        out["queued"] = "no answer within 30 s" if waiting.t_end is None else (
+            f"error: {waiting.error}" if waiting.error is not None else "finished")  # fmt: skip
+        out["queued_end_s"] = round(waiting.t_end - t_kill, 2) if waiting.t_end is not None else None
     out["ready_again_s"] = round(back[0], 2) if back else None
     out["restarts_total"] = server.restarts().get(part, 0.0) - before
     out["startup"] = server.startup_lines(log_at)

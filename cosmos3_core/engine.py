@@ -17,6 +17,7 @@ import time
 import torch
 
 from . import faults, memory
+from .caches import precompiled_dir
 from .deployment import Deployment
 from .kv_pool import KVPool
 from .lora_store import LoraSettings, open_store
@@ -107,7 +108,8 @@ class DenoiseEngine:
         if lora is not None and parallel is not None:
             raise ValueError("lora_dir: adapters need a single-GPU denoise (parallel cfg and ulysses must be 1)")
         self.loras = open_store(lora, ckpt, self.model)
-        kernels = GenKernels.compiled() if compile else EAGER
+        # 16-bit linears: the two graphs compiled ahead, so a restart loads them (model/towers.py)
+        kernels = GenKernels.compiled(precompiled_dir() if self.fp8_policy is None else None) if compile else EAGER
         if self.fp8_policy is not None and not compile and str(device).startswith("cuda"):
             print("cosmos3: warning: FP8 linears with compile: false quantize activations and dequantize W8A16 weights "
                   "in unfused kernels: slower than the 16-bit model on the H200 (BENCHMARKS.md); set "

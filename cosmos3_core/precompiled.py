@@ -2,13 +2,15 @@
 
 Contract: `Precompiled(fn, marks, store, traced)(*args)` returns `fn(*args)` computed by a compiled artifact of `fn`
 for the arguments' signature (`signature`: each tensor's dtype, rank, static last axis and which of its other axes
-are 0 or 1; each other argument's repr, so only plain values such as ints; the device; grad, inference and autocast
-modes). The artifact is `torch.compile(fn, dynamic=False, fullgraph=True).aot_compile` over the first such
-arguments as the first of `marks` that compiles marks them (axes left unmarked are static), saved under `store`
-(`caches.precompiled_dir()`) keyed by that signature, the source of `fn`'s module and of this one, and the system
-(Python, torch, CUDA toolkit, Triton, GPU), and loaded from there by every later process: no Dynamo tracing, which
-otherwise costs every process each graph again even when Inductor's caches are warm. Artifacts of an older source
-stay on disk unused.
+are 0 or 1; each module's structure (`module_key`: its repr and its parameters' and buffers' names, dtypes and
+shapes; the weights are the artifact's inputs, so one artifact serves every layer built alike); each other
+argument's repr, so only plain values such as ints; the device; grad, inference and autocast modes). The artifact
+is `torch.compile(fn, dynamic=False, fullgraph=True).aot_compile` over the first such arguments as the first of
+`marks` that compiles marks them (axes left unmarked are static), saved under `store` (`caches.precompiled_dir()`)
+keyed by that signature, the source of `fn`'s module, of `sources` (the modules `fn` calls into) and of this one,
+and the system (Python, torch, CUDA toolkit, Triton, GPU), and loaded from there by every later process: no Dynamo
+tracing, which otherwise costs every process each graph again even when Inductor's caches are warm. Artifacts of an
+older source stay on disk unused.
 
 `traced` is the plain `torch.compile` path. It answers, for good, when this torch cannot compile ahead (no
 `aot_compile` or guard API, or every mark refused), for arguments whose artifact's guards refuse them (a guard
@@ -27,7 +29,8 @@ import os
 import platform
 import sys
 import threading
-from collections.abc import Callable, Sequence
+import weakref
+from collections.abc import Callable, Iterable, Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -47,9 +50,26 @@ def signature(args: tuple) -> tuple:
         if isinstance(a, torch.Tensor):
             last = a.shape[-1] if a.dim() else None
             parts.append((str(a.dtype), a.dim(), last, tuple(min(n, 2) for n in a.shape[:-1])))
+        elif isinstance(a, torch.nn.Module):
+            parts.append(module_key(a))
         else:
             parts.append(repr(a))
     return tuple(parts)
+
+
+_MODULE_KEYS: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
+
+
+def module_key(m: torch.nn.Module) -> str:
+    """A module argument's part of the signature: its structure (the repr names each submodule's class and sizes) and
+    its tensors' names, dtypes and shapes, so a 16-bit layer and an FP8 one never share an artifact. Kept per module
+    object: modules are built before they serve, and their weights' values are the artifact's inputs."""
+    key = _MODULE_KEYS.get(m)
+    if key is None:
+        tensors = [(n, str(t.dtype), tuple(t.shape)) for n, t in (*m.named_parameters(), *m.named_buffers())]
+        key = hashlib.sha256(repr((repr(m), tensors)).encode()).hexdigest()[:20]
+        _MODULE_KEYS[m] = key
+    return key
 
 
 @functools.cache
@@ -76,10 +96,13 @@ def aot_enabled() -> contextlib.AbstractContextManager:
 class Precompiled:
     """`fn` through artifacts compiled ahead, loaded per signature (see the module docstring)."""
 
-    def __init__(self, fn: Callable, marks: Sequence[Callable[[list], list]], store: Path, traced: Callable):
+    def __init__(
+        self, fn: Callable, marks: Sequence[Callable[[list], list]], store: Path, traced: Callable,
+        sources: Iterable[Path] = (),
+    ):  # fmt: skip
         self.fn, self.marks, self.store, self.traced = fn, tuple(marks), store, traced
-        sources = (Path(inspect.getfile(fn)), Path(__file__))
-        self.source = hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()
+        files = (Path(inspect.getfile(fn)), *sorted(set(sources)), Path(__file__))
+        self.source = hashlib.sha256(b"".join(p.read_bytes() for p in files)).hexdigest()
         self.loaded: dict[tuple, Any] = {}
         self.unsupported = False
         self.refusal_said = False

@@ -24,3 +24,28 @@ def test_warmup_then_no_recompile_and_equal_to_eager(nano_ckpt):
     with torch._dynamo.config.patch(error_on_recompile=True):
         served = compiled.latents("a served row of another size", params)
     assert rel_l2(served, eager.latents("a served row of another size", params)) < 1e-5
+
+
+def test_a_restarted_engine_loads_the_gen_graphs_compiled_ahead(nano_ckpt, tmp_path, monkeypatch, capsys):
+    """The two GEN graphs of a 16-bit model are compiled ahead once (`GenKernels.compiled(store)`); a later engine
+    (a reloaded denoise stub) loads them and traces nothing, and serves the same latents."""
+    from cosmos3_core.precompiled import Precompiled
+
+    monkeypatch.setenv("COSMOS3_CACHE", str(tmp_path))
+    d = Deployment(checkpoint=str(nano_ckpt), device="cpu", dtype="float32", compile=True,
+                   warmup_requests=[{"num_frames": 9, "height": 32, "width": 64}])  # fmt: skip
+    params = {"num_frames": 5, "height": 64, "width": 96, "steps": 2, "seed": 4}
+    first = Generator(d).latents("compiled ahead", params)
+    store = tmp_path / "kernels" / "precompiled"
+    artifacts = sorted(p.name.split("-")[0] for p in store.glob("_gen_*.bin"))
+    assert artifacts == ["_gen_qkv", "_gen_residual"], artifacts
+
+    def compiled_again(self, key, args):
+        raise AssertionError(f"{self.fn.__name__} compiled again")
+
+    monkeypatch.setattr(Precompiled, "_compile", compiled_again)
+    capsys.readouterr()
+    again = Generator(d).latents("compiled ahead", params)
+    assert torch.equal(again, first)
+    err = capsys.readouterr().err
+    assert "is traced" not in err and "guards refuse" not in err and "did not load" not in err, err

@@ -76,6 +76,31 @@ def test_captured_equals_eager(ckpt_and_reference, attention):
     assert captured.engine.step.captures >= len(REQUESTS)
 
 
+def test_gen_graphs_compiled_ahead_then_loaded_are_captured_and_equal_eager(ckpt_and_reference, tmp_path,
+                                                                           monkeypatch):  # fmt: skip
+    """compile: true on the GPU: the first engine compiles the GEN graphs ahead, a second one (a reloaded stub)
+    loads them; both capture, and both equal eager."""
+    from cosmos3_core.precompiled import Precompiled
+
+    ckpt, _ = ckpt_and_reference
+    monkeypatch.setenv("COSMOS3_CACHE", str(tmp_path))
+    eager = gpu_generator(ckpt, "sdpa", False)
+    first = gpu_generator(ckpt, "sdpa", True, compile=True)
+    expected = [eager.latents(prompt, params).float() for prompt, params in REQUESTS]
+    for (prompt, params), want in zip(REQUESTS, expected, strict=True):
+        assert rel_l2(first.latents(prompt, params).float(), want) < 1e-2, prompt
+    assert len(list((tmp_path / "kernels" / "precompiled").glob("_gen_*.bin"))) >= 2
+
+    def compiled_again(self, key, args):
+        raise AssertionError(f"{self.fn.__name__} compiled again")
+
+    monkeypatch.setattr(Precompiled, "_compile", compiled_again)
+    loaded = gpu_generator(ckpt, "sdpa", True, compile=True)
+    for (prompt, params), want in zip(REQUESTS, expected, strict=True):
+        assert rel_l2(loaded.latents(prompt, params).float(), want) < 1e-2, prompt
+    assert first.engine.step.captures >= len(REQUESTS) and loaded.engine.step.captures >= len(REQUESTS)
+
+
 @pytest.mark.skipif(not HAS_FLASHINFER, reason="needs flashinfer")
 def test_flashinfer_matches_sdpa(ckpt_and_reference):
     ckpt, _ = ckpt_and_reference

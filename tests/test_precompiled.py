@@ -123,3 +123,35 @@ def test_it_compiles_ahead_where_dynamo_has_that_switched_off_by_default(tmp_pat
             Precompiled(scale_add, [dynamic_rows], tmp_path, untraced)(x, bias, 3), scale_add(x, bias, 3)
         )
     assert len(list(tmp_path.iterdir())) == 1
+
+
+class Scaled(torch.nn.Module):
+    def __init__(self, scale_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.register_buffer("scale", torch.full((8,), 2.0, dtype=scale_dtype))
+
+
+def through(layer: Scaled, x: torch.Tensor) -> torch.Tensor:
+    return layer.lin(x) * layer.scale.to(x.dtype)
+
+
+def dynamic_rows_of(i: int):
+    def mark(args: list) -> list:
+        out = [a.contiguous().view(a.shape) if isinstance(a, torch.Tensor) else a for a in args]
+        torch._dynamo.maybe_mark_dynamic(out[i], 0)
+        return out
+
+    return mark
+
+
+def test_a_module_argument_keys_by_its_structure_one_artifact_per_kind_of_layer(tmp_path):
+    """Layers built alike share one artifact (their weights are its inputs); a layer whose tensors differ in dtype
+    (the same repr: an FP8 layer's scales beside a 16-bit one's) gets its own, not the other's refusing guards."""
+    torch.manual_seed(0)
+    a, b, other = Scaled(), Scaled(), Scaled(torch.float64)
+    fn = Precompiled(through, [dynamic_rows_of(1)], tmp_path, untraced)
+    x, y = torch.randn(5, 8), torch.randn(3, 8)
+    assert torch.equal(fn(a, x), through(a, x)) and torch.equal(fn(b, y), through(b, y))
+    assert len(list(tmp_path.iterdir())) == 1
+    assert torch.equal(fn(other, x), through(other, x)) and len(list(tmp_path.iterdir())) == 2

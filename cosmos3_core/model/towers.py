@@ -23,9 +23,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from ..precompiled import Precompiled
 from .attend import Attend, sdpa
 from .layers import Cosmos3Transformer, DomainAwareLinear, Layer
 from .lora import AdapterRows, adapted
@@ -133,8 +135,37 @@ class GenKernels:
     residual: Callable = _gen_residual
 
     @classmethod
-    def compiled(cls) -> GenKernels:
-        return cls(torch.compile(_gen_qkv, dynamic=True), torch.compile(_gen_residual, dynamic=True))
+    def compiled(cls, store: Path | None = None) -> GenKernels:
+        """`store`: the folder of their artifacts compiled ahead (`precompiled.py`; `caches.precompiled_dir()`), so a
+        restarted process loads the two graphs instead of tracing them (most of a denoise reload's warmup), for a
+        model whose layer linears are 16-bit: they ignore `a16_rows`, which then takes no part in the signature
+        (an FP8 model's split varies with every pack). A pack with adapters is traced. None: every call traced."""
+        qkv, residual = torch.compile(_gen_qkv, dynamic=True), torch.compile(_gen_residual, dynamic=True)
+        if store is None:
+            return cls(qkv, residual)
+        return cls(_ahead(_gen_qkv, store, qkv), _ahead(_gen_residual, store, residual))
+
+
+def _rows_dynamic(args: list) -> list:
+    """Fresh views of the tensor arguments (the marks are theirs), each one's rows (axis 0) dynamic."""
+    out = [a.contiguous().view(a.shape) if isinstance(a, torch.Tensor) else a for a in args]
+    for a in out:
+        if isinstance(a, torch.Tensor):
+            torch._dynamo.maybe_mark_dynamic(a, 0)
+    return out
+
+
+def _ahead(fn: Callable, store: Path, traced: Callable) -> Callable:
+    """`fn(layer, *tensors, a16_rows, lora)` of a 16-bit model through artifacts compiled ahead (`a16_rows` as 0);
+    with adapters through `traced`. The artifacts depend on every module of this package that `fn` calls into."""
+    ahead = Precompiled(fn, [_rows_dynamic], store, traced, sources=Path(__file__).parent.glob("*.py"))
+
+    def run(*args):
+        if args[-1] is not None:  # adapters: their rows' groups
+            return traced(*args)
+        return ahead(*args[:-2], 0, None)
+
+    return run
 
 
 EAGER = GenKernels()
