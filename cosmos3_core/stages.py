@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import replace
 
@@ -80,14 +81,18 @@ class PrefillStage:
         t0 = time.perf_counter()
         self.shift = checkpoint_shift(ckpt.scheduler_config)
         t1 = time.perf_counter()
-        self.model = ckpt.load_transformer({UND}, device, dtype)
+        # the tokenizer (transformers' import: seconds) on a thread while the tower loads; joined before the adapters,
+        # whose peft imports transformers too
+        with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:
+            tokenizer = pool.submit(ckpt.load_tokenizer)
+            self.model = ckpt.load_transformer({UND}, device, dtype)
+            t2 = time.perf_counter()
+            self.prompts = PromptEncoder(tokenizer.result(), ckpt.default_use_system_prompt)
+        t3 = time.perf_counter()
         self.loras = open_store(lora, ckpt, self.model)
         # FP8: the UND tower (the policy's reasoner) runs W8A16 or W8A8 for every request alike
         self.und_a16 = ckpt.fp8 is None or ckpt.fp8.policy.reasoner_a16
-        t2 = time.perf_counter()
-        self.prompts = PromptEncoder(ckpt.load_tokenizer(), ckpt.default_use_system_prompt)
-        t3 = time.perf_counter()
-        self.startup.update({"flow shift": t1 - t0, "UND tower": t2 - t1, "tokenizer": t3 - t2})
+        self.startup.update({"flow shift": t1 - t0, "UND tower": t2 - t1, "tokenizer after it": t3 - t2})
         self._ckpt = ckpt
         self._encoder: VaeCodec | None = None
         self._encoder_loading: threading.Thread | None = None
