@@ -300,8 +300,8 @@ class DenoiseModel:
         d, device = deployment_from_args(args)
         state = ServerState(d.state_dir)
         ckpt = d.open_checkpoint()
-        # diffusers' import for the sampler's class (2.3 s in-process on an H100 host) runs beside the plan and the
-        # engine's load instead of in the warmup; what that gains on one host is not measured (docs/operations.md)
+        # diffusers' import for the sampler's class (2-2.5 s in-process on H100 hosts) runs beside the plan and the
+        # engine's load instead of in the warmup: a little faster, or the same, on one host (docs/operations.md)
         scheduler_import = threading.Thread(target=scheduler_class, name="cosmos3-scheduler-import", daemon=True)
         scheduler_import.start()
         # a reload: this instance's first load in this server's life reached the largest admitted request's peak on
