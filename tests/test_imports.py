@@ -29,8 +29,8 @@ LAYERS: list[set[str]] = [
     {"scheduler"},
     {"engine"},
     {"generate"},
-    {"triton.__init__", "triton.state", "triton.admission", "triton.lifecycle", "triton.launcher", "triton.front",
-     "triton.outcomes", "triton.io", "triton.gpu_memory", "triton.sink", "tools.warm", "tools.make_lora", "tools.plan"},
+    {"triton.__init__", "triton.stub", "triton.state", "triton.admission", "triton.lifecycle", "triton.launcher",
+     "triton.front", "triton.outcomes", "triton.io", "triton.gpu_memory", "triton.sink", "tools.warm", "tools.make_lora", "tools.plan"},
     {"triton.serve", "triton.door", "triton.prefill", "triton.denoise", "triton.decode"},
 ]  # fmt: skip
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
@@ -160,7 +160,7 @@ def _called(call: ast.Call) -> str:
 # torch starts slowly and holds its memory), the door's state and tickets, and the pure lifecycle (unit-tested without
 # a server, so no pb_utils). The plain modules they use import nothing else at their top (caches.py's flashinfer
 # import is inside the one function the supervisor never calls).
-STDLIB_ONLY = {"triton.state", "triton.admission", "triton.lifecycle", "triton.front", "triton.launcher"}
+STDLIB_ONLY = {"triton.stub", "triton.state", "triton.admission", "triton.lifecycle", "triton.front", "triton.launcher"}
 PLAIN = {"errors", "caches", "parallel.config", "parallel.__init__"}
 
 

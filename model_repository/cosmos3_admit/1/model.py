@@ -7,6 +7,9 @@ file in a stub of its own too).
 
 class TritonPythonModel:
     def initialize(self, args):
+        from cosmos3_core.triton.stub import utf8_locale
+
+        utf8_locale()  # first: Triton's embedded interpreter reads text as ASCII (cosmos3_core/triton/stub.py)
         from cosmos3_core.triton.door import AdmitModel
 
         self.model = AdmitModel(args)

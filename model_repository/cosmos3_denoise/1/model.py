@@ -11,6 +11,9 @@ cost ~12 s of every server start.
 
 class TritonPythonModel:
     def initialize(self, args):
+        from cosmos3_core.triton.stub import utf8_locale
+
+        utf8_locale()  # first: Triton's embedded interpreter reads text as ASCII (cosmos3_core/triton/stub.py)
         from cosmos3_core.triton.denoise import DenoiseModel  # here: an auto-completing Triton loads this file too
 
         self.model = DenoiseModel(args)

@@ -7,6 +7,9 @@ A shim over `cosmos3_core.triton.prefill.PrefillModel` (imported in `initialize`
 
 class TritonPythonModel:
     def initialize(self, args):
+        from cosmos3_core.triton.stub import utf8_locale
+
+        utf8_locale()  # first: Triton's embedded interpreter reads text as ASCII (cosmos3_core/triton/stub.py)
         from cosmos3_core.triton.prefill import PrefillModel  # here: an auto-completing Triton loads this file too
 
         self.model = PrefillModel(args)
