@@ -6,8 +6,9 @@ being denoised, and report
 - the request in flight: its error text (as the client prints it) and how long after the kill it came, or that it
   finished (prefill's death: the request is past it);
 - service back: how long after the kill readiness answered 200 again (`ready_again_s`), and when a new request
-  was served (`served_again_s`: readiness polled, then one 2-step request, whose own time is `probe_s`, sent beside
-  the request in flight when that one still runs: a prefill killed after it let it finish);
+  was served (`served_again_s`: readiness polled, then one 2-step request, whose own time is `probe_s`). The probe
+  does not wait for the request in flight: after a prefill kill that one still runs, and the two share denoise's
+  forwards, so `probe_s` there includes some of its steps;
 - `cosmos3_restarts_total{part}` after it.
 
 Then (--drain) one request in flight and SIGINT: how long until readiness answers 503, and how the request ended.

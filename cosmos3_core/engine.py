@@ -108,8 +108,7 @@ class DenoiseEngine:
         if lora is not None and parallel is not None:
             raise ValueError("lora_dir: adapters need a single-GPU denoise (parallel cfg and ulysses must be 1)")
         self.loras = open_store(lora, ckpt, self.model)
-        # 16-bit linears: the two graphs compiled ahead, so a restart loads them (model/towers.py)
-        kernels = GenKernels.compiled(precompiled_dir() if self.fp8_policy is None else None) if compile else EAGER
+        kernels = GenKernels.compiled(self.model, precompiled_dir()) if compile else EAGER
         if self.fp8_policy is not None and not compile and str(device).startswith("cuda"):
             print("cosmos3: warning: FP8 linears with compile: false quantize activations and dequantize W8A16 weights "
                   "in unfused kernels: slower than the 16-bit model on the H200 (BENCHMARKS.md); set "

@@ -61,13 +61,16 @@ _MODULE_KEYS: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyD
 
 
 def module_key(m: torch.nn.Module) -> str:
-    """A module argument's part of the signature: its structure (the repr names each submodule's class and sizes) and
-    its tensors' names, dtypes and shapes, so a 16-bit layer and an FP8 one never share an artifact. Kept per module
-    object: modules are built before they serve, and their weights' values are the artifact's inputs."""
+    """A module argument's part of the signature: its structure (the repr names each submodule's class and sizes),
+    each submodule's plain attributes (a norm's eps, an MLP's activation name: not all in the repr) and its tensors'
+    names, dtypes and shapes, so a 16-bit layer and an FP8 one never share an artifact. Kept per module object:
+    modules are built before they serve, and their weights' values are the artifact's inputs."""
     key = _MODULE_KEYS.get(m)
     if key is None:
+        plain = [(n, sorted((k, v) for k, v in vars(s).items() if isinstance(v, (bool, int, float, str))))
+                 for n, s in m.named_modules()]  # fmt: skip
         tensors = [(n, str(t.dtype), tuple(t.shape)) for n, t in (*m.named_parameters(), *m.named_buffers())]
-        key = hashlib.sha256(repr((repr(m), tensors)).encode()).hexdigest()[:20]
+        key = hashlib.sha256(repr((repr(m), plain, tensors)).encode()).hexdigest()[:20]
         _MODULE_KEYS[m] = key
     return key
 

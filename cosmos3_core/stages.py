@@ -81,8 +81,7 @@ class PrefillStage:
         t0 = time.perf_counter()
         self.shift = checkpoint_shift(ckpt.scheduler_config)
         t1 = time.perf_counter()
-        # the tokenizer (transformers' import: seconds) on a thread while the tower loads; joined before the adapters,
-        # whose peft imports transformers too
+        # the tokenizer (transformers' import: seconds) on a thread while the tower loads
         with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:
             tokenizer = pool.submit(ckpt.load_tokenizer)
             self.model = ckpt.load_transformer({UND}, device, dtype)

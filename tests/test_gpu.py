@@ -77,7 +77,7 @@ def test_captured_equals_eager(ckpt_and_reference, attention):
 
 
 def test_gen_graphs_compiled_ahead_then_loaded_are_captured_and_equal_eager(ckpt_and_reference, tmp_path,
-                                                                           monkeypatch):  # fmt: skip
+                                                                           monkeypatch, capsys):  # fmt: skip
     """compile: true on the GPU: the first engine compiles the GEN graphs ahead, a second one (a reloaded stub)
     loads them; both capture, and both equal eager."""
     from cosmos3_core.precompiled import Precompiled
@@ -95,9 +95,12 @@ def test_gen_graphs_compiled_ahead_then_loaded_are_captured_and_equal_eager(ckpt
         raise AssertionError(f"{self.fn.__name__} compiled again")
 
     monkeypatch.setattr(Precompiled, "_compile", compiled_again)
+    capsys.readouterr()
     loaded = gpu_generator(ckpt, "sdpa", True, compile=True)
     for (prompt, params), want in zip(REQUESTS, expected, strict=True):
         assert rel_l2(loaded.latents(prompt, params).float(), want) < 1e-2, prompt
+    err = capsys.readouterr().err
+    assert "is traced" not in err and "guards refuse" not in err and "did not load" not in err, err
     assert first.engine.step.captures >= len(REQUESTS) and loaded.engine.step.captures >= len(REQUESTS)
 
 

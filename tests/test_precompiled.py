@@ -155,3 +155,12 @@ def test_a_module_argument_keys_by_its_structure_one_artifact_per_kind_of_layer(
     assert torch.equal(fn(a, x), through(a, x)) and torch.equal(fn(b, y), through(b, y))
     assert len(list(tmp_path.iterdir())) == 1
     assert torch.equal(fn(other, x), through(other, x)) and len(list(tmp_path.iterdir())) == 2
+
+
+def test_a_modules_plain_attributes_are_in_its_key():
+    """A norm's eps is not in its repr: two layers alike but for it get artifacts of their own."""
+    from cosmos3_core.precompiled import module_key
+
+    a, b = Scaled(), Scaled()
+    a.eps, b.eps = 1e-6, 1e-5
+    assert module_key(a) != module_key(b) and module_key(a) == module_key(a)

@@ -29,6 +29,7 @@ import torch
 
 from ..precompiled import Precompiled
 from .attend import Attend, sdpa
+from .fp8 import Fp8Linear
 from .layers import Cosmos3Transformer, DomainAwareLinear, Layer
 from .lora import AdapterRows, adapted
 from .rotary import apply_rotary
@@ -135,13 +136,13 @@ class GenKernels:
     residual: Callable = _gen_residual
 
     @classmethod
-    def compiled(cls, store: Path | None = None) -> GenKernels:
+    def compiled(cls, model: torch.nn.Module, store: Path | None = None) -> GenKernels:
         """`store`: the folder of their artifacts compiled ahead (`precompiled.py`; `caches.precompiled_dir()`), so a
-        restarted process loads the two graphs instead of tracing them (most of a denoise reload's warmup), for a
-        model whose layer linears are 16-bit: they ignore `a16_rows`, which then takes no part in the signature
-        (an FP8 model's split varies with every pack). A pack with adapters is traced. None: every call traced."""
+        restarted process loads the two graphs instead of tracing them (most of a denoise reload's warmup), when
+        `model`'s layer linears are all 16-bit: they ignore `a16_rows`, which then takes no part in the signature
+        (an FP8 model's split varies with every pack: traced). A pack with adapters is traced. None: all traced."""
         qkv, residual = torch.compile(_gen_qkv, dynamic=True), torch.compile(_gen_residual, dynamic=True)
-        if store is None:
+        if store is None or any(isinstance(m, Fp8Linear) for m in model.modules()):
             return cls(qkv, residual)
         return cls(_ahead(_gen_qkv, store, qkv), _ahead(_gen_residual, store, residual))
 
@@ -157,7 +158,8 @@ def _rows_dynamic(args: list) -> list:
 
 def _ahead(fn: Callable, store: Path, traced: Callable) -> Callable:
     """`fn(layer, *tensors, a16_rows, lora)` of a 16-bit model through artifacts compiled ahead (`a16_rows` as 0);
-    with adapters through `traced`. The artifacts depend on every module of this package that `fn` calls into."""
+    with adapters through `traced`. The artifacts depend on the modules of this package that `fn` calls into (all
+    of model/ is hashed: an edit to any of them compiles the two graphs again, once)."""
     ahead = Precompiled(fn, [_rows_dynamic], store, traced, sources=Path(__file__).parent.glob("*.py"))
 
     def run(*args):

@@ -18,6 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..caches import precompiled_dir
 from ..model.checkpoint import Checkpoint
 from ..model.layers import GEN
 from ..model.towers import EAGER, GenKernels
@@ -49,7 +50,7 @@ def main(argv: list[str]) -> int:
     denoise = decode = None
     if "denoise" in spec.roles and comm.denoises:
         model = ckpt.load_transformer({GEN}, device, dtype)
-        kernels = GenKernels.compiled() if spec.compile else EAGER
+        kernels = GenKernels.compiled(model, precompiled_dir()) if spec.compile else EAGER  # as rank 0's
         denoise = DenoiseWorker(model, comm, spec.pool_pages, spec.page_size, kernels, spec.attention,
                                 spec.cuda_graphs, device, spec.max_captures)  # fmt: skip
     if "decode" in spec.roles and comm.decodes:

@@ -4,7 +4,8 @@ Triton's Python backend embeds its interpreter without the locale set-up that th
 PEP 540): in the stub LC_CTYPE stays "C" whatever LANG says, UTF-8 mode is off even with PYTHONUTF8=1, and so every
 `open()` without an encoding reads and writes ASCII. torch 2.13's Inductor reads its UTF-8 templates so: on the CPU a
 deployment with `compile: true` failed to load ("'ascii' codec can't decode byte 0xe2", from `torch.compile`), and a
-checkpoint's JSON or a config with any non-ASCII character would fail the same way. Stdlib only.
+checkpoint's JSON or a config with any non-ASCII character would fail the same way. What the interpreter fixed at
+its start stays ASCII (sys.stdout and sys.stderr, file names): only `open()`'s default changes. Stdlib only.
 """
 
 from __future__ import annotations
