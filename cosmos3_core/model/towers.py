@@ -148,12 +148,11 @@ class GenKernels:
 
 
 def _rows_dynamic(args: list) -> list:
-    """Fresh views of the tensor arguments (the marks are theirs), each one's rows (axis 0) dynamic."""
-    out = [a.contiguous().view(a.shape) if isinstance(a, torch.Tensor) else a for a in args]
-    for a in out:
+    """Each tensor argument's rows (axis 0) dynamic (`Precompiled` passes its own fresh views: the marks are theirs)."""
+    for a in args:
         if isinstance(a, torch.Tensor):
             torch._dynamo.maybe_mark_dynamic(a, 0)
-    return out
+    return args
 
 
 def _ahead(fn: Callable, store: Path, traced: Callable) -> Callable:
