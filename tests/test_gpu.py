@@ -79,16 +79,16 @@ def test_captured_equals_eager(ckpt_and_reference, attention):
 def test_gen_graphs_compiled_ahead_then_loaded_are_captured_and_equal_eager(ckpt_and_reference, tmp_path,
                                                                            monkeypatch, capsys):  # fmt: skip
     """compile: true on the GPU: the first engine compiles the GEN graphs ahead, a second one (a reloaded stub)
-    loads them; both capture, and both equal eager."""
+    loads them and gives the same latents; both capture. Inductor's fused kernels round differently from eager's
+    bf16 ops (fp32 inside a fusion), so compiled is held to the fp32 reference as eager is, not to eager."""
     from cosmos3_core.precompiled import Precompiled
 
-    ckpt, _ = ckpt_and_reference
+    ckpt, reference = ckpt_and_reference
     monkeypatch.setenv("COSMOS3_CACHE", str(tmp_path))
-    eager = gpu_generator(ckpt, "sdpa", False)
     first = gpu_generator(ckpt, "sdpa", True, compile=True)
-    expected = [eager.latents(prompt, params).float() for prompt, params in REQUESTS]
-    for (prompt, params), want in zip(REQUESTS, expected, strict=True):
-        assert rel_l2(first.latents(prompt, params).float(), want) < 1e-2, prompt
+    compiled = [first.latents(prompt, params).float().cpu() for prompt, params in REQUESTS]
+    for (prompt, _), ours, ref in zip(REQUESTS, compiled, reference, strict=True):
+        assert rel_l2(ours, ref) < BF16_TOL, prompt
     assert len(list((tmp_path / "kernels" / "precompiled").glob("_gen_*.bin"))) >= 2
 
     def compiled_again(self, key, args):
@@ -97,8 +97,8 @@ def test_gen_graphs_compiled_ahead_then_loaded_are_captured_and_equal_eager(ckpt
     monkeypatch.setattr(Precompiled, "_compile", compiled_again)
     capsys.readouterr()
     loaded = gpu_generator(ckpt, "sdpa", True, compile=True)
-    for (prompt, params), want in zip(REQUESTS, expected, strict=True):
-        assert rel_l2(loaded.latents(prompt, params).float(), want) < 1e-2, prompt
+    for (prompt, params), want in zip(REQUESTS, compiled, strict=True):
+        assert rel_l2(loaded.latents(prompt, params).float().cpu(), want) < 1e-3, prompt
     err = capsys.readouterr().err
     assert "is traced" not in err and "guards refuse" not in err and "did not load" not in err, err
     assert first.engine.step.captures >= len(REQUESTS) and loaded.engine.step.captures >= len(REQUESTS)
