@@ -81,7 +81,8 @@ class PrefillStage:
         t0 = time.perf_counter()
         self.shift = checkpoint_shift(ckpt.scheduler_config)
         t1 = time.perf_counter()
-        # the tokenizer (transformers' import: seconds) on a thread while the tower loads
+        # the tokenizer (transformers' import: seconds) on a thread while the tower loads; the adapters only after
+        # the join: peft imports transformers too, and two threads importing one package can see it half made
         with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:
             tokenizer = pool.submit(ckpt.load_tokenizer)
             self.model = ckpt.load_transformer({UND}, device, dtype)
